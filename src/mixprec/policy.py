@@ -1,0 +1,347 @@
+"""What a precision mode means, as data: one frozen Policy per mode, parsed from every face.
+
+Every face (convert_to_amp, Booster, initialize, Apex's amp, Paddle's names) translates its
+own vocabulary into a Policy here and hands it to the core; no face decides dtypes itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, get_args
+
+import torch
+
+Mode = Literal["fp32", "fp16", "bf16", "fp16_naive", "fp16_apex", "fp8"]
+MODES: tuple[str, ...] = get_args(Mode)
+OptLevel = Literal["O0", "O1", "O2", "O3"]
+OPT_LEVELS: tuple[str, ...] = get_args(OptLevel)
+LOW_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class AMP_TYPE(str, enum.Enum):  # noqa: N801 - the name Colossal-AI users already write
+    """Colossal-AI's three AMP switches; each maps onto a mixprec mode."""
+
+    TORCH = "torch"
+    APEX = "apex"
+    NAIVE = "naive"
+
+
+AMP_TYPE_TO_MODE: dict[AMP_TYPE, str] = {
+    AMP_TYPE.TORCH: "fp16",
+    AMP_TYPE.APEX: "fp16_apex",
+    AMP_TYPE.NAIVE: "fp16_naive",
+}
+
+
+def did_you_mean(value: object, valid: list[str] | tuple[str, ...]) -> str:
+    """Message tail naming the closest valid choices to a bad string, then all of them."""
+    close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=3, cutoff=0.5)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return f"{hint} Valid: {', '.join(repr(v) for v in valid)}."
+
+
+def check_keys(what: str, given: Mapping[str, Any], valid: list[str] | tuple[str, ...]) -> None:
+    """Raise on the first key of `given` that is not in `valid`, naming it and the valid ones."""
+    for key in given:
+        if key not in valid:
+            raise ValueError(f"Unknown {what} key {key!r}." + did_you_mean(key, sorted(valid)))
+
+
+def to_low_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """'float16'/'bfloat16' (or the torch dtype) -> torch dtype; anything else is an error."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.float16, torch.bfloat16):
+            return dtype
+    elif isinstance(dtype, str) and dtype.lower() in LOW_DTYPES:
+        return LOW_DTYPES[dtype.lower()]
+    raise ValueError(
+        f"dtype={dtype!r} is not a low-precision dtype. Valid: 'float16', 'bfloat16' "
+        "(or torch.float16, torch.bfloat16)."
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalerConfig:
+    """Loss-scaler settings. Dynamic follows Megatron's hysteresis rule; static keeps init_scale."""
+
+    dynamic: bool = True
+    """True: back off on overflow and grow after clean steps. False: the scale never changes."""
+    init_scale: float = 2.0**16
+    """Scale of the first step (the static scale when dynamic is False)."""
+    growth_factor: float = 2.0
+    """Multiplier applied after `growth_interval` consecutive clean steps; > 1."""
+    backoff_factor: float = 0.5
+    """Multiplier applied on an overflow once hysteresis is spent; in (0, 1)."""
+    growth_interval: int = 2000
+    """Clean steps in a row before the scale grows."""
+    hysteresis: int = 1
+    """Overflows tolerated before the scale backs off (1: back off on every overflow)."""
+    min_scale: float = 1.0
+    """Floor of the scale: it never falls below this (never to 0)."""
+    max_scale: float = float("inf")
+    """Ceiling of the scale."""
+    consecutive_hysteresis: bool = False
+    """DeepSpeed's variant: every clean step refills the hysteresis (not only growth)."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("init_scale", self.init_scale > 0, "> 0"),
+            ("growth_factor", self.growth_factor > 1, "> 1"),
+            ("backoff_factor", 0 < self.backoff_factor < 1, "in (0, 1)"),
+            ("growth_interval", self.growth_interval >= 1, ">= 1"),
+            ("hysteresis", self.hysteresis >= 1, ">= 1"),
+            ("min_scale", self.min_scale > 0, "> 0"),
+            ("max_scale", self.max_scale >= self.min_scale, ">= min_scale"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"ScalerConfig.{name}={getattr(self, name)!r} must be {rule}.")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
+            raise TypeError(f"growth_interval must be an int, got {self.growth_interval!r}.")
+        if isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, int):
+            raise TypeError(f"hysteresis must be an int, got {self.hysteresis!r}.")
+
+
+TORCH_SCALER = ScalerConfig()
+"""torch.amp.GradScaler's defaults: 2**16, x2 every 2000 clean steps, x0.5 on overflow."""
+NAIVE_SCALER = ScalerConfig(init_scale=2.0**32, growth_interval=1000, hysteresis=2)
+"""Colossal-AI's naive AMP defaults (Megatron's): 2**32, interval 1000, hysteresis 2, floor 1."""
+APEX_SCALER = ScalerConfig(init_scale=2.0**16, growth_interval=2000, max_scale=2.0**24)
+"""Apex's dynamic defaults: 2**16, interval 2000, ceiling 2**24."""
+UNIT_SCALE = ScalerConfig(dynamic=False, init_scale=1.0)
+"""A static scale of 1: no scaling, but non-finite gradients still skip the step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    """Which dtype everything has in one precision mode; faces build it, the core obeys it."""
+
+    name: str
+    """The mode's name, as users wrote it (for messages and checkpoints)."""
+    param_dtype: torch.dtype = torch.float32
+    """dtype of the model's floating parameters and buffers during forward."""
+    compute_dtype: torch.dtype | None = None
+    """dtype autocast computes in; None runs no autocast."""
+    master_weights: bool = False
+    """Keep fp32 master copies in the optimizer (only meaningful when param_dtype is low)."""
+    keep_norm_fp32: bool = True
+    """Leave Batch/Layer/Group/InstanceNorm parameters (and their math) in fp32."""
+    cast_outputs_to: torch.dtype | None = None
+    """Cast the model's floating outputs to this dtype (None leaves them as computed)."""
+    loss_scale: ScalerConfig = UNIT_SCALE
+    """Loss-scaler settings; UNIT_SCALE means none (the non-finite check still runs)."""
+    custom_white_list: frozenset[str] = field(default_factory=frozenset)
+    """Ops forced to run in the low dtype under autocast."""
+    custom_black_list: frozenset[str] = field(default_factory=frozenset)
+    """Ops forced to run in fp32 under autocast."""
+    fp8: bool = False
+    """Swap eligible nn.Linear layers for float8 linears (e4m3 forward, e5m2 backward)."""
+    log_num_zeros_in_grad: bool = False
+    """Count zero gradient entries at each step (a host sync; off by default)."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype",):
+            dt = getattr(self, name)
+            if dt not in (torch.float32, torch.float16, torch.bfloat16):
+                raise ValueError(f"Policy.{name}={dt!r}; valid: float32, float16, bfloat16.")
+        if self.compute_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(
+                f"Policy.compute_dtype={self.compute_dtype!r}; valid: None, float16, bfloat16."
+            )
+        if self.master_weights and self.param_dtype == torch.float32:
+            raise ValueError(
+                f"Policy {self.name!r}: master_weights=True needs low-precision params "
+                "(param_dtype float16/bfloat16); fp32 params are their own masters."
+            )
+        overlap = self.custom_white_list & self.custom_black_list
+        if overlap:
+            raise ValueError(f"Ops {sorted(overlap)} are in both the white and the black list.")
+
+    @property
+    def low_dtype(self) -> torch.dtype | None:
+        """The reduced-precision dtype this mode uses anywhere (None for fp32)."""
+        if self.param_dtype != torch.float32:
+            return self.param_dtype
+        if self.compute_dtype not in (None, torch.float32):
+            return self.compute_dtype
+        return None
+
+    @property
+    def casts_params(self) -> bool:
+        return self.param_dtype != torch.float32
+
+    def with_dtype(self, dtype: str | torch.dtype) -> Policy:
+        """The same mode over another low dtype. bf16 has fp32's range: loss scaling is dropped."""
+        low = to_low_dtype(dtype)
+        if self.low_dtype is None:
+            raise ValueError(f"Mode {self.name!r} has no low-precision dtype to set to {low}.")
+        return replace(
+            self,
+            param_dtype=low if self.casts_params else torch.float32,
+            compute_dtype=low if self.compute_dtype not in (None, torch.float32) else None,
+            loss_scale=UNIT_SCALE if low == torch.bfloat16 else self.loss_scale,
+        )
+
+
+PRESETS: dict[str, Policy] = {
+    "fp32": Policy(name="fp32"),
+    "fp16": Policy(name="fp16", compute_dtype=torch.float16, loss_scale=TORCH_SCALER),
+    "bf16": Policy(name="bf16", compute_dtype=torch.bfloat16),
+    "fp16_naive": Policy(
+        name="fp16_naive",
+        param_dtype=torch.float16,
+        master_weights=True,
+        cast_outputs_to=torch.float32,
+        loss_scale=NAIVE_SCALER,
+    ),
+    "fp8": Policy(name="fp8", compute_dtype=torch.bfloat16, fp8=True),
+    # Apex's opt levels; 'fp16_apex' alone means Apex's default, O1.
+    "O0": Policy(name="O0"),
+    "O1": Policy(name="O1", compute_dtype=torch.float16, loss_scale=APEX_SCALER),
+    "O2": Policy(
+        name="O2", param_dtype=torch.float16, master_weights=True, loss_scale=APEX_SCALER
+    ),
+    "O3": Policy(name="O3", param_dtype=torch.float16, keep_norm_fp32=False),
+}
+PRESETS["fp16_apex"] = replace(PRESETS["O1"], name="fp16_apex")
+
+
+def preset(mode: str | AMP_TYPE, *, dtype: str | torch.dtype | None = None) -> Policy:
+    """The Policy preset for a mode name ('fp16', 'bf16', ..., 'O0'..'O3') or an AMP_TYPE."""
+    if isinstance(mode, AMP_TYPE):
+        mode = AMP_TYPE_TO_MODE[mode]
+    if not isinstance(mode, str) or mode not in PRESETS:
+        raise ValueError(
+            f"Unknown mixed-precision mode {mode!r}." + did_you_mean(mode, list(PRESETS))
+        )
+    policy = PRESETS[mode]
+    return policy if dtype is None else policy.with_dtype(dtype)
+
+
+# Keys each Colossal-AI mode accepts in its amp_config / fp16=dict(...) (seed 000), plus
+# mixprec's additions (dtype, hysteresis, min_scale, max_scale on TORCH).
+TORCH_KEYS = (
+    "init_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "enabled",
+    "hysteresis",
+    "min_scale",
+    "max_scale",
+    "dtype",
+)
+NAIVE_KEYS = (
+    "log_num_zeros_in_grad",
+    "initial_scale",
+    "min_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "max_scale",
+    "verbose",
+    "dtype",
+    "keep_norm_fp32",
+)
+
+
+def torch_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
+    """AMP_TYPE.TORCH / 'fp16' from its seed-000 keys (GradScaler arguments, enabled)."""
+    config = dict(config or {})
+    check_keys("AMP_TYPE.TORCH config", config, TORCH_KEYS)
+    policy = preset("fp16", dtype=config.pop("dtype", None))
+    enabled = config.pop("enabled", True)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {enabled!r}.")
+    if not enabled:
+        return replace(policy, loss_scale=UNIT_SCALE)
+    if config:  # explicit scaler keys keep scaling on, even over bfloat16
+        return replace(policy, loss_scale=replace(TORCH_SCALER, **config))
+    return policy
+
+
+def naive_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
+    """AMP_TYPE.NAIVE / 'fp16_naive' from its seed-000 keys (Megatron-style scaler)."""
+    config = dict(config or {})
+    check_keys("AMP_TYPE.NAIVE config", config, NAIVE_KEYS)
+    config.pop("verbose", None)  # overflow messages go through logging at every verbosity
+    policy = preset("fp16_naive", dtype=config.pop("dtype", None))
+    extra: dict[str, Any] = {}
+    for key in ("log_num_zeros_in_grad", "keep_norm_fp32"):
+        if key in config:
+            extra[key] = bool(config.pop(key))
+    if "initial_scale" in config:
+        config["init_scale"] = config.pop("initial_scale")
+    if config:
+        extra["loss_scale"] = replace(NAIVE_SCALER, **config)
+    return replace(policy, **extra)
+
+
+def _apex_policy(config: Mapping[str, Any]) -> Policy:
+    from mixprec.apex.policy import apex_policy  # the Apex face owns its override rules
+
+    return apex_policy(**config)
+
+
+MODE_PARSERS = {
+    "fp16": torch_amp_policy,
+    "fp16_naive": naive_amp_policy,
+    "fp16_apex": _apex_policy,
+}
+
+
+def to_policy(
+    spec: str | AMP_TYPE | Mapping[str, Any] | Policy | None,
+    config: Mapping[str, Any] | None = None,
+) -> Policy:
+    """Any face's way of naming a mode -> Policy.
+
+    spec: a mode name, an AMP_TYPE, a Policy, None (fp32), or a Colossal config dict
+    `dict(mode=AMP_TYPE.X, **mode_keys)`. config: that mode's keys when spec is a name.
+    """
+    if isinstance(spec, Policy):
+        if config:
+            raise ValueError(f"A Policy takes no extra config; got {dict(config)!r}.")
+        return spec
+    if isinstance(spec, Mapping):
+        if config:
+            raise ValueError("Pass the mode's keys inside the dict, not as a second config.")
+        config = dict(spec)
+        if "mode" not in config:
+            raise ValueError(
+                f"An fp16 config dict needs a 'mode' key (one of {[t.name for t in AMP_TYPE]} "
+                f"or {list(MODES)}); got keys {sorted(config)}."
+            )
+        spec = config.pop("mode")
+    if spec is None:
+        spec = "fp32"
+    if isinstance(spec, AMP_TYPE):
+        spec = AMP_TYPE_TO_MODE[spec]
+    if isinstance(spec, str) and spec.lower() in {t.value for t in AMP_TYPE}:
+        spec = AMP_TYPE_TO_MODE[AMP_TYPE(spec.lower())]
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"A mixed-precision mode must be a str, AMP_TYPE, dict or Policy, got {spec!r}."
+        )
+    parser = MODE_PARSERS.get(spec)
+    if parser is not None:
+        return parser(config or {})
+    config = dict(config or {})
+    check_keys(f"{spec!r} mode config", config, ("dtype",))
+    return preset(spec, dtype=config.get("dtype"))
+
+
+def describe(policy: Policy) -> dict[str, str]:
+    """A flat, printable view of a policy (for reports and checkpoint metadata)."""
+    return {f.name: str(getattr(policy, f.name)) for f in dataclasses.fields(policy)}
