@@ -1,7 +1,36 @@
-"""mixprec: automatic mixed precision (fp16, bf16, fp8) training for PyTorch."""
+"""mixprec: automatic mixed precision (fp16, bf16, fp8) training for PyTorch.
 
+One core (Policy, loss scaling, casting, the master-weight optimizer) and several faces:
+Colossal-AI's `convert_to_amp`/`AMP_TYPE`, Apex's `mixprec.apex.amp`, Paddle's names.
+"""
+
+from mixprec.amp import AMPOptimizer, convert_to_amp
+from mixprec.casting import cast_floating, cast_module
+from mixprec.grad_scaler import GradScaler
+from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
+from mixprec.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.policy import AMP_TYPE, MODES, Policy, ScalerConfig, preset, to_policy
+from mixprec.scaling import LossScaler
 
 __version__ = "0.1.0"
 
-__all__ = ["AMP_TYPE", "MODES", "Policy", "ScalerConfig", "preset", "to_policy"]
+__all__ = [
+    "AMP_TYPE",
+    "AMPOptimizer",
+    "FP32Criterion",
+    "GradScaler",
+    "LossScaler",
+    "MODES",
+    "MixedPrecisionOptimizer",
+    "Policy",
+    "PrecisionModule",
+    "ScalerConfig",
+    "StepResult",
+    "cast_floating",
+    "cast_module",
+    "convert_to_amp",
+    "preset",
+    "prepare_model",
+    "prepare_optimizer",
+    "to_policy",
+]

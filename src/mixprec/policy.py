@@ -208,9 +208,7 @@ PRESETS: dict[str, Policy] = {
     # Apex's opt levels; 'fp16_apex' alone means Apex's default, O1.
     "O0": Policy(name="O0"),
     "O1": Policy(name="O1", compute_dtype=torch.float16, loss_scale=APEX_SCALER),
-    "O2": Policy(
-        name="O2", param_dtype=torch.float16, master_weights=True, loss_scale=APEX_SCALER
-    ),
+    "O2": Policy(name="O2", param_dtype=torch.float16, master_weights=True, loss_scale=APEX_SCALER),
     "O3": Policy(name="O3", param_dtype=torch.float16, keep_norm_fp32=False),
 }
 PRESETS["fp16_apex"] = replace(PRESETS["O1"], name="fp16_apex")

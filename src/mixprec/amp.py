@@ -1,0 +1,60 @@
+"""Colossal-AI's face: `convert_to_amp(model, optimizer, criterion, AMP_TYPE.X, amp_config)`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
+from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.policy import AMP_TYPE, Policy, to_policy
+
+
+class AMPOptimizer(MixedPrecisionOptimizer):
+    """The core optimizer wrapper with Colossal-AI's `clip_grad_norm(model, max_norm)`."""
+
+    def clip_grad_norm(
+        self, model: nn.Module | float, max_norm: float | None = None
+    ) -> torch.Tensor:
+        if max_norm is None:  # also accept the core's clip_grad_norm(max_norm)
+            if isinstance(model, nn.Module):
+                raise TypeError("clip_grad_norm(model, max_norm): max_norm is missing.")
+            max_norm = float(model)
+        return super().clip_grad_norm(max_norm)
+
+
+def convert_to_amp(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: Callable[..., torch.Tensor] | None,
+    mode: AMP_TYPE | str | Policy,
+    amp_config: Mapping[str, Any] | None = None,
+) -> tuple[PrecisionModule, AMPOptimizer, FP32Criterion | None]:
+    """Convert model, optimizer and criterion to mixed precision.
+
+    mode: AMP_TYPE.TORCH / APEX / NAIVE, or a mixprec mode name ('bf16', 'fp16', ...).
+    amp_config: that mode's keys (seed 000: init_scale, growth_interval, ... for TORCH;
+    initial_scale, hysteresis, ... for NAIVE; opt_level, loss_scale, ... for APEX).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
+    if amp_config and amp_config.get("num_losses", 1) != 1:
+        raise ValueError(
+            f"num_losses={amp_config['num_losses']!r}: convert_to_amp scales one loss; for "
+            "per-loss scalers use mixprec.apex.amp.initialize(..., num_losses=N)."
+        )
+    policy = to_policy(mode, amp_config)
+    model = prepare_model(model, policy)
+    optimizer = AMPOptimizer(
+        optimizer,
+        loss_scale=policy.loss_scale,
+        master_weights=policy.master_weights,
+        log_num_zeros_in_grad=policy.log_num_zeros_in_grad,
+    )
+    return model, optimizer, (None if criterion is None else FP32Criterion(criterion))
+
+
+__all__ = ["AMP_TYPE", "AMPOptimizer", "convert_to_amp", "prepare_optimizer"]

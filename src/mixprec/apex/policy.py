@@ -1,0 +1,133 @@
+"""Apex's opt levels and property overrides, translated into a mixprec Policy.
+
+Apex's table: O0 fp32; O1 patched functions (autocast) over fp32 weights, dynamic scale;
+O2 fp16 model with fp32 batchnorm and fp32 masters, dynamic scale; O3 pure fp16, scale 1.
+Overrides adjust the chosen level; the combinations Apex rejected are rejected here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from mixprec.policy import APEX_SCALER, OPT_LEVELS, Policy, ScalerConfig, did_you_mean, preset
+
+APEX_KEYS = (
+    "enabled",
+    "opt_level",
+    "cast_model_type",
+    "patch_torch_functions",
+    "keep_batchnorm_fp32",
+    "master_weights",
+    "loss_scale",
+    "cast_model_outputs",
+    "num_losses",
+    "verbosity",
+    "min_loss_scale",
+    "max_loss_scale",
+)
+CAST_TYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _as_bool(name: str, value: Any) -> bool | None:
+    # Apex accepts the strings "True"/"False" (from command lines) as well as bools.
+    if value is None or isinstance(value, bool):
+        return value
+    if value in ("True", "False"):
+        return value == "True"
+    raise TypeError(f"{name}={value!r} must be True, False, 'True', 'False' or None.")
+
+
+def _check_o1(opt_level: str, overrides: dict[str, Any]) -> None:
+    if opt_level != "O1":
+        return
+    reasons = {
+        "cast_model_type": "O1 casts around torch functions, so the model weights stay fp32; "
+        "to cast the model use opt_level='O2' or 'O3'",
+        "keep_batchnorm_fp32": "O1 already runs batchnorm in fp32, so keep_batchnorm_fp32 must be None",
+        "master_weights": "O1's model weights are fp32 already, so master_weights must be None",
+    }
+    for key, why in reasons.items():
+        if overrides.get(key) is not None:
+            raise ValueError(f"opt_level='O1' with {key}={overrides[key]!r}: {why}.")
+
+
+def apex_policy(
+    *,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: torch.dtype | None = None,
+    patch_torch_functions: bool | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | None = None,
+    loss_scale: float | str | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+) -> Policy:
+    """Apex's `amp.initialize` keywords -> Policy (num_losses/verbosity are validated only)."""
+    if opt_level not in OPT_LEVELS:
+        raise ValueError(f"Unknown opt_level {opt_level!r}." + did_you_mean(opt_level, OPT_LEVELS))
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+        raise ValueError(f"num_losses={num_losses!r} must be an int >= 1.")
+    if not isinstance(verbosity, int):
+        raise TypeError(f"verbosity={verbosity!r} must be an int (0 silences mixprec's messages).")
+    enabled = _as_bool("enabled", enabled)
+    if not enabled:
+        return replace(preset("O0"), name="O0 (amp disabled)")
+    patch = _as_bool("patch_torch_functions", patch_torch_functions)
+    keep_bn = _as_bool("keep_batchnorm_fp32", keep_batchnorm_fp32)
+    masters = _as_bool("master_weights", master_weights)
+    _check_o1(
+        opt_level,
+        {
+            "cast_model_type": cast_model_type,
+            "keep_batchnorm_fp32": keep_bn,
+            "master_weights": masters,
+        },
+    )
+    for name, dt in (
+        ("cast_model_type", cast_model_type),
+        ("cast_model_outputs", cast_model_outputs),
+    ):
+        if dt is not None and dt not in CAST_TYPES:
+            raise ValueError(f"{name}={dt!r}; valid: torch.float16, torch.bfloat16, torch.float32.")
+    base = preset(opt_level)
+    param_dtype = base.param_dtype if cast_model_type is None else cast_model_type
+    low = param_dtype if param_dtype != torch.float32 else torch.float16
+    if patch is None:
+        patch = base.compute_dtype is not None
+    if masters is None:
+        masters = base.master_weights and param_dtype != torch.float32
+    if masters and param_dtype == torch.float32:
+        raise ValueError(
+            f"opt_level={opt_level!r} with master_weights=True but fp32 model weights: "
+            "masters only make sense for a cast model (cast_model_type=torch.float16)."
+        )
+    if loss_scale is None:
+        loss_scale = "dynamic" if base.loss_scale.dynamic else base.loss_scale.init_scale
+    if loss_scale == "dynamic":
+        scaler = replace(
+            APEX_SCALER,
+            min_scale=1.0 if min_loss_scale is None else float(min_loss_scale),
+            max_scale=float(max_loss_scale),
+        )
+    elif isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool):
+        scaler = ScalerConfig(dynamic=False, init_scale=float(loss_scale))
+    else:
+        raise ValueError(
+            f"loss_scale={loss_scale!r} must be 'dynamic' or a number (a static scale)."
+        )
+    return Policy(
+        name=opt_level,
+        param_dtype=param_dtype,
+        compute_dtype=low if patch else None,
+        master_weights=masters,
+        keep_norm_fp32=base.keep_norm_fp32 if keep_bn is None else keep_bn,
+        cast_outputs_to=cast_model_outputs,
+        loss_scale=scaler,
+    )

@@ -1,0 +1,126 @@
+"""`mixprec.GradScaler`: torch.amp.GradScaler plus hysteresis, a floor/ceiling and rank agreement.
+
+A subclass, so every torch contract holds (scale/unscale_/step/update, fused optimizers'
+`grad_scale`/`found_inf`); only the overflow reduction and the update rule are mixprec's.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+from mixprec.policy import ScalerConfig
+from mixprec.scaling import ProcessGroup, all_reduce_found_inf_, default_group, update_scale_
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class GradScaler(torch.amp.GradScaler):
+    """Drop-in for torch.amp.GradScaler (same arguments, same defaults but `device`).
+
+    Extra keywords: hysteresis (overflows tolerated before backing off), min_scale (floor,
+    default 1: the scale never collapses to 0), max_scale, consecutive_hysteresis, and
+    process_group (the group whose ranks must agree on overflow; default: the world group
+    when torch.distributed is initialised).
+    """
+
+    def __init__(
+        self,
+        device: str | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        min_scale: float = 1.0,
+        max_scale: float = float("inf"),
+        consecutive_hysteresis: bool = False,
+        process_group: ProcessGroup | None = None,
+    ) -> None:
+        self.cfg = ScalerConfig(
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            consecutive_hysteresis=consecutive_hysteresis,
+        )
+        super().__init__(
+            device or default_device(),
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
+        )
+        self.process_group = process_group
+        self._hysteresis_tracker: torch.Tensor | None = None
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis_tracker = torch.full(
+            (), self.cfg.hysteresis, dtype=torch.int32, device=dev
+        )
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        group = self.process_group or default_group()
+        if not per_device:  # a rank without grads still joins the reduction
+            per_device = {found_inf.device: found_inf}
+        for flag in per_device.values():
+            all_reduce_found_inf_(flag, group)
+        return per_device
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if not self._enabled or new_scale is not None:
+            super().update(new_scale)
+            return
+        scale, growth_tracker = self._check_scale_growth_tracker("update")
+        found_infs = [
+            found_inf.to(device=scale.device, non_blocking=True)
+            for state in self._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        if not found_infs:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        if self._hysteresis_tracker is None:
+            raise AssertionError("hysteresis tracker missing: scale() was never called.")
+        found_inf = torch.stack(found_infs).amax()
+        update_scale_(scale, growth_tracker, self._hysteresis_tracker, found_inf, self.cfg)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self._enabled:
+            tracker = self._hysteresis_tracker
+            state["hysteresis"] = self.cfg.hysteresis
+            state["_hysteresis_tracker"] = self.cfg.hysteresis if tracker is None else int(tracker)
+            state["min_scale"] = self.cfg.min_scale
+            state["max_scale"] = self.cfg.max_scale
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        hyst = state.pop("_hysteresis_tracker", None)
+        for key in ("hysteresis", "min_scale", "max_scale"):
+            if key in state:
+                self.cfg = ScalerConfig(**{**self.cfg.__dict__, key: state.pop(key)})
+        super().load_state_dict(state)
+        if hyst is not None:
+            dev = self._scale.device if self._scale is not None else torch.device(self._device)
+            self._hysteresis_tracker = torch.full((), int(hyst), dtype=torch.int32, device=dev)

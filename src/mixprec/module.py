@@ -1,0 +1,116 @@
+"""Apply a Policy to a model, an optimizer and a criterion: the core every face calls."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.casting import cast_floating, cast_module
+from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.policy import Policy
+from mixprec.scaling import ProcessGroup
+
+
+def device_type_of(module: nn.Module) -> str:
+    for p in module.parameters():
+        return p.device.type
+    return "cpu"
+
+
+def autocast_context(policy: Policy, device_type: str) -> contextlib.AbstractContextManager:
+    """The autocast a policy asks for: torch.autocast, or mixprec's op-list autocast."""
+    if policy.compute_dtype in (None, torch.float32):
+        return contextlib.nullcontext()
+    if policy.custom_white_list or policy.custom_black_list:
+        from mixprec.autocast import autocast
+
+        return autocast(
+            dtype=policy.compute_dtype,
+            custom_white_list=policy.custom_white_list,
+            custom_black_list=policy.custom_black_list,
+            device_type=device_type,
+        )
+    return torch.autocast(device_type=device_type, dtype=policy.compute_dtype)
+
+
+class PrecisionModule(nn.Module):
+    """Runs the wrapped model's forward in a policy's precision.
+
+    Inputs are cast to the param dtype when params are low precision, the forward runs under
+    the policy's autocast, and floating outputs are cast to policy.cast_outputs_to if set.
+    """
+
+    def __init__(self, module: nn.Module, policy: Policy) -> None:
+        super().__init__()
+        self.module = module
+        self.policy = policy
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        policy = self.policy
+        if policy.casts_params:
+            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
+        with autocast_context(policy, device_type_of(self.module)):
+            out = self.module(*args, **kwargs)
+        if policy.cast_outputs_to is not None:
+            out = cast_floating(out, policy.cast_outputs_to)
+        return out
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped model's state, keys unprefixed (as the user's model has them)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+    ):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+class FP32Criterion(nn.Module):
+    """Computes a loss in fp32 with autocast off, whatever dtype the model produced."""
+
+    def __init__(self, criterion: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.criterion = criterion
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        args, kwargs = cast_floating((args, kwargs), torch.float32)
+        with contextlib.ExitStack() as stack:
+            for device_type in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device_type):
+                    stack.enter_context(torch.autocast(device_type, enabled=False))
+            return self.criterion(*args, **kwargs)
+
+
+def prepare_model(model: nn.Module, policy: Policy) -> PrecisionModule:
+    """Cast (and fp8-convert) model in place per policy; return it wrapped for forward."""
+    if isinstance(model, PrecisionModule):
+        raise TypeError("This model is already prepared by mixprec; prepare the original once.")
+    if policy.fp8:
+        from mixprec.fp8 import convert_to_fp8
+
+        convert_to_fp8(model)
+    if policy.casts_params:
+        cast_module(model, policy.param_dtype, keep_norm_fp32=policy.keep_norm_fp32)
+    return PrecisionModule(model, policy)
+
+
+def prepare_optimizer(
+    optimizer: torch.optim.Optimizer,
+    policy: Policy,
+    *,
+    max_norm: float = 0.0,
+    process_group: ProcessGroup | None = None,
+) -> MixedPrecisionOptimizer:
+    """Wrap optimizer for policy (call after prepare_model: masters copy the cast params)."""
+    return MixedPrecisionOptimizer(
+        optimizer,
+        loss_scale=policy.loss_scale,
+        master_weights=policy.master_weights,
+        max_norm=max_norm,
+        process_group=process_group,
+        log_num_zeros_in_grad=policy.log_num_zeros_in_grad,
+    )

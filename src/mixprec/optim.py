@@ -1,0 +1,314 @@
+"""The one optimizer wrapper every mode uses: loss scaling, fp32 master weights, skip on overflow.
+
+Low-precision params get fp32 master copies that replace them in the wrapped optimizer's
+param_groups (so LR schedulers and the optimizer's own state see fp32 tensors); fp32 params
+are their own masters. A step whose gradients hold inf/nan on any rank of the process group
+is skipped on every rank: params, masters and optimizer state are left bit for bit unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec.policy import UNIT_SCALE, ScalerConfig
+from mixprec.scaling import (
+    LossScaler,
+    ProcessGroup,
+    all_reduce_found_inf_,
+    default_group,
+    unscale_and_check_,
+)
+
+log = logging.getLogger("mixprec")
+LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one `step()` did."""
+
+    skipped: bool
+    """True when a non-finite gradient on some rank made every rank skip the update."""
+    scale: float
+    """The loss scale this step's gradients were computed with."""
+    grad_norm: float | None
+    """Total norm of the unscaled gradients, when clipping computed it."""
+    num_zeros: int | None
+    """Zero gradient entries, when log_num_zeros_in_grad is on."""
+
+
+def _is_rank_zero() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
+    """Wraps any torch optimizer; `backward(loss)` scales, `step()` unscales, checks and steps.
+
+    Args:
+        optimizer: the optimizer over the model's (possibly fp16/bf16) parameters.
+        loss_scale: scaler settings; UNIT_SCALE scales nothing but still skips non-finite steps.
+        master_weights: keep fp32 masters for low-precision params (default: whenever there are any).
+        max_norm: clip the unscaled gradients to this total norm in every step (0: off).
+        process_group: ranks that must agree on overflow (default: the world when initialised).
+        log_num_zeros_in_grad: count zero gradient entries each step (one more host sync).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        loss_scale: ScalerConfig = UNIT_SCALE,
+        master_weights: bool | None = None,
+        max_norm: float = 0.0,
+        process_group: ProcessGroup | None = None,
+        log_num_zeros_in_grad: bool = False,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
+        if isinstance(optimizer, MixedPrecisionOptimizer):
+            raise TypeError(
+                "This optimizer is already wrapped by mixprec; wrap the inner one once."
+            )
+        if max_norm < 0:
+            raise ValueError(f"max_norm={max_norm!r} must be >= 0 (0 turns clipping off).")
+        self.optim = optimizer
+        self.master_weights = master_weights
+        self.max_norm = float(max_norm)
+        self.process_group = process_group
+        self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        # (lp param, fp32 master) pairs; the master sits in param_groups where lp was.
+        self.lp_params: list[torch.Tensor] = []
+        self.hp_masters: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            group["params"] = self._masters_for(group["params"])
+        device = self._device()
+        self.scaler = LossScaler(loss_scale, device)
+        self._found_inf: torch.Tensor | None = None  # set once grads are unscaled this step
+        self.skipped_steps = 0
+        self.steps = 0
+        self.consecutive_skips = 0
+        self.last_result: StepResult | None = None
+        # torch.optim.Optimizer's bookkeeping, for hooks and LR schedulers.
+        self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: dict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: dict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: dict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = OrderedDict()
+
+    # ----- torch.optim.Optimizer's face, delegated to the wrapped optimizer -----
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optim.defaults
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"MixedPrecisionOptimizer({self.optim!r}, scaler={self.scaler.cfg})"
+
+    def _device(self) -> torch.device:
+        for group in self.optim.param_groups:
+            for p in group["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    def _masters_for(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        use_masters = self.master_weights is not False
+        out = []
+        for p in params:
+            if use_masters and p.dtype in LOW_DTYPES:
+                master = p.detach().clone().float()
+                master.requires_grad_(True)
+                if p in self.optim.state:  # keep any state the optimizer already had
+                    self.optim.state[master] = self.optim.state.pop(p)
+                self.lp_params.append(p)
+                self.hp_masters.append(master)
+                out.append(master)
+            else:
+                out.append(p)
+        return out
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group["params"] = self._masters_for(params)
+        self.optim.add_param_group(group)
+
+    # ----- scaling, unscaling, checking -----
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss (as fp32) times the current scale; call .backward() on the result."""
+        return loss.float() * self.scaler.scale_tensor
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward of the scaled loss; several calls before one step() accumulate."""
+        if self._found_inf is not None:
+            raise RuntimeError(
+                "backward() after the gradients were unscaled (by clip_grad_norm or "
+                "unscale_grads) but before step(): the new gradients would stay scaled."
+            )
+        self.scale_loss(loss).backward(**kwargs)
+
+    def _hp_grads(self) -> list[torch.Tensor]:
+        """Gradients of everything the wrapped optimizer steps (fp32 masters and fp32 params)."""
+        return [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+
+    def _lp_grads_to_masters(self) -> None:
+        lp_grads, hp_grads = [], []
+        for lp, hp in zip(self.lp_params, self.hp_masters, strict=True):
+            if lp.grad is None:
+                hp.grad = None  # this param took no part: no stale gradient may be applied
+                continue
+            if hp.grad is None:
+                hp.grad = torch.empty_like(hp)
+            lp_grads.append(lp.grad)
+            hp_grads.append(hp.grad)
+            lp.grad = None  # the lp gradient lives only from backward to step
+        if hp_grads:
+            torch._foreach_copy_(hp_grads, lp_grads)
+
+    def unscale_grads(self) -> torch.Tensor:
+        """Move grads to the masters, unscale them and check them, once per step.
+
+        Returns the overflow flag (a device tensor, reduced over the process group).
+        """
+        if self._found_inf is not None:
+            return self._found_inf
+        self._lp_grads_to_masters()
+        found_inf = torch.zeros(1, dtype=torch.float32, device=self.scaler.scale_tensor.device)
+        grads = self._hp_grads()
+        if grads:
+            unscale_and_check_(grads, self.scaler.inv_scale(), found_inf)
+        all_reduce_found_inf_(found_inf, self.process_group or default_group())
+        self._found_inf = found_inf
+        return found_inf
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the unscaled gradients to max_norm; returns their total norm before clipping."""
+        self.unscale_grads()
+        params = [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+        if not params:
+            return torch.zeros((), device=self.scaler.scale_tensor.device)
+        # On a step that will be skipped the norm is inf/nan; clipping then is harmless.
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    def _count_zeros(self) -> int:
+        grads = self._hp_grads()
+        return int(sum(int((g == 0).sum()) for g in grads))  # host sync per tensor: debug counter
+
+    # ----- the step -----
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> StepResult:  # type: ignore[override]
+        """Unscale + check (if not done yet), then step or skip; copy masters back; update scale."""
+        if closure is not None:
+            raise RuntimeError("Closures are not supported with loss scaling (as in torch.amp).")
+        grad_norm = None
+        found_inf = self.unscale_grads()
+        if self.max_norm > 0:
+            grad_norm = float(self.clip_grad_norm(self.max_norm))
+        num_zeros = self._count_zeros() if self.log_num_zeros_in_grad else None
+        scale = self.scaler.scale_tensor.clone()
+        skipped = bool(found_inf.item())  # the one host sync per step: the skip decision
+        if not skipped:
+            self.optim.step()
+            if self.hp_masters:
+                torch._foreach_copy_(self.lp_params, self.hp_masters)
+        self.scaler.update(found_inf)
+        self._found_inf = None
+        self.steps += 1
+        self.skipped_steps += skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        if skipped and _is_rank_zero():
+            log.info(
+                "mixprec: non-finite gradients; skipped step %d (loss scale %g -> %g)",
+                self.steps,
+                float(scale),
+                self.scaler.scale,
+            )
+        self.last_result = StepResult(
+            skipped=skipped, scale=float(scale), grad_norm=grad_norm, num_zeros=num_zeros
+        )
+        return self.last_result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.lp_params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        # Masters' grads are overwritten each step (or set to None): zeroing them is wasted work.
+        master_ids = {id(m) for m in self.hp_masters}
+        for group in self.optim.param_groups:
+            for p in group["params"]:
+                if id(p) not in master_ids and p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
+        self._found_inf = None
+
+    # ----- checkpoints -----
+    def state_dict(self) -> dict[str, Any]:
+        """Inner optimizer state, fp32 master weights, scaler state and step counters."""
+        return {
+            "optimizer": self.optim.state_dict(),
+            "master_weights": [m.detach().clone() for m in self.hp_masters],
+            "scaler": self.scaler.state_dict(),
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = {"optimizer", "master_weights", "scaler"} - set(state_dict)
+        if missing:
+            raise KeyError(
+                f"Not a mixprec optimizer checkpoint: lacks {sorted(missing)}; "
+                f"got keys {sorted(state_dict)}."
+            )
+        masters = state_dict["master_weights"]
+        if len(masters) != len(self.hp_masters):
+            raise ValueError(
+                f"Checkpoint holds {len(masters)} master weights, this optimizer has "
+                f"{len(self.hp_masters)}: was it saved from another model or mode?"
+            )
+        for mine, saved in zip(self.hp_masters, masters, strict=True):
+            if mine.shape != saved.shape:
+                raise ValueError(
+                    f"Master weight shape {tuple(saved.shape)} != {tuple(mine.shape)}."
+                )
+        self.optim.load_state_dict(state_dict["optimizer"])
+        with torch.no_grad():
+            for lp, hp, saved in zip(self.lp_params, self.hp_masters, masters, strict=True):
+                hp.copy_(saved)
+                lp.copy_(saved)
+        self.scaler.load_state_dict(state_dict["scaler"])
+        self.steps = int(state_dict.get("steps", 0))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self._found_inf = None

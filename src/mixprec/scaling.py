@@ -1,0 +1,153 @@
+"""Loss scaling: the scale-update rule, one scaler class, and the overflow check.
+
+State lives on the device as tensors and is updated with tensor ops, so a step costs no host
+sync here; the single `.item()` per step belongs to whoever decides to skip (see optim.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mixprec.policy import ScalerConfig
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps import-time cost nil
+
+
+def update_scale_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    hysteresis_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    cfg: ScalerConfig,
+) -> None:
+    """Advance a dynamic scale by one step, in place, without leaving the device.
+
+    Megatron's rule: an overflow zeroes the growth count and spends one unit of hysteresis;
+    once it is spent, every overflow multiplies the scale by backoff_factor (floor min_scale).
+    `growth_interval` clean steps in a row multiply it by growth_factor (ceiling max_scale) and
+    refill the hysteresis; with `consecutive_hysteresis` every clean step refills it.
+    """
+    overflow = found_inf > 0
+    # Clamped at 0: once spent it stays spent (Megatron lets it run negative; same decisions).
+    hyst_left = torch.where(overflow, (hysteresis_tracker - 1).clamp(min=0), hysteresis_tracker)
+    backoff = overflow & (hyst_left <= 0)
+    clean_count = torch.where(overflow, torch.zeros_like(growth_tracker), growth_tracker + 1)
+    grow = clean_count >= cfg.growth_interval  # implies a clean step: overflow zeroed it
+    backed = torch.clamp(scale * cfg.backoff_factor, min=cfg.min_scale)
+    grown = torch.clamp(scale * cfg.growth_factor, max=cfg.max_scale)
+    grown = torch.where(torch.isfinite(grown), grown, scale)  # fp32 overflow: keep the scale
+    scale.copy_(torch.where(backoff, backed, torch.where(grow, grown, scale)))
+    growth_tracker.copy_(torch.where(grow, torch.zeros_like(clean_count), clean_count))
+    refill = grow | ~overflow if cfg.consecutive_hysteresis else grow
+    hysteresis_tracker.copy_(
+        torch.where(refill, torch.full_like(hyst_left, cfg.hysteresis), hyst_left)
+    )
+
+
+def default_group() -> ProcessGroup | None:
+    """The world group when torch.distributed is up, else None (no reduction needed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def all_reduce_found_inf_(found_inf: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """MAX-reduce an overflow flag so every rank of `group` takes the same skip decision."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+    return found_inf
+
+
+def group_by_device_and_dtype(
+    tensors: Iterable[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """Bucket tensors so each foreach kernel sees one device and one dtype."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.device, t.dtype), []).append(t)
+    return buckets
+
+
+def unscale_and_check_(
+    grads: Iterable[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor
+) -> torch.Tensor:
+    """grads *= inv_scale in place and set found_inf to 1 if any entry is inf/nan (one pass)."""
+    for (device, _), bucket in group_by_device_and_dtype(grads).items():
+        flag = found_inf if found_inf.device == device else torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(bucket, flag, inv_scale.to(device))
+        if flag is not found_inf:
+            found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device)))
+    return found_inf
+
+
+class LossScaler:
+    """Static or dynamic loss scale whose state (scale, trackers) is a set of device tensors.
+
+    `found_inf` for `update` must already be reduced over the ranks that share the step.
+    """
+
+    def __init__(self, cfg: ScalerConfig | None = None, device: torch.device | str = "cpu"):
+        self.cfg = cfg or ScalerConfig()
+        device = torch.device(device)
+        self._scale = torch.full(
+            (1,), float(self.cfg.init_scale), dtype=torch.float32, device=device
+        )
+        self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
+        self._hysteresis_tracker = torch.full(
+            (1,), self.cfg.hysteresis, dtype=torch.int32, device=device
+        )
+
+    @property
+    def dynamic(self) -> bool:
+        return self.cfg.dynamic
+
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The scale as a one-element fp32 tensor (no sync to read it)."""
+        return self._scale
+
+    @property
+    def scale(self) -> float:
+        """The scale as a Python float (this is a host sync)."""
+        return float(self._scale.item())
+
+    def inv_scale(self) -> torch.Tensor:
+        # fp32 reciprocal can be inexact under some compile options: take it in fp64 (as torch does).
+        return self._scale.double().reciprocal().float()
+
+    def to(self, device: torch.device | str) -> LossScaler:
+        self._scale = self._scale.to(device)
+        self._growth_tracker = self._growth_tracker.to(device)
+        self._hysteresis_tracker = self._hysteresis_tracker.to(device)
+        return self
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Advance the scale by one step given this step's (reduced) overflow flag."""
+        if self.cfg.dynamic:
+            update_scale_(
+                self._scale,
+                self._growth_tracker,
+                self._hysteresis_tracker,
+                found_inf.to(self._scale.device),
+                self.cfg,
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self._scale.clone(),
+            "growth_tracker": self._growth_tracker.clone(),
+            "hysteresis_tracker": self._hysteresis_tracker.clone(),
+            "dynamic": self.cfg.dynamic,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"scale", "growth_tracker", "hysteresis_tracker"} - set(state)
+        if missing:
+            raise KeyError(f"Loss-scaler state lacks {sorted(missing)}; got keys {sorted(state)}.")
+        self._scale.copy_(torch.as_tensor(state["scale"], dtype=torch.float32).reshape(1))
+        self._growth_tracker.copy_(torch.as_tensor(state["growth_tracker"]).reshape(1))
+        self._hysteresis_tracker.copy_(torch.as_tensor(state["hysteresis_tracker"]).reshape(1))
