@@ -1,0 +1,180 @@
+"""Does this machine run each low-precision dtype fast? Pure checks plus one machine reader.
+
+`cuda_findings` and `cpu_findings` take the capability / CPU flags as arguments (testable
+without the hardware); `hardware_report()` reads the real machine and calls them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from mixprec.debugging._markdown import markdown_table
+
+Level = Literal["ok", "info", "warn"]
+
+CUDA_MIN_CAPABILITY: dict[str, tuple[int, int]] = {
+    "float16": (7, 0),  # Volta: first fp16 tensor cores
+    "bfloat16": (8, 0),  # Ampere: first bf16 tensor cores (older GPUs emulate it slowly)
+    "float8": (8, 9),  # Ada / Hopper: first fp8 tensor cores (torch._scaled_mm needs them)
+}
+"""Lowest CUDA compute capability with tensor cores for each dtype."""
+
+X86_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+"""x86 /proc/cpuinfo flags for native bf16 math, fastest first."""
+X86_FP16_FLAGS = ("amx_fp16", "avx512_fp16")
+"""x86 /proc/cpuinfo flags for native fp16 math, fastest first."""
+ARM_BF16_FLAGS = ("bf16",)
+"""aarch64 /proc/cpuinfo 'Features' for bf16 dot products."""
+ARM_FP16_FLAGS = ("asimdhp", "fphp")
+"""aarch64 /proc/cpuinfo 'Features' for fp16 arithmetic."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    """One line of the hardware report."""
+
+    device: str
+    """'cuda:0', 'cpu', ..."""
+    dtype: str
+    """'float16', 'bfloat16', 'float8', or '' for a general note."""
+    level: Level
+    """'ok': fast path available; 'warn': works slowly or not at all; 'info': a fact."""
+    message: str
+    """What was found and what it means."""
+
+
+def cuda_findings(
+    name: str, capability: tuple[int, int], *, device: str = "cuda:0"
+) -> list[Finding]:
+    """What an NVIDIA GPU of this compute capability does for fp16, bf16 and fp8."""
+    major, minor = capability
+    have = f"current GPU is: {name}, with Compute Capability: {major}.{minor}."
+    findings = []
+    for dtype, need in CUDA_MIN_CAPABILITY.items():
+        if (major, minor) >= need:
+            message = (
+                f"{dtype} tensor cores available ({name}, Compute Capability {major}.{minor})."
+            )
+            findings.append(Finding(device=device, dtype=dtype, level="ok", message=message))
+            continue
+        need_text = f"{need[0]}.{need[1]}"
+        if dtype == "float16":  # Paddle's wording, which its users search for
+            message = (
+                f"AMP only support NVIDIA GPU with Compute Capability {need_text} or higher, {have}"
+            )
+        else:
+            message = (
+                f"{dtype} AMP needs an NVIDIA GPU with Compute Capability {need_text} or higher "
+                f"for tensor cores, {have}"
+            )
+        findings.append(Finding(device=device, dtype=dtype, level="warn", message=message))
+    return findings
+
+
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The CPU feature flags in /proc/cpuinfo text: x86 'flags' and aarch64 'Features' lines."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    return frozenset(flags)
+
+
+def cpu_findings(
+    flags: Iterable[str] | None,
+    *,
+    cpu_capability: str | None = None,
+    mkldnn_bf16: bool | None = None,
+) -> list[Finding]:
+    """What a CPU with these feature flags does for bf16 and fp16.
+
+    flags: /proc/cpuinfo flags (None: unknown, e.g. not Linux).
+    cpu_capability: torch.backends.cpu.get_cpu_capability() ('AVX512', 'AVX2', ...).
+    mkldnn_bf16: whether oneDNN reports bf16 kernels for this CPU.
+    """
+    findings = []
+    if cpu_capability is not None:
+        message = f"PyTorch CPU kernels dispatch to the {cpu_capability} build."
+        findings.append(Finding(device="cpu", dtype="", level="info", message=message))
+    if flags is None:
+        message = "CPU feature flags unknown (no /proc/cpuinfo); bf16/fp16 speed not checked."
+        return [*findings, Finding(device="cpu", dtype="", level="info", message=message)]
+    flags = frozenset(flags)
+    bf16 = [f for f in (*X86_BF16_FLAGS, *ARM_BF16_FLAGS) if f in flags]
+    if bf16:
+        message = f"Native bf16 math ({', '.join(bf16)}): bf16 autocast is fast on this CPU."
+        findings.append(Finding(device="cpu", dtype="bfloat16", level="ok", message=message))
+    else:
+        message = (
+            f"No native bf16 instructions (none of {', '.join(X86_BF16_FLAGS)}): bf16 is "
+            "converted to fp32 per op and is often no faster than fp32."
+        )
+        findings.append(Finding(device="cpu", dtype="bfloat16", level="warn", message=message))
+    if "amx_tile" in flags:
+        message = "AMX tile unit present (amx_tile): oneDNN runs bf16/int8 matmuls on it."
+        findings.append(Finding(device="cpu", dtype="bfloat16", level="info", message=message))
+    if mkldnn_bf16 is not None:
+        state = "available" if mkldnn_bf16 else "not available"
+        level: Level = "info" if mkldnn_bf16 else "warn"
+        message = f"oneDNN (mkldnn) bf16 kernels {state}."
+        findings.append(Finding(device="cpu", dtype="bfloat16", level=level, message=message))
+    fp16 = [f for f in (*X86_FP16_FLAGS, *ARM_FP16_FLAGS) if f in flags]
+    if fp16:
+        message = f"Native fp16 math ({', '.join(fp16)}): fp16 runs at full speed on this CPU."
+        findings.append(Finding(device="cpu", dtype="float16", level="ok", message=message))
+    else:
+        message = (
+            f"fp16 on this CPU is slow: no fp16 kernels (none of {', '.join(X86_FP16_FLAGS)}), "
+            "so fp16 matmuls can be many times slower than fp32. Use bfloat16 on CPU."
+        )
+        findings.append(Finding(device="cpu", dtype="float16", level="warn", message=message))
+    return findings
+
+
+def read_cpu_flags(path: str | Path = "/proc/cpuinfo") -> frozenset[str] | None:
+    """This machine's CPU flags, or None where there is no readable cpuinfo file."""
+    try:
+        return parse_cpu_flags(Path(path).read_text(errors="replace"))
+    except OSError:
+        return None
+
+
+def hardware_report() -> list[Finding]:
+    """Findings for this machine: every visible CUDA device, then the CPU."""
+    findings: list[Finding] = []
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            device = f"cuda:{index}"
+            name = torch.cuda.get_device_name(index)
+            if torch.version.hip is not None:  # ROCm numbers its archs differently (gfx9xx)
+                message = f"{name}: ROCm device; NVIDIA capability checks skipped."
+                findings.append(Finding(device=device, dtype="", level="info", message=message))
+                continue
+            capability = torch.cuda.get_device_capability(index)
+            findings.extend(cuda_findings(name, capability, device=device))
+    else:
+        message = "No CUDA device visible: training runs on the CPU."
+        findings.append(Finding(device="cuda", dtype="", level="info", message=message))
+    mkldnn_bf16 = None
+    if torch.backends.mkldnn.is_available():
+        mkldnn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    findings.extend(
+        cpu_findings(
+            read_cpu_flags(),
+            cpu_capability=torch.backends.cpu.get_cpu_capability(),
+            mkldnn_bf16=mkldnn_bf16,
+        )
+    )
+    return findings
+
+
+def findings_table(findings: Sequence[Finding]) -> str:
+    """The findings as a markdown table."""
+    rows = [[f.device, f.dtype or "-", f.level, f.message] for f in findings]
+    return markdown_table(["device", "dtype", "level", "finding"], rows)
