@@ -1,0 +1,23 @@
+"""Shared fixtures: deterministic seeds and a tiny model factory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub from a test
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def tiny_mlp(width: int = 8, norm: bool = True) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = [torch.nn.Linear(width, 2 * width)]
+    if norm:
+        layers.append(torch.nn.LayerNorm(2 * width))
+    layers += [torch.nn.ReLU(), torch.nn.Linear(2 * width, 4)]
+    return torch.nn.Sequential(*layers)

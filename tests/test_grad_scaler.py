@@ -1,0 +1,101 @@
+"""mixprec.GradScaler is torch.amp.GradScaler where they overlap, plus hysteresis and ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from dist_utils import spawn
+
+from mixprec import GradScaler
+
+
+def train(scaler, model, opt, overflow_steps, steps=12):
+    scales = []
+    gen = torch.Generator().manual_seed(7)  # the same batches for every scaler compared
+    for i in range(steps):
+        opt.zero_grad()
+        x = torch.randn(4, 6, generator=gen)
+        scaler.scale(model(x).square().mean()).backward()
+        if i in overflow_steps:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_drop_in_for_torch_grad_scaler(fused: bool) -> None:
+    # Same arguments, same overflow pattern: same scales and bitwise-equal parameters.
+    kw = dict(init_scale=2.0**8, growth_interval=3)
+    model = torch.nn.Linear(6, 3)
+    twin = copy.deepcopy(model)
+    ours = train(
+        GradScaler("cpu", **kw), model, torch.optim.Adam(model.parameters(), fused=fused), {2, 5, 6}
+    )
+    torch.manual_seed(0)
+    ref = train(
+        torch.amp.GradScaler("cpu", **kw),
+        twin,
+        torch.optim.Adam(twin.parameters(), fused=fused),
+        {2, 5, 6},
+    )
+    assert ours == ref
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_hysteresis_and_floor() -> None:
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=4.0, hysteresis=2, min_scale=1.0, growth_interval=100)
+    scales = train(scaler, model, opt, set(range(6)), steps=6)
+    assert scales == [4.0, 2.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_state_dict_round_trip_includes_hysteresis() -> None:
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a = GradScaler("cpu", init_scale=64.0, hysteresis=3, growth_interval=5)
+    train(a, model, opt, {1}, steps=3)
+    state = a.state_dict()
+    assert state["_hysteresis_tracker"] == 2 and state["_growth_tracker"] == 1
+    b = GradScaler("cpu")
+    b.load_state_dict(state)
+    assert b.state_dict() == state
+
+
+def test_disabled_is_passthrough() -> None:
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", enabled=False)
+    loss = model(torch.randn(2, 6)).sum()
+    assert scaler.scale(loss) is loss
+    loss.backward()
+    before = model.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(model.weight, before)  # a plain optimizer step happened
+
+
+def _one_rank_overflows(rank: int, world: int) -> None:
+    torch.manual_seed(0)  # same init on every rank
+    model = torch.nn.Linear(6, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=2.0**4)
+    scaler.scale(model(torch.randn(4, 6)).sum()).backward()
+    if rank == 1:
+        model.bias.grad[0] = float("nan")
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**3, f"rank {rank} did not back off"
+    for a, b in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.distributed
+def test_overflow_on_one_rank_skips_on_all() -> None:
+    spawn(_one_rank_overflows, 2)

@@ -1,0 +1,286 @@
+"""The master-weight optimizer against a hand-written fp32-master loop, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_mlp
+
+from mixprec.casting import cast_module
+from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.policy import ScalerConfig
+
+SCALE = ScalerConfig(dynamic=False, init_scale=2.0**10)
+
+
+def batch(n: int = 16, width: int = 8, dtype: torch.dtype = torch.float32):
+    return torch.randn(n, width, dtype=dtype), torch.randint(0, 4, (n,))
+
+
+def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(x).float(), y)
+
+
+def reference_step(model, masters, opt, x, y, scale: float) -> None:
+    """Plain fp32-master step: scaled backward, copy grads to fp32 and unscale, step, copy back."""
+    (loss_fn(model, x, y) * scale).backward()
+    for p, m in zip(model.parameters(), masters, strict=True):
+        m.grad = p.grad.float() * (1.0 / scale)
+        p.grad = None
+    opt.step()
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), masters, strict=True):
+            p.copy_(m)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_matches_hand_written_master_loop_exactly(dtype, opt_cls) -> None:
+    model = cast_module(tiny_mlp(norm=False), dtype)
+    ref_model = copy.deepcopy(model)
+    kwargs = {"lr": 0.05, "momentum": 0.9} if opt_cls is torch.optim.SGD else {"lr": 1e-2}
+    opt = MixedPrecisionOptimizer(opt_cls(model.parameters(), **kwargs), loss_scale=SCALE)
+    masters = [p.detach().float().requires_grad_() for p in ref_model.parameters()]
+    ref_opt = opt_cls(masters, **kwargs)
+    for _ in range(5):
+        x, y = batch(dtype=dtype)
+        opt.zero_grad()
+        opt.backward(loss_fn(model, x, y))
+        assert not opt.step().skipped
+        reference_step(ref_model, masters, ref_opt, x, y, SCALE.init_scale)
+    # Same ops in the same order on the same values: exact.
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(opt.hp_masters, masters, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def snapshot(model, opt):
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        copy.deepcopy(opt.optim.state_dict()),
+        [m.detach().clone() for m in opt.hp_masters],
+    )
+
+
+def assert_snapshots_equal(a, b) -> None:
+    for x, y in zip(a[0] + a[2], b[0] + b[2], strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -float("inf")])
+def test_skipped_step_changes_nothing_bitwise(bad: float) -> None:
+    model = cast_module(tiny_mlp(), torch.bfloat16)
+    opt = MixedPrecisionOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        loss_scale=ScalerConfig(init_scale=2.0**8),
+    )
+    x, y = batch(dtype=torch.bfloat16)
+    opt.backward(loss_fn(model, x, y))
+    opt.step()  # Adam now has state (step count 1) worth protecting
+    before = snapshot(model, opt)
+    opt.zero_grad()
+    opt.backward(loss_fn(model, x, y))
+    next(model.parameters()).grad.view(-1)[3] = bad
+    result = opt.step()
+    assert result.skipped and result.scale == 2.0**8
+    assert opt.loss_scale == 2.0**7 and opt.skipped_steps == 1
+    assert_snapshots_equal(before, snapshot(model, opt))
+    assert all(int(s["step"]) == 1 for s in opt.optim.state.values())
+
+
+def test_gradient_accumulation_unscales_once() -> None:
+    model = cast_module(tiny_mlp(norm=False), torch.bfloat16)
+    ref = copy.deepcopy(model)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=SCALE)
+    masters = [p.detach().float().requires_grad_() for p in ref.parameters()]
+    ref_opt = torch.optim.SGD(masters, lr=0.1)
+    micro = [batch(dtype=torch.bfloat16) for _ in range(3)]
+    for x, y in micro:
+        opt.backward(loss_fn(model, x, y))
+        (loss_fn(ref, x, y) * SCALE.init_scale).backward()
+    opt.step()
+    for p, m in zip(ref.parameters(), masters, strict=True):
+        m.grad = p.grad.float() * (1.0 / SCALE.init_scale)
+    ref_opt.step()
+    for a, m in zip(opt.hp_masters, masters, strict=True):
+        torch.testing.assert_close(a, m, rtol=0, atol=0)
+
+
+def test_clip_grad_norm_sees_unscaled_grads() -> None:
+    model = cast_module(tiny_mlp(norm=False), torch.bfloat16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=SCALE)
+    x, y = batch(dtype=torch.bfloat16)
+    loss = loss_fn(model, x, y)
+    opt.backward(loss)
+    expected = torch.linalg.vector_norm(
+        torch.cat([p.grad.float().flatten() / SCALE.init_scale for p in model.parameters()])
+    )
+    norm = opt.clip_grad_norm(1e-3)
+    # fp32 sums of the same values in another order: a few ulps apart at most.
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    clipped = torch.linalg.vector_norm(torch.cat([m.grad.flatten() for m in opt.hp_masters]))
+    torch.testing.assert_close(clipped, torch.tensor(1e-3), rtol=1e-4, atol=0)
+    with pytest.raises(RuntimeError, match="after the gradients were unscaled"):
+        opt.backward(loss_fn(model, x, y))
+    assert not opt.step().skipped
+
+
+def test_max_norm_clips_inside_step_and_reports_norm() -> None:
+    model = cast_module(tiny_mlp(), torch.bfloat16)
+    opt = MixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=SCALE, max_norm=1e-3
+    )
+    opt.backward(loss_fn(model, *batch(dtype=torch.bfloat16)))
+    result = opt.step()
+    assert result.grad_norm is not None and result.grad_norm > 1e-3
+
+
+def test_num_zeros_counted() -> None:
+    model = torch.nn.Linear(4, 3, bias=False)
+    opt = MixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), log_num_zeros_in_grad=True
+    )
+    x = torch.tensor([[1.0, 0.0, 2.0, 0.0]])  # columns 1 and 3 of the weight get zero grad
+    opt.backward(model(x).sum())
+    assert opt.step().num_zeros == 6
+
+
+def test_param_without_grad_is_not_stepped_with_a_stale_grad() -> None:
+    model = cast_module(
+        torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]), torch.bfloat16
+    )
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    opt.backward((model[0](x) + model[1](x)).sum())
+    opt.step()
+    frozen = model[1].weight.detach().clone()
+    opt.zero_grad()
+    opt.backward(model[0](x).sum())  # model[1] takes no part this step
+    opt.step()
+    torch.testing.assert_close(model[1].weight, frozen, rtol=0, atol=0)
+
+
+def test_lr_scheduler_drives_the_masters() -> None:
+    model = cast_module(tiny_mlp(), torch.bfloat16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(loss_fn(model, *batch(dtype=torch.bfloat16)))
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 0.125
+    assert all(p.dtype == torch.float32 for p in opt.param_groups[0]["params"])
+
+
+def test_add_param_group_gets_masters() -> None:
+    a, b = (
+        cast_module(torch.nn.Linear(4, 4), torch.float16),
+        cast_module(torch.nn.Linear(4, 2), torch.float16),
+    )
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(a.parameters(), lr=0.1))
+    opt.add_param_group({"params": b.parameters(), "lr": 0.01})
+    assert len(opt.hp_masters) == 4
+    assert [p.dtype for p in opt.param_groups[1]["params"]] == [torch.float32] * 2
+
+
+def run(model, opt, batches):
+    for x, y in batches:
+        opt.zero_grad()
+        opt.backward(loss_fn(model, x, y))
+        opt.step()
+
+
+def test_state_dict_resume_equals_uninterrupted_run_bitwise() -> None:
+    cfg = ScalerConfig(init_scale=2.0**12, growth_interval=2, hysteresis=2)
+    batches = [batch(dtype=torch.bfloat16) for _ in range(8)]
+    batches[2] = (batches[2][0] * float("inf"), batches[2][1])  # one overflow on the way
+
+    def fresh():
+        torch.manual_seed(1)
+        model = cast_module(tiny_mlp(), torch.bfloat16)
+        return model, MixedPrecisionOptimizer(
+            torch.optim.Adam(model.parameters(), lr=1e-2), loss_scale=cfg
+        )
+
+    model, opt = fresh()
+    run(model, opt, batches)
+    straight = snapshot(model, opt)
+    straight_scaler = opt.scaler.state_dict()
+
+    model, opt = fresh()
+    run(model, opt, batches[:4])
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    model2, opt2 = fresh()
+    model2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    run(model2, opt2, batches[4:])
+    assert_snapshots_equal(straight, snapshot(model2, opt2))
+    for key in ("scale", "growth_tracker", "hysteresis_tracker"):
+        assert torch.equal(opt2.scaler.state_dict()[key], straight_scaler[key])
+    assert opt2.skipped_steps == 1 and opt2.steps == 8
+
+
+def test_load_rejects_foreign_state() -> None:
+    opt = MixedPrecisionOptimizer(
+        torch.optim.SGD(cast_module(torch.nn.Linear(2, 2), torch.float16).parameters(), lr=1)
+    )
+    with pytest.raises(KeyError, match="Not a mixprec optimizer checkpoint"):
+        opt.load_state_dict(
+            torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1).state_dict()
+        )
+    other = MixedPrecisionOptimizer(
+        torch.optim.SGD(cast_module(torch.nn.Linear(2, 3), torch.float16).parameters(), lr=1)
+    )
+    with pytest.raises(ValueError, match="shape"):
+        opt.load_state_dict(other.state_dict())
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        MixedPrecisionOptimizer(object())  # type: ignore[arg-type]
+    inner = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1)
+    with pytest.raises(ValueError, match="max_norm=-1"):
+        MixedPrecisionOptimizer(inner, max_norm=-1)
+    with pytest.raises(TypeError, match="already wrapped"):
+        MixedPrecisionOptimizer(MixedPrecisionOptimizer(inner))
+
+
+def _ranks_agree_on_overflow(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)  # same init on every rank
+    model = cast_module(tiny_mlp(), torch.float16)
+    opt = MixedPrecisionOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), loss_scale=ScalerConfig(init_scale=2.0**6)
+    )
+    before = snapshot(model, opt)
+    torch.manual_seed(rank)  # different data per rank, as under data parallelism
+    opt.backward(loss_fn(model, *batch(n=4, dtype=torch.float16)))
+    if rank == world - 1:
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    assert opt.step().skipped, f"rank {rank} stepped although rank {world - 1} overflowed"
+    assert opt.loss_scale == 2.0**5
+    assert_snapshots_equal(before, snapshot(model, opt))
+    # And a clean step afterwards: every rank steps (grads differ, so params do too, but the
+    # decision and the scale are shared).
+    opt.zero_grad()
+    opt.backward(loss_fn(model, *batch(n=4, dtype=torch.float16)))
+    assert not opt.step().skipped
+    flags = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(flags, torch.tensor([opt.loss_scale]))
+    assert all(f.item() == 2.0**5 for f in flags)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_overflow_on_one_rank_skips_everywhere(world: int) -> None:
+    from dist_utils import spawn
+
+    spawn(_ranks_agree_on_overflow, world)
