@@ -1,0 +1,56 @@
+"""Float8 linear layers: e4m3 forward, e5m2 backward, per-tensor scaling over torch._scaled_mm.
+
+`convert_to_fp8(model)` swaps eligible `nn.Linear` layers for `Float8Linear`. Each call casts
+input and weight to float8_e4m3fn and the incoming gradient to float8_e5m2 with one fp32 scale
+per tensor, then runs the three GEMMs of a linear layer in float8:
+
+    out         = input(e4m3)      @ weight(e4m3)^T
+    grad_input  = grad_out(e5m2)   @ weight(e4m3)
+    grad_weight = grad_out(e5m2)^T @ input(e4m3)
+
+Scales are "dynamic" (from the amax of the tensor being cast, on every call) or "delayed"
+(Transformer Engine's recipe: from the max of the last N amaxes, kept in a buffer). Parameters
+keep their dtype (fp32 masters); the layer casts them per call, so the state_dict has exactly
+nn.Linear's keys. Where no float8 GEMM kernel exists, `Float8Config(emulate=True)` casts to
+float8 and back and runs the GEMM in fp32: the same rounding, no speedup.
+"""
+
+from mixprec.fp8.casts import (
+    amax_to_scale,
+    cast_to_fp8,
+    delayed_amax,
+    fp8_to_tensor,
+    tensor_to_amax,
+    tensor_to_fp8,
+)
+from mixprec.fp8.config import (
+    LP_FORWARD_DTYPE,
+    LP_GRAD_DTYPES,
+    SCALINGS,
+    Float8Config,
+)
+from mixprec.fp8.convert import Float8Filter, Float8Summary, convert_to_fp8, default_fp8_filter
+from mixprec.fp8.kernels import cpu_has_scaled_mm, fp8_kernel_problem, lp_gemm, resolve_emulate
+from mixprec.fp8.linear import Float8Linear
+
+__all__ = [
+    "LP_FORWARD_DTYPE",
+    "LP_GRAD_DTYPES",
+    "SCALINGS",
+    "Float8Config",
+    "Float8Filter",
+    "Float8Linear",
+    "Float8Summary",
+    "amax_to_scale",
+    "cast_to_fp8",
+    "convert_to_fp8",
+    "cpu_has_scaled_mm",
+    "default_fp8_filter",
+    "delayed_amax",
+    "fp8_kernel_problem",
+    "fp8_to_tensor",
+    "lp_gemm",
+    "resolve_emulate",
+    "tensor_to_amax",
+    "tensor_to_fp8",
+]

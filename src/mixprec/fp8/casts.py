@@ -1,0 +1,85 @@
+"""Per-tensor scale math and saturating float8 casts (pure tensor functions, no host syncs)."""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.fp8.config import AMAX_EPS, Float8Config
+
+
+def tensor_to_amax(hp_tensor: torch.Tensor) -> torch.Tensor:
+    """max(|x|) as an fp32 0-dim tensor, on the tensor's device (no host sync)."""
+    return torch.max(torch.abs(hp_tensor)).to(torch.float32)
+
+
+def amax_to_scale(
+    amax: torch.Tensor,
+    lp_dtype: torch.dtype,
+    *,
+    margin: int = 0,
+    power_of_two: bool = False,
+) -> torch.Tensor:
+    """fp8_max / amax / 2**margin in fp32: multiplying by it maps amax onto the fp8 maximum.
+
+    amax = 0 is floored at AMAX_EPS (a finite scale; zeros cast to zeros at any scale). A
+    non-finite amax gives a scale of 0 or nan on purpose: the overflow reaches the loss scaler.
+    power_of_two rounds down to a power of two, so x * scale and its inverse are exact.
+    """
+    amax = amax.to(torch.float32)
+    # fp8 max / 1e-12 <= 6e16 stays well inside fp32, so the floored division cannot overflow.
+    scale = torch.finfo(lp_dtype).max / torch.clamp(amax, min=AMAX_EPS)
+    if margin:
+        scale = scale / (2.0**margin)
+    if power_of_two:
+        # frexp: scale = m * 2**e with m in [0.5, 1); 2**(e-1) <= scale exactly, unlike floor(log2).
+        _, exponent = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), exponent - 1)
+    return scale
+
+
+def tensor_to_fp8(
+    hp_tensor: torch.Tensor, scale: torch.Tensor, lp_dtype: torch.dtype
+) -> torch.Tensor:
+    """Saturating cast: (x * scale) clamped to +-fp8_max, rounded to nearest even in lp_dtype."""
+    lp_max = torch.finfo(lp_dtype).max
+    # Scale in fp32: a bf16 x times a 0-dim fp32 scale would otherwise round in bf16 first.
+    hp_scaled = hp_tensor.to(torch.float32) * scale
+    # e4m3fn has no inf: an unclamped overflow becomes nan on CUDA; saturate instead.
+    return torch.clamp(hp_scaled, min=-lp_max, max=lp_max).to(lp_dtype)
+
+
+def fp8_to_tensor(
+    lp_tensor: torch.Tensor, scale: torch.Tensor, hp_dtype: torch.dtype
+) -> torch.Tensor:
+    """Inverse of tensor_to_fp8 (up to its rounding): lp / scale, computed in fp32."""
+    return (lp_tensor.to(torch.float32) / scale).to(hp_dtype)
+
+
+def delayed_amax(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """The amax a delayed scale is computed from; records `amax` as the newest history entry.
+
+    The scale comes from the max over past calls only (the current amax is not waited for),
+    except on the first call, when the history is still all zeros and this call's amax is used.
+    """
+    past = torch.max(history)
+    # torch.where, not `if`: choosing on device keeps this free of host syncs.
+    chosen = torch.where(past > 0, past, amax)
+    with torch.no_grad():
+        history.copy_(torch.cat([amax.reshape(1).to(history.dtype), history[:-1]]))
+    return chosen
+
+
+def cast_to_fp8(
+    hp_tensor: torch.Tensor,
+    lp_dtype: torch.dtype,
+    history: torch.Tensor | None,
+    config: Float8Config,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hp -> (lp, inverse scale). The inverse is what _scaled_mm multiplies the product by."""
+    amax = tensor_to_amax(hp_tensor)
+    if history is not None:
+        amax = delayed_amax(history, amax)
+    scale = amax_to_scale(
+        amax, lp_dtype, margin=config.margin, power_of_two=config.power_of_two_scale
+    )
+    return tensor_to_fp8(hp_tensor, scale, lp_dtype), scale.reciprocal()

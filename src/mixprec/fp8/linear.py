@@ -1,0 +1,190 @@
+"""Float8Linear: nn.Linear whose three GEMMs run in float8 through one autograd.Function."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.fp8.casts import cast_to_fp8
+from mixprec.fp8.config import LP_FORWARD_DTYPE, Float8Config
+from mixprec.fp8.kernels import cpu_has_scaled_mm, lp_gemm, resolve_emulate
+
+
+class _Float8LinearFn(torch.autograd.Function):
+    """input (M, K) @ weight (N, K)^T with all three GEMMs in float8; see the module docstring."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hp_input: torch.Tensor,
+        hp_weight: torch.Tensor,
+        input_history: torch.Tensor | None,
+        weight_history: torch.Tensor | None,
+        grad_history: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        config: Float8Config,
+        emulate: bool,
+    ) -> torch.Tensor:
+        # Autocast off inside: the CPU _scaled_mm rounds differently under autocast (measured:
+        # half its bf16 outputs moved, unlike compiled code), and emulation's GEMM must stay fp32.
+        with torch.autocast(hp_input.device.type, enabled=False):
+            return _Float8LinearFn._forward(
+                ctx,
+                hp_input,
+                hp_weight,
+                input_history,
+                weight_history,
+                grad_history,
+                out_dtype,
+                config,
+                emulate,
+            )
+
+    @staticmethod
+    def _forward(
+        ctx: Any,
+        hp_input: torch.Tensor,
+        hp_weight: torch.Tensor,
+        input_history: torch.Tensor | None,
+        weight_history: torch.Tensor | None,
+        grad_history: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        config: Float8Config,
+        emulate: bool,
+    ) -> torch.Tensor:
+        lp_input, input_inv = cast_to_fp8(hp_input, LP_FORWARD_DTYPE, input_history, config)
+        lp_weight, weight_inv = cast_to_fp8(hp_weight, LP_FORWARD_DTYPE, weight_history, config)
+        # Saving the float8 copies (1 byte per element) is what backward needs: the spec'd GEMMs
+        # reuse the forward's e4m3 input and weight, not fresh casts.
+        ctx.save_for_backward(lp_input, lp_weight, input_inv, weight_inv)
+        ctx.grad_history = grad_history
+        ctx.hp_dtypes = (hp_input.dtype, hp_weight.dtype)
+        ctx.config, ctx.emulate = config, emulate
+        return lp_gemm(lp_input, lp_weight.t(), input_inv, weight_inv, out_dtype, emulate=emulate)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _Float8LinearFn._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        lp_input, lp_weight, input_inv, weight_inv = ctx.saved_tensors
+        input_dtype, weight_dtype = ctx.hp_dtypes
+        lp_grad, grad_inv = cast_to_fp8(
+            grad_out, ctx.config.lp_grad_dtype, ctx.grad_history, ctx.config
+        )
+        grad_input = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_input = lp_gemm(
+                lp_grad, lp_weight, grad_inv, weight_inv, input_dtype, emulate=ctx.emulate
+            )
+        if ctx.needs_input_grad[1]:
+            grad_weight = lp_gemm(
+                lp_grad.t(), lp_input, grad_inv, input_inv, weight_dtype, emulate=ctx.emulate
+            )
+        return grad_input, grad_weight, None, None, None, None, None, None
+
+
+def _autocast_dtype_or(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The surrounding autocast's dtype on this device type, else `dtype`."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return dtype
+
+
+HISTORY_NAMES = ("input_amax_history", "weight_amax_history", "grad_amax_history")
+
+
+class Float8Linear(nn.Linear):
+    """nn.Linear whose GEMMs run in float8; same parameters, same state_dict keys.
+
+    The output dtype is the surrounding autocast's dtype when autocast is on, else the input's;
+    the bias is added in that dtype. Delayed scaling keeps one amax history buffer per tensor.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        config: Float8Config | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if config is not None and not isinstance(config, Float8Config):
+            raise TypeError(f"config must be a Float8Config or None, got {config!r}.")
+        self.config = config if config is not None else Float8Config()
+        cpu_has_scaled_mm()  # probe now: under torch.compile the cached answer is read, not traced
+        self._register_histories(device)
+
+    def _register_histories(self, device: torch.device | str | None) -> None:
+        delayed = self.config.scaling == "delayed"
+        for name in HISTORY_NAMES:
+            history = (
+                torch.zeros(self.config.amax_history_len, dtype=torch.float32, device=device)
+                if delayed
+                else None
+            )
+            self.register_buffer(name, history, persistent=self.config.persist_amax_history)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, config: Float8Config | None = None) -> Float8Linear:
+        """A Float8Linear sharing `linear`'s Parameter objects (optimizers keep pointing at them)."""
+        with torch.device("meta"):  # no throwaway init of a weight we replace right away
+            new = cls(linear.in_features, linear.out_features, bias=False, config=config)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._register_histories(linear.weight.device)
+        new.train(linear.training)
+        return new
+
+    def forward(self, hp_input: torch.Tensor) -> torch.Tensor:
+        device_type = hp_input.device.type
+        out_dtype = _autocast_dtype_or(device_type, hp_input.dtype)
+        emulate = resolve_emulate(hp_input.device, self.config)
+        hp_2d = hp_input.reshape(-1, self.in_features)
+        out = _Float8LinearFn.apply(
+            hp_2d,
+            self.weight,
+            self.input_amax_history,
+            self.weight_amax_history,
+            self.grad_amax_history,
+            out_dtype,
+            self.config,
+            emulate,
+        )
+        out = out.reshape(*hp_input.shape[:-1], self.out_features)
+        if self.bias is not None:
+            # The bias stays out of float8: its gradient is a plain sum in the output dtype.
+            out = out + self.bias.to(out_dtype)
+        return out
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        for name in HISTORY_NAMES:
+            if prefix + name in missing_keys:  # a plain nn.Linear checkpoint: restart the history
+                missing_keys.remove(prefix + name)
+                getattr(self, name).zero_()
+
+    def extra_repr(self) -> str:
+        c = self.config
+        scaling = f"delayed(len={c.amax_history_len})" if c.scaling == "delayed" else c.scaling
+        return (
+            f"{super().extra_repr()}, scaling={scaling}, grad={c.grad_dtype}, emulate={c.emulate}"
+        )
