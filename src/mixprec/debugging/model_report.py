@@ -12,11 +12,13 @@ from torch.utils._pytree import tree_leaves
 
 from mixprec.casting import NORM_TYPES, cast_floating, cast_module
 from mixprec.debugging._markdown import markdown_table
+from mixprec.fp8.config import GEMM_ALIGN, LP_FORWARD_DTYPE
+from mixprec.fp8.convert import default_fp8_filter
 from mixprec.policy import Policy
 
 TENSOR_CORE_MULTIPLE = 8
 """fp16/bf16 GEMM and conv dims that are multiples of 8 run on tensor cores (seed 002, 3.1)."""
-FP8_MULTIPLE = 16
+FP8_MULTIPLE = GEMM_ALIGN
 """float8 GEMMs (torch._scaled_mm) need K and N divisible by 16."""
 
 GEMM_TYPES: tuple[type[nn.Module], ...] = (
@@ -148,9 +150,7 @@ def misaligned_dims(model: nn.Module, multiple: int) -> list[Misalignment]:
     return found
 
 
-def _static_dtypes(
-    name: str, module: nn.Module, policy: Policy, misaligned: set[str]
-) -> tuple[str, str]:
+def _static_dtypes(name: str, module: nn.Module, policy: Policy) -> tuple[str, str]:
     floating = [p for p in module._parameters.values() if p is not None and p.is_floating_point()]
     kept = policy.keep_norm_fp32 and isinstance(module, NORM_TYPES)
     param_dtype = torch.float32 if kept else policy.param_dtype
@@ -159,8 +159,8 @@ def _static_dtypes(
         return params, _dtype_name(param_dtype)
     if policy.compute_dtype is None:
         return params, "float32"
-    if policy.fp8 and isinstance(module, nn.Linear) and name not in misaligned:
-        return params, "float8_e4m3fn"
+    if policy.fp8 and isinstance(module, nn.Linear) and default_fp8_filter(module, name) is True:
+        return params, _dtype_name(LP_FORWARD_DTYPE)  # what convert_to_fp8 would swap in
     if isinstance(module, GEMM_TYPES):
         return params, _dtype_name(policy.compute_dtype)
     return params, "as input"
@@ -246,10 +246,9 @@ def model_report(model: nn.Module, policy: Policy, example_input: Any = None) ->
         if example_input is not None
         else {}
     )
-    misaligned_names = {m.name for m in misaligned}
     rows = []
     for name, module in layers:
-        params, compute = _static_dtypes(name, module, policy, misaligned_names)
+        params, compute = _static_dtypes(name, module, policy)
         rows.append(
             LayerPrecision(
                 name=name or "<model>",
