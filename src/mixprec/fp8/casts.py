@@ -27,7 +27,9 @@ def amax_to_scale(
     """
     amax = amax.to(torch.float32)
     # fp8 max / 1e-12 <= 6e16 stays well inside fp32, so the floored division cannot overflow.
-    scale = torch.finfo(lp_dtype).max / torch.clamp(amax, min=AMAX_EPS)
+    # full_like / amax is one correctly rounded division; float / tensor would be
+    # reciprocal-then-multiply (two roundings).
+    scale = torch.full_like(amax, torch.finfo(lp_dtype).max) / torch.clamp(amax, min=AMAX_EPS)
     if margin:
         scale = scale / (2.0**margin)
     if power_of_two:
