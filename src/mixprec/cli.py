@@ -148,11 +148,28 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
+    from mixprec.debugging.doctor import add_doctor_arguments as add
+
+    add(parser)
+
+
+def doctor_command(args: argparse.Namespace) -> int:
+    from mixprec.debugging.doctor import run_doctor
+
+    return run_doctor(args)
+
+
 COMMANDS: dict[str, Command] = {
     "run": Command(
         help="run a training script on N processes per node (torchrun underneath)",
         add_arguments=add_run_arguments,
         run=run_command,
+    ),
+    "doctor": Command(
+        help="what this hardware can run (fp16/bf16/fp8), and a model's dtype/alignment report",
+        add_arguments=add_doctor_arguments,
+        run=doctor_command,
     ),
 }
 """Every `mixprec` subcommand, by name; `mixprec --help` lists them in this order."""
