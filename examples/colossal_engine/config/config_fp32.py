@@ -1,0 +1,14 @@
+"""Full precision: no fp16 section, so every op runs in fp32."""
+
+# hyperparameters; BATCH_SIZE is per process (global batch = BATCH_SIZE x world size)
+BATCH_SIZE = 64
+LEARNING_RATE = 3e-3
+WEIGHT_DECAY = 1e-4
+NUM_EPOCHS = 5
+WARMUP_EPOCHS = 1
+
+# model
+HIDDEN_SIZE = 128
+NUM_CLASSES = 10
+
+clip_grad_norm = 1.0
