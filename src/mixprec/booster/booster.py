@@ -1,0 +1,177 @@
+"""Booster: Colossal-AI's one-call face over mixprec's core.
+
+    booster = Booster(mixed_precision="fp16", plugin=TorchDDPPlugin())
+    model, optimizer, criterion, dataloader, lr_scheduler = booster.boost(
+        model, optimizer, criterion, dataloader, lr_scheduler)
+    loss = criterion(model(x), y)
+    booster.backward(loss, optimizer)
+    optimizer.step(); optimizer.zero_grad(); lr_scheduler.step()
+
+The mixed-precision object turns its mode into a Policy and the core applies it; the plugin
+wraps the result (DDP, FSDP2) and writes checkpoints. Nothing here decides a dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.booster.plugin.plugin_base import Plugin
+from mixprec.mixed_precision import MixedPrecision, to_mixed_precision
+from mixprec.module import FP32Criterion
+from mixprec.optim import MixedPrecisionOptimizer
+
+
+class SkipAwareLRScheduler:
+    """An LR scheduler that holds still when the optimizer skipped its last step for overflow.
+
+    Meant for per-step schedules (step() after every optimizer.step()); every other attribute
+    (get_last_lr, last_epoch, ...) is the wrapped scheduler's.
+    """
+
+    def __init__(self, scheduler: Any, optimizer: MixedPrecisionOptimizer) -> None:
+        self.scheduler = scheduler
+        self.optimizer = optimizer
+        self.held_steps = 0
+        """Calls to step() that did not advance the schedule (the optimizer step was skipped)."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        result = self.optimizer.last_result
+        if result is not None and result.skipped:
+            self.held_steps += 1  # the weights did not move, so the schedule must not either
+            return
+        self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (e.g. during unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+    def __repr__(self) -> str:
+        return f"SkipAwareLRScheduler({self.scheduler!r})"
+
+
+class Booster:
+    """Boosts a model, optimizer, criterion, dataloader and LR scheduler for training.
+
+    Args:
+        device: where the model trains (default: 'cuda' when available, else 'cpu').
+        mixed_precision: None (fp32), a mode name (mixprec.policy.MODES: 'fp16', 'bf16',
+            'fp16_naive', 'fp16_apex', 'fp8', 'fp32') or a MixedPrecision instance.
+        plugin: TorchDDPPlugin, TorchFSDPPlugin, or None for a single process.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        mixed_precision: str | MixedPrecision | None = None,
+        plugin: Plugin | None = None,
+    ) -> None:
+        if plugin is not None and not isinstance(plugin, Plugin):
+            raise TypeError(
+                f"plugin must be a mixprec Plugin (TorchDDPPlugin, TorchFSDPPlugin) or None, "
+                f"got {plugin!r}."
+            )
+        self.mixed_precision = to_mixed_precision(mixed_precision)
+        self.plugin = plugin or Plugin()
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        # boosted model <-> its optimizer: checkpoints need the pair (masters, FSDP shards).
+        self._optimizer_of: dict[int, MixedPrecisionOptimizer] = {}
+        self._model_of: dict[int, nn.Module] = {}
+
+    def boost(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable[..., torch.Tensor] | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[
+        nn.Module,
+        MixedPrecisionOptimizer | None,
+        FP32Criterion | None,
+        Any,
+        SkipAwareLRScheduler | None,
+    ]:
+        """The five, boosted: model in precision then wrapped by the plugin, optimizer wrapped
+        for loss scaling and masters, criterion in fp32, LR scheduler skip-aware; the
+        dataloader is returned as is (build it with plugin.prepare_dataloader)."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
+        if lr_scheduler is not None:
+            if optimizer is None:
+                raise ValueError("An lr_scheduler needs its optimizer passed to boost() too.")
+            if getattr(lr_scheduler, "optimizer", optimizer) is not optimizer:
+                raise ValueError(
+                    "lr_scheduler was built over another optimizer than the one passed to boost()."
+                )
+        boosted, mp_optimizer = self.plugin.configure(
+            model, optimizer, self.mixed_precision, self.device
+        )
+        fp32_criterion = (
+            None if criterion is None else self.mixed_precision.convert_criterion(criterion)
+        )
+        scheduler = None
+        if lr_scheduler is not None:
+            assert mp_optimizer is not None
+            scheduler = SkipAwareLRScheduler(lr_scheduler, mp_optimizer)
+        if mp_optimizer is not None:
+            self._optimizer_of[id(boosted)] = mp_optimizer
+            self._model_of[id(mp_optimizer)] = boosted
+        return boosted, mp_optimizer, fp32_criterion, dataloader, scheduler
+
+    @staticmethod
+    def _check_optimizer(optimizer: Any) -> MixedPrecisionOptimizer:
+        if not isinstance(optimizer, MixedPrecisionOptimizer):
+            raise TypeError(
+                f"Pass the optimizer boost() returned (a MixedPrecisionOptimizer), got "
+                f"{type(optimizer).__name__}."
+            )
+        return optimizer
+
+    def backward(self, loss: torch.Tensor, optimizer: MixedPrecisionOptimizer) -> None:
+        """Backward of the loss times the current loss scale (accumulates until step())."""
+        self._check_optimizer(optimizer).backward(loss)
+
+    def no_sync(
+        self, model: nn.Module, optimizer: MixedPrecisionOptimizer | None = None
+    ) -> contextlib.AbstractContextManager:
+        """Gradient accumulation: backward passes inside skip the cross-rank reduction."""
+        return self.plugin.no_sync(model)
+
+    # ----- checkpoints -----
+    def save_model(self, model: nn.Module, path: str | os.PathLike) -> None:
+        """Save the model's weights in fp32 (the optimizer's masters where it keeps them)."""
+        self.plugin.save_model(model, path, self._optimizer_of.get(id(model)))
+
+    def load_model(self, model: nn.Module, path: str | os.PathLike, strict: bool = True) -> None:
+        """Load weights saved in any mode; the masters (if any) get the fp32 values."""
+        self.plugin.load_model(model, path, self._optimizer_of.get(id(model)), strict=strict)
+
+    def save_optimizer(self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike) -> None:
+        """Save optimizer state, fp32 masters and the loss-scaler state."""
+        optimizer = self._check_optimizer(optimizer)
+        self.plugin.save_optimizer(optimizer, path, self._model_of.get(id(optimizer)))
+
+    def load_optimizer(self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike) -> None:
+        optimizer = self._check_optimizer(optimizer)
+        self.plugin.load_optimizer(optimizer, path, self._model_of.get(id(optimizer)))
+
+    def save_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike) -> None:
+        self.plugin.save_lr_scheduler(lr_scheduler, path)
+
+    def load_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike) -> None:
+        self.plugin.load_lr_scheduler(lr_scheduler, path)

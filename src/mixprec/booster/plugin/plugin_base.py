@@ -1,0 +1,179 @@
+"""The plugin base: how a Booster places, wraps and checkpoints what it boosts.
+
+The base class is the single-process plugin (the Booster's default): it wraps nothing and,
+when a process group is up, lets rank 0 alone write checkpoints. TorchDDPPlugin and
+TorchFSDPPlugin override only the hooks that differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from mixprec.checkpoint import (
+    hp_model_state_dict,
+    load_checkpoint,
+    load_hp_model_state_dict,
+    save_checkpoint,
+)
+from mixprec.mixed_precision import MixedPrecision
+from mixprec.module import PrecisionModule
+from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.scaling import ProcessGroup
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's model inside a boosted one (peels DDP and PrecisionModule wrappers)."""
+    while isinstance(model, DDP | PrecisionModule):
+        model = model.module
+    return model
+
+
+class Plugin:
+    """Single process: no parallel wrapper; rank 0 writes checkpoints when a world is up."""
+
+    @property
+    def process_group(self) -> ProcessGroup | None:
+        """Ranks that must agree on skipping a step (None: the world, if initialised)."""
+        return None
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        mixed_precision: MixedPrecision,
+        device: torch.device,
+    ) -> tuple[nn.Module, MixedPrecisionOptimizer | None]:
+        """Model in precision, then wrapped; optimizer wrapped last (masters copy final params)."""
+        boosted = self.wrap_model(mixed_precision.convert_module(model.to(device)), device)
+        if optimizer is None:
+            return boosted, None
+        return boosted, mixed_precision.convert_optimizer(
+            optimizer, process_group=self.process_group
+        )
+
+    def wrap_model(self, model: PrecisionModule, device: torch.device) -> nn.Module:
+        return model
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Accumulate gradients without cross-rank communication (nothing to skip here)."""
+        return contextlib.nullcontext()
+
+    def prepare_dataloader(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        shuffle: bool = False,
+        seed: int = 1024,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        num_workers: int = 0,
+        **kwargs: Any,
+    ) -> DataLoader:
+        """A DataLoader over this rank's part of dataset (DistributedSampler when world > 1)."""
+        rank, world = rank_and_world()
+        if world > 1:
+            sampler = DistributedSampler(
+                dataset,
+                num_replicas=world,
+                rank=rank,
+                shuffle=shuffle,
+                seed=seed,
+                drop_last=drop_last,
+            )
+            return DataLoader(
+                dataset,
+                batch_size=batch_size,
+                sampler=sampler,
+                drop_last=drop_last,
+                pin_memory=pin_memory,
+                num_workers=num_workers,
+                **kwargs,
+            )
+        generator = torch.Generator().manual_seed(seed)  # the same order on every run
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            generator=generator,
+            drop_last=drop_last,
+            pin_memory=pin_memory,
+            num_workers=num_workers,
+            **kwargs,
+        )
+
+    # ----- checkpoints: one torch.save file, written by rank 0 -----
+    def _write(self, obj: Any, path: str | os.PathLike) -> None:
+        if rank_and_world()[0] == 0:
+            save_checkpoint(obj, path)
+        barrier()  # no rank reads the file before it is complete
+
+    def save_model(
+        self, model: nn.Module, path: str | os.PathLike, optimizer: MixedPrecisionOptimizer | None
+    ) -> None:
+        self._write(hp_model_state_dict(unwrap_model(model), optimizer), path)
+
+    def load_model(
+        self,
+        model: nn.Module,
+        path: str | os.PathLike,
+        optimizer: MixedPrecisionOptimizer | None,
+        strict: bool = True,
+    ) -> None:
+        user_model = unwrap_model(model)
+        if Path(path).is_dir():  # a torch.distributed.checkpoint directory (from FSDP)
+            state = _dcp_read_model_state(user_model, path, optimizer)
+        else:
+            state = load_checkpoint(path)
+        load_hp_model_state_dict(user_model, state, optimizer, strict=strict)
+
+    def save_optimizer(
+        self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
+    ) -> None:
+        self._write(optimizer.state_dict(), path)
+
+    def load_optimizer(
+        self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
+    ) -> None:
+        optimizer.load_state_dict(load_checkpoint(path))
+
+    def save_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike) -> None:
+        self._write(lr_scheduler.state_dict(), path)
+
+    def load_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike) -> None:
+        lr_scheduler.load_state_dict(load_checkpoint(path))
+
+
+def _dcp_read_model_state(
+    model: nn.Module, path: str | os.PathLike, optimizer: MixedPrecisionOptimizer | None
+) -> dict[str, Any]:
+    """Read a torch.distributed.checkpoint model directory into full fp32 CPU tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    template = {
+        k: v.clone() if isinstance(v, torch.Tensor) else v
+        for k, v in hp_model_state_dict(model, optimizer).items()
+    }  # fresh tensors: DCP reads into them, the model's own params stay untouched until loaded
+    dcp.load(template, checkpoint_id=os.fspath(path), no_dist=not is_distributed())
+    return template

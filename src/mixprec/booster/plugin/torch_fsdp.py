@@ -1,0 +1,269 @@
+"""TorchFSDPPlugin: FSDP2 (`fully_shard`) with mixprec's loss scaling — fp16 included.
+
+Params stay fp32 and sharded: the fp32 shards are the master weights the optimizer steps.
+When the policy casts params (fp16_naive, Apex O2/O3), FSDP's MixedPrecisionPolicy casts each
+unsharded copy to the low dtype for forward and backward, and gradients are reduce-scattered
+in `reduce_dtype` (fp32 by default). Loss scaling runs on the sharded gradients; each rank sees
+only its shard, so the overflow flag is MAX-reduced over the shard group and every rank skips
+together. (Colossal-AI forbids fp16 with ZeRO/FSDP; this makes the combination work.)
+Checkpoints go through torch.distributed.checkpoint: a directory, each rank writing its shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from mixprec.booster.plugin.plugin_base import (
+    Plugin,
+    barrier,
+    is_distributed,
+    rank_and_world,
+    unwrap_model,
+)
+from mixprec.casting import NORM_TYPES, keep_module_fp32
+from mixprec.checkpoint import load_checkpoint
+from mixprec.mixed_precision import MixedPrecision
+from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.scaling import ProcessGroup
+
+ShardFilter = Callable[[str, nn.Module], bool]
+
+
+def direct_children_with_params(name: str, module: nn.Module) -> bool:
+    """Default sharding units: each top-level child that owns parameters (plus the root)."""
+    return "." not in name and any(True for _ in module.parameters())
+
+
+class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
+    """The core optimizer over DTensor params: unscales and checks each rank's local shard.
+
+    The core's one-element overflow flag is a plain tensor; handing DTensor grads to the
+    foreach unscale kernel would make DTensor wrap it as a replicated DTensor (with a warning
+    every step). The local shards are the same storage, and the flag is MAX-reduced over the
+    shard group afterwards, so checking them locally is exact.
+    """
+
+    def _hp_grads(self) -> list[torch.Tensor]:
+        return [g.to_local() if isinstance(g, DTensor) else g for g in super()._hp_grads()]
+
+
+class TorchFSDPPlugin(Plugin):
+    """FSDP2 sharding of the model and optimizer state over all ranks.
+
+    Args:
+        reduce_dtype: dtype gradients are reduce-scattered in (fp32: no precision lost in the
+            sum over ranks, and an fp16 sum of scaled gradients cannot overflow there).
+        reshard_after_forward: fully_shard's option (free unsharded params after forward).
+        shard_filter: (name, module) -> True for each submodule to make its own FSDP unit
+            (default: every top-level child with parameters); the root is always one.
+    """
+
+    def __init__(
+        self,
+        *,
+        reduce_dtype: torch.dtype = torch.float32,
+        reshard_after_forward: bool = True,
+        shard_filter: ShardFilter | None = None,
+    ) -> None:
+        if reduce_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"reduce_dtype={reduce_dtype!r}; valid: torch.float32, torch.float16, "
+                "torch.bfloat16."
+            )
+        self.reduce_dtype = reduce_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.shard_filter = shard_filter or direct_children_with_params
+        self.mesh: DeviceMesh | None = None
+
+    @property
+    def process_group(self) -> ProcessGroup | None:
+        return None if self.mesh is None else self.mesh.get_group()
+
+    def _shard(self, model: nn.Module, lp_dtype: torch.dtype | None, keep_norm_fp32: bool) -> None:
+        assert self.mesh is not None
+        lp_mp = MixedPrecisionPolicy(param_dtype=lp_dtype, reduce_dtype=self.reduce_dtype)
+        hp_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=self.reduce_dtype)
+        units: list[tuple[nn.Module, MixedPrecisionPolicy]] = []
+        for name, module in model.named_modules():
+            if not name:
+                continue
+            if lp_dtype is not None and keep_norm_fp32 and isinstance(module, NORM_TYPES):
+                # Own unit gathered in fp32; the core's hooks upcast its input, recast output.
+                keep_module_fp32(module, lp_dtype)
+                units.append((module, hp_mp))
+            elif self.shard_filter(name, module):
+                units.append((module, lp_mp))
+        # named_modules is pre-order: reversed, every child is sharded before its parent.
+        for module, mp in reversed(units):
+            fully_shard(
+                module,
+                mesh=self.mesh,
+                mp_policy=mp,
+                reshard_after_forward=self.reshard_after_forward,
+            )
+        fully_shard(
+            model, mesh=self.mesh, mp_policy=lp_mp, reshard_after_forward=self.reshard_after_forward
+        )
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        mixed_precision: MixedPrecision,
+        device: torch.device,
+    ) -> tuple[nn.Module, MixedPrecisionOptimizer | None]:
+        if not is_distributed():
+            raise RuntimeError(
+                "TorchFSDPPlugin needs torch.distributed initialised first: call "
+                "mixprec.launch.launch_from_torch() (or launch) before boosting."
+            )
+        policy = mixed_precision.policy
+        lp_dtype = policy.param_dtype if policy.casts_params else None
+        # FSDP casts the gathered params; the fp32 shards are the masters (no second copy).
+        hp_policy = replace(policy, param_dtype=torch.float32, master_weights=False)
+        model = model.to(device)
+        names_before = {id(p): name for name, p in model.named_parameters()}
+        boosted = mixed_precision.convert_module(model, hp_policy)
+        self.mesh = init_device_mesh(device.type, (rank_and_world()[1],))
+        self._shard(boosted.module, lp_dtype, policy.keep_norm_fp32)
+        if optimizer is None:
+            return boosted, None
+        _point_optimizer_at_shards(optimizer, names_before, boosted.module)
+        return boosted, ShardedMixedPrecisionOptimizer(
+            optimizer,
+            loss_scale=hp_policy.loss_scale,
+            master_weights=False,
+            process_group=self.process_group,
+            log_num_zeros_in_grad=hp_policy.log_num_zeros_in_grad,
+        )
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return _no_gradient_sync(unwrap_model(model))
+
+    # ----- checkpoints: torch.distributed.checkpoint directories -----
+    def save_model(
+        self, model: nn.Module, path: str | os.PathLike, optimizer: MixedPrecisionOptimizer | None
+    ) -> None:
+        _dcp_save_atomic(get_model_state_dict(unwrap_model(model)), path)
+
+    def load_model(
+        self,
+        model: nn.Module,
+        path: str | os.PathLike,
+        optimizer: MixedPrecisionOptimizer | None,
+        strict: bool = True,
+    ) -> None:
+        user_model = unwrap_model(model)
+        if Path(path).is_file():  # a full-state file (single process / DDP): each rank reads it
+            full = load_checkpoint(path)
+            options = StateDictOptions(full_state_dict=True, strict=strict)
+            set_model_state_dict(user_model, full, options=options)
+            return
+        state = get_model_state_dict(user_model)
+        dcp.load(state, checkpoint_id=os.fspath(path))
+        set_model_state_dict(user_model, state, options=StateDictOptions(strict=strict))
+
+    def _optimizer_state(
+        self, optimizer: MixedPrecisionOptimizer, model: nn.Module | None
+    ) -> dict[str, Any]:
+        if model is None:
+            raise ValueError("An FSDP optimizer checkpoint needs the model it was boosted with.")
+        return {
+            "optimizer": get_optimizer_state_dict(unwrap_model(model), optimizer.optim),
+            "scaler": optimizer.scaler.state_dict(),
+            "steps": optimizer.steps,
+            "skipped_steps": optimizer.skipped_steps,
+        }
+
+    def save_optimizer(
+        self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
+    ) -> None:
+        _dcp_save_atomic(self._optimizer_state(optimizer, model), path)
+
+    def load_optimizer(
+        self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
+    ) -> None:
+        state = self._optimizer_state(optimizer, model)
+        dcp.load(state, checkpoint_id=os.fspath(path))
+        set_optimizer_state_dict(unwrap_model(model), optimizer.optim, state["optimizer"])
+        optimizer.scaler.load_state_dict(state["scaler"])
+        optimizer.steps = int(state["steps"])
+        optimizer.skipped_steps = int(state["skipped_steps"])
+
+
+def _point_optimizer_at_shards(
+    optimizer: torch.optim.Optimizer, names_before: dict[int, str], sharded: nn.Module
+) -> None:
+    """fully_shard replaced every param with a DTensor one: swap them into param_groups."""
+    if optimizer.state:
+        raise ValueError(
+            "TorchFSDPPlugin: the optimizer already has state for the unsharded params; boost "
+            "it before its first step (FSDP replaces the params it would refer to)."
+        )
+    params_after = dict(sharded.named_parameters())
+    for group in optimizer.param_groups:
+        swapped = []
+        for p in group["params"]:
+            name = names_before.get(id(p))
+            if name is None or name not in params_after:
+                raise ValueError(
+                    f"An optimizer param of shape {tuple(p.shape)} is not a param of the "
+                    "boosted model; pass the optimizer built over this model's parameters."
+                )
+            swapped.append(params_after[name])
+        group["params"] = swapped
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: nn.Module):
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"no_sync needs a model boosted by TorchFSDPPlugin, got {type(model)}.")
+    model.set_requires_gradient_sync(False)  # grads accumulate unsharded, no reduce-scatter
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _dcp_save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """dcp.save into a temp directory, then rank 0 swaps it in for path.
+
+    The previous checkpoint stays whole until the new one is complete; a crash between the two
+    renames leaves it at '.<name>.old' beside path.
+    """
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp"
+    old = path.parent / f".{path.name}.old"
+    if rank_and_world()[0] == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save
+    barrier()
+    dcp.save(state, checkpoint_id=os.fspath(tmp))
+    barrier()  # every rank's shards are written
+    if rank_and_world()[0] == 0:
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)  # a non-empty directory cannot be replaced in one rename
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
