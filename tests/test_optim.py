@@ -284,3 +284,23 @@ def test_overflow_on_one_rank_skips_everywhere(world: int) -> None:
     from dist_utils import spawn
 
     spawn(_ranks_agree_on_overflow, world)
+
+
+def test_scale_collapse_raises_naming_the_parameters() -> None:
+    model = cast_module(tiny_mlp(), torch.bfloat16)
+    opt = MixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_scale=ScalerConfig(init_scale=4.0),
+        max_consecutive_skips=5,
+    )
+    opt.name_params(model)
+    x, y = batch(dtype=torch.bfloat16)
+    for i in range(5):
+        opt.zero_grad()
+        opt.backward(loss_fn(model, x, y))
+        model[3].bias.grad[0] = float("nan")  # persistent: overflows at any scale
+        if i < 4:
+            assert opt.step().skipped
+    with pytest.raises(RuntimeError, match=r"5 steps in a row.*floor 1.*\['3.bias'\].*bf16"):
+        opt.step()
+    assert opt.loss_scale == 1.0  # the floor held: the scale never fell to 0

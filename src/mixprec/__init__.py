@@ -8,7 +8,7 @@ from mixprec.amp import AMPOptimizer, convert_to_amp
 from mixprec.casting import cast_floating, cast_module
 from mixprec.grad_scaler import GradScaler
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
-from mixprec.optim import MixedPrecisionOptimizer, StepResult
+from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
 from mixprec.policy import AMP_TYPE, MODES, Policy, ScalerConfig, preset, to_policy
 from mixprec.scaling import LossScaler
 
@@ -24,6 +24,7 @@ __all__ = [
     "MixedPrecisionOptimizer",
     "Policy",
     "PrecisionModule",
+    "ScaleCollapseError",
     "ScalerConfig",
     "StepResult",
     "cast_floating",

@@ -42,6 +42,10 @@ class StepResult:
     """Zero gradient entries, when log_num_zeros_in_grad is on."""
 
 
+class ScaleCollapseError(RuntimeError):
+    """Too many consecutive steps were skipped: the run cannot make progress."""
+
+
 def _is_rank_zero() -> bool:
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
@@ -57,6 +61,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         max_norm: clip the unscaled gradients to this total norm in every step (0: off).
         process_group: ranks that must agree on overflow (default: the world when initialised).
         log_num_zeros_in_grad: count zero gradient entries each step (one more host sync).
+        max_consecutive_skips: raise ScaleCollapseError after this many skipped steps in a row
+            (None: never). From fp16_naive's 2**32 about 34 skips reach a scale of 1; far more
+            means the run overflows at any scale and will never train.
     """
 
     def __init__(
@@ -68,12 +75,17 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         max_norm: float = 0.0,
         process_group: ProcessGroup | None = None,
         log_num_zeros_in_grad: bool = False,
+        max_consecutive_skips: int | None = 100,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
         if isinstance(optimizer, MixedPrecisionOptimizer):
             raise TypeError(
                 "This optimizer is already wrapped by mixprec; wrap the inner one once."
+            )
+        if max_consecutive_skips is not None and max_consecutive_skips < 1:
+            raise ValueError(
+                f"max_consecutive_skips={max_consecutive_skips!r} must be >= 1 or None."
             )
         if max_norm < 0:
             raise ValueError(f"max_norm={max_norm!r} must be >= 0 (0 turns clipping off).")
@@ -82,6 +94,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.max_norm = float(max_norm)
         self.process_group = process_group
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        self.max_consecutive_skips = max_consecutive_skips
+        self.param_names: dict[int, str] = {}  # id(param as the optimizer holds it) -> name
         # (lp param, fp32 master) pairs; the master sits in param_groups where lp was.
         self.lp_params: list[torch.Tensor] = []
         self.hp_masters: list[torch.Tensor] = []
@@ -149,6 +163,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             else:
                 out.append(p)
         return out
+
+    def name_params(self, model: torch.nn.Module) -> None:
+        """Learn the model's parameter names, so errors can say which parameters overflowed."""
+        lp_to_master = {id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
+        for name, p in model.named_parameters():
+            held = lp_to_master.get(id(p), p)
+            self.param_names[id(held)] = name
+
+    def nonfinite_params(self) -> list[str]:
+        """Names (or group/index) of the parameters whose current gradient holds inf/nan."""
+        bad = []
+        for g, group in enumerate(self.optim.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    bad.append(
+                        self.param_names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}")
+                    )
+        return bad
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
@@ -233,8 +265,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if self.max_norm > 0:
             grad_norm = float(self.clip_grad_norm(self.max_norm))
         num_zeros = self._count_zeros() if self.log_num_zeros_in_grad else None
-        scale = self.scaler.scale_tensor.clone()
-        skipped = bool(found_inf.item())  # the one host sync per step: the skip decision
+        # The one host sync per step: the skip decision, with the scale it was made under.
+        flag, scale = torch.cat([found_inf, self.scaler.scale_tensor.to(found_inf)]).tolist()
+        skipped = flag > 0
         if not skipped:
             self.optim.step()
             if self.hp_masters:
@@ -244,16 +277,27 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.steps += 1
         self.skipped_steps += skipped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        self.last_result = StepResult(
+            skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=num_zeros
+        )
+        limit = self.max_consecutive_skips
+        if limit is not None and self.consecutive_skips >= limit:
+            bad = self.nonfinite_params()
+            raise ScaleCollapseError(
+                f"{self.consecutive_skips} steps in a row were skipped for non-finite gradients "
+                f"(loss scale now {self.scaler.scale:g}, floor {self.scaler.cfg.min_scale:g}). "
+                f"Non-finite gradients this step in: {bad[:10] or 'another rank'}"
+                f"{' ...' if len(bad) > 10 else ''}. The run overflows at any scale: look for a "
+                "nan/inf in the data or loss (mixprec.debugging.NonFiniteLocator names the first "
+                "module), lower the learning rate, or train in bf16, which has fp32's range."
+            )
         if skipped and _is_rank_zero():
             log.info(
                 "mixprec: non-finite gradients; skipped step %d (loss scale %g -> %g)",
                 self.steps,
-                float(scale),
+                scale,
                 self.scaler.scale,
             )
-        self.last_result = StepResult(
-            skipped=skipped, scale=float(scale), grad_norm=grad_norm, num_zeros=num_zeros
-        )
         return self.last_result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
