@@ -24,6 +24,8 @@ from mixprec.fp8.casts import (
     tensor_to_fp8,
 )
 from mixprec.fp8.config import (
+    AMAX_EPS,
+    GEMM_ALIGN,
     LP_FORWARD_DTYPE,
     LP_GRAD_DTYPES,
     SCALINGS,
@@ -34,6 +36,8 @@ from mixprec.fp8.kernels import cpu_has_scaled_mm, fp8_kernel_problem, lp_gemm, 
 from mixprec.fp8.linear import Float8Linear
 
 __all__ = [
+    "AMAX_EPS",
+    "GEMM_ALIGN",
     "LP_FORWARD_DTYPE",
     "LP_GRAD_DTYPES",
     "SCALINGS",

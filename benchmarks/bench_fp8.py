@@ -1,0 +1,266 @@
+"""fp8 vs bf16: forward+backward time of one Linear(w, w) and of 9 x Linear(w, w) (seed 002's net).
+
+Every case runs under bf16 autocast with fp32 parameters (the library's 'bf16' and 'fp8' modes):
+
+    bf16          nn.Linear: the GEMMs in bf16
+    fp8           Float8Linear over torch._scaled_mm (e4m3 forward, e5m2 gradients)
+    fp8-emulated  Float8Linear(emulate=True): the same casts, GEMMs in fp32
+
+All in one process, one sitting, so the ratios to bf16 compare like with like. A step is one
+forward and one backward (all three GEMMs per layer: the input requires grad too).
+Writes benchmarks/results/fp8_<device>.{md,json,png}.
+
+    python benchmarks/bench_fp8.py                              # the default sweep (< 3 min)
+    python benchmarks/bench_fp8.py --widths 1024 2048 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mixprec.fp8 import Float8Config, convert_to_fp8, fp8_kernel_problem
+
+RESULTS = Path(__file__).parent / "results"
+MODES = ("bf16", "fp8", "fp8-emulated")
+MLP_DEPTH = 9
+
+
+def machine_description(device: torch.device) -> dict[str, str]:
+    """What ran this: CPU model (platform.processor() is often empty on Linux), torch, threads."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = f"{names[0]} ({platform.machine()})" if names else cpu
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "torch_threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    if hasattr(os, "getloadavg"):  # other processes share the cores: recorded, not hidden
+        info["load_avg_1min_at_start"] = f"{os.getloadavg()[0]:.2f}"
+    return info
+
+
+def build(width: int, depth: int, mode: str, device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).to(device)
+    if mode != "bf16":
+        model, summary = convert_to_fp8(model, config=Float8Config(emulate=mode == "fp8-emulated"))
+        assert len(summary.converted) == depth, summary  # widths are multiples of 16
+    return model
+
+
+def make_step(
+    width: int, depth: int, mode: str, tokens: int, device: torch.device
+) -> Callable[[], None]:
+    """One forward+backward of a fresh model in `mode` (same weights and data in every mode)."""
+    model = build(width, depth, mode, device)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, width, generator=gen).to(device).requires_grad_()
+    grad = torch.randn(tokens, width, generator=gen).to(device, torch.bfloat16)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = model(x)
+        out.backward(grad)
+
+    return step
+
+
+def time_case(
+    width: int,
+    depth: int,
+    modes: list[str],
+    tokens: int,
+    warmup: int,
+    steps: int,
+    device: torch.device,
+) -> dict[str, list[float]]:
+    """Seconds per step for each mode, the modes taking turns step by step.
+
+    Taking turns spreads any load from other processes over all modes alike, so the ratios
+    stay fair even when the absolute times drift.
+    """
+    step_fns = {mode: make_step(width, depth, mode, tokens, device) for mode in modes}
+
+    def sync() -> None:
+        if device.type == "cuda":  # CUDA launches are async: time the work, not the launch
+            torch.cuda.synchronize(device)
+
+    for fn in step_fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(steps):
+        for mode, fn in step_fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[mode].append(time.perf_counter() - t0)
+    return times
+
+
+def markdown(results: list[dict], machine: dict[str, str], args: argparse.Namespace) -> str:
+    lines = [
+        f"# fp8 vs bf16, forward+backward ({machine['device']})",
+        "",
+        "Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()),
+        "",
+        f"Command: `python benchmarks/bench_fp8.py {' '.join(args.argv)}`",
+        f"tokens per step={args.tokens}, warmup={args.warmup}, timed steps={args.steps} per mode, "
+        "modes taking turns; each time is the fastest step (other processes share the cores).",
+        "All modes under bf16 autocast with fp32 parameters; ratio = mode time / bf16 time "
+        "(below 1 is faster than bf16).",
+        "",
+        "| model | width | bf16 ms | fp8 ms | fp8 / bf16 | fp8-emulated ms | emulated / bf16 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in results:
+        ms = {m: row["seconds"].get(m) for m in MODES}
+        cells = [f"{ms[m] * 1e3:.1f}" if ms[m] is not None else "n/a" for m in MODES]
+        ratios = [f"{ms[m] / ms['bf16']:.2f}" if ms[m] is not None else "n/a" for m in MODES]
+        lines.append(
+            f"| {row['model']} | {row['width']} | {cells[0]} | {cells[1]} | {ratios[1]} | "
+            f"{cells[2]} | {ratios[2]} |"
+        )
+    if args.skipped:
+        lines += ["", "Not run: " + "; ".join(args.skipped)]
+    return "\n".join(lines) + "\n"
+
+
+def chart(results: list[dict], machine: dict[str, str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a build machine
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in results}, key=lambda m: m != "Linear")
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        rows = [r for r in results if r["model"] == model]
+        widths = [str(r["width"]) for r in rows]
+        for i, mode in enumerate(("fp8", "fp8-emulated")):
+            ratios = [
+                r["seconds"][mode] / r["seconds"]["bf16"] if r["seconds"].get(mode) else 0.0
+                for r in rows
+            ]
+            pos = [j + (i - 0.5) * 0.38 for j in range(len(rows))]
+            ax.bar(pos, ratios, width=0.38, label=mode)
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="bf16 (= 1)")
+        ax.set_xticks(range(len(rows)), widths)
+        ax.set_xlabel("width")
+        ax.set_ylabel("step time / bf16 step time")
+        ax.set_title(model)
+        ax.legend()
+    fig.suptitle(
+        f"fp8 vs bf16 fwd+bwd on {machine.get('gpu', machine['cpu'])}, torch {machine['torch']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument(
+        "--mlp-max-width",
+        type=int,
+        default=4096,
+        help="largest width for the 9-layer net (default 4096: at 8192 one fp8 step takes "
+        "~20 s on a 2-core CPU; pass 8192 to include it)",
+    )
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per case (median)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=128, help="rows of the input per step")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    args.argv, args.skipped = argv, []
+    bad = [w for w in args.widths if w % 16]
+    if bad:
+        parser.error(f"--widths {bad} are not multiples of 16 (float8 GEMM alignment).")
+    if "bf16" not in args.modes:
+        parser.error("--modes must include bf16: every ratio is to bf16.")
+    device = torch.device(args.device)
+    modes = list(args.modes)
+    problem = fp8_kernel_problem(device)
+    if problem and "fp8" in modes:
+        modes.remove("fp8")
+        args.skipped.append(f"fp8 ({problem})")
+    machine = machine_description(device)
+    cases = [("Linear", w, 1) for w in args.widths]
+    cases += [
+        (f"{MLP_DEPTH}x Linear", w, MLP_DEPTH) for w in args.widths if w <= args.mlp_max_width
+    ]
+    args.skipped += [
+        f"{MLP_DEPTH}x Linear at width {w} (--mlp-max-width {args.mlp_max_width})"
+        for w in args.widths
+        if w > args.mlp_max_width
+    ]
+    results = []
+    start = time.perf_counter()
+    for model, width, depth in cases:
+        times = time_case(width, depth, modes, args.tokens, args.warmup, args.steps, device)
+        # The minimum: on shared cores it is the step least disturbed by other processes.
+        seconds = {mode: min(ts) for mode, ts in times.items()}
+        print(
+            f"{model:>11} w={width:<5} "
+            + "  ".join(f"{mode} {sec * 1e3:.1f} ms" for mode, sec in seconds.items())
+            + f"  (elapsed {time.perf_counter() - start:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        results.append(
+            {
+                "model": model,
+                "width": width,
+                "depth": depth,
+                "seconds": seconds,
+                "all_seconds": times,
+            }
+        )
+    table = markdown(results, machine, args)
+    print(table)
+    if not args.no_write:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        stem = RESULTS / f"fp8_{device.type}"
+        stem.with_suffix(".md").write_text(table)
+        payload = {
+            "machine": machine,
+            "args": {k: v for k, v in vars(args).items() if k not in ("argv",)},
+            "total_seconds": round(time.perf_counter() - start, 1),
+            "results": results,
+        }
+        stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+        chart(results, machine, stem.with_suffix(".png"))
+        print(f"wrote {stem}.md, .json, .png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
