@@ -104,3 +104,13 @@ def test_cast_floating_is_recursive_and_leaves_non_floats() -> None:
     assert out["s"] == "text"
     same = torch.ones(1, dtype=torch.bfloat16)
     assert cast_floating(same, torch.bfloat16) is same  # no copy when already right
+
+
+def test_modules_marked_fp32_stay_fp32() -> None:
+    from mixprec import fp32
+
+    net = Net()
+    fp32(net.fc)
+    cast_module(net, torch.float16)
+    assert net.fc.weight.dtype == torch.float32 and net.conv.weight.dtype == torch.float16
+    assert net(torch.randn(1, 3, 5, 5, dtype=torch.float16)).dtype == torch.float16

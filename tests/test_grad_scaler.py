@@ -99,3 +99,20 @@ def _one_rank_overflows(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_overflow_on_one_rank_skips_on_all() -> None:
     spawn(_one_rank_overflows, 2)
+
+
+def test_paddle_keyword_names() -> None:
+    # Seed 002: paddle.amp.GradScaler(init_loss_scaling=1024); decr_every_n_nan_or_inf is hysteresis.
+    s = GradScaler("cpu", init_loss_scaling=1024, incr_every_n_steps=7, decr_every_n_nan_or_inf=2)
+    assert (s.get_scale(), s.get_growth_interval(), s.cfg.hysteresis) == (1024.0, 7, 2)
+    with pytest.raises(TypeError, match="unknown keyword 'init_loss_scale'.*'init_loss_scaling'"):
+        GradScaler("cpu", init_loss_scale=8)
+
+
+def test_static_scale_never_moves() -> None:
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler(
+        "cpu", init_loss_scaling=8.0, use_dynamic_loss_scaling=False, growth_interval=1
+    )
+    assert set(train(scaler, model, opt, {1, 2}, steps=5)) == {8.0}

@@ -5,8 +5,25 @@ Colossal-AI's `convert_to_amp`/`AMP_TYPE`, Apex's `mixprec.apex.amp`, Paddle's n
 """
 
 from mixprec.amp import AMPOptimizer, convert_to_amp
+from mixprec.autocast import (
+    autocast,
+    fp16_guard,
+    fp32,
+    fp32_region,
+    low_precision,
+    low_precision_region,
+    resolve_ops,
+)
 from mixprec.casting import cast_floating, cast_module
+from mixprec.config import Config, gpc, load_config
 from mixprec.grad_scaler import GradScaler
+from mixprec.launch import (
+    get_default_parser,
+    launch,
+    launch_from_openmpi,
+    launch_from_slurm,
+    launch_from_torch,
+)
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
 from mixprec.policy import AMP_TYPE, MODES, Policy, ScalerConfig, preset, to_policy
@@ -15,6 +32,21 @@ from mixprec.scaling import LossScaler
 __version__ = "0.1.0"
 
 __all__ = [
+    "Config",
+    "autocast",
+    "fp16_guard",
+    "fp32",
+    "fp32_region",
+    "get_default_parser",
+    "gpc",
+    "launch",
+    "launch_from_openmpi",
+    "launch_from_slurm",
+    "launch_from_torch",
+    "load_config",
+    "low_precision",
+    "low_precision_region",
+    "resolve_ops",
     "AMP_TYPE",
     "AMPOptimizer",
     "FP32Criterion",

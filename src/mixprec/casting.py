@@ -75,13 +75,17 @@ def cast_module(
 ) -> nn.Module:
     """Cast model's floating parameters and buffers to dtype in place, except kept-fp32 modules.
 
-    Kept modules are norm layers (when keep_norm_fp32) and any for which keep_fp32(name, module)
-    is true; they compute in fp32 on up-cast inputs and return dtype outputs.
+    Kept modules are norm layers (when keep_norm_fp32), modules marked @mixprec.fp32, and any
+    for which keep_fp32(name, module) is true; they compute in fp32 on up-cast inputs and return dtype outputs.
     """
+    from mixprec.autocast import is_fp32_module  # modules the user marked @mixprec.fp32
+
     kept: list[nn.Module] = []
     for name, module in model.named_modules():
-        if (keep_norm_fp32 and isinstance(module, NORM_TYPES)) or (
-            keep_fp32 is not None and keep_fp32(name, module)
+        if (
+            (keep_norm_fp32 and isinstance(module, NORM_TYPES))
+            or is_fp32_module(module)
+            or (keep_fp32 is not None and keep_fp32(name, module))
         ):
             kept.append(module)
     kept_ids = {id(p) for m in kept for p in [*m.parameters(), *m.buffers()]}

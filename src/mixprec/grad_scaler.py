@@ -12,12 +12,41 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-from mixprec.policy import ScalerConfig
+from mixprec.policy import ScalerConfig, did_you_mean
 from mixprec.scaling import ProcessGroup, all_reduce_found_inf_, default_group, update_scale_
 
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+PADDLE_NAMES = {
+    "init_loss_scaling": "init_scale",
+    "incr_ratio": "growth_factor",
+    "decr_ratio": "backoff_factor",
+    "incr_every_n_steps": "growth_interval",
+    "decr_every_n_nan_or_inf": "hysteresis",
+    "enable": "enabled",
+}
+"""Paddle's GradScaler keywords -> torch's (seed 002 writes GradScaler(init_loss_scaling=1024))."""
+
+
+def paddle_to_torch_names(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Translate Paddle keyword names; use_dynamic_loss_scaling=False means a static scale."""
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key == "use_dynamic_loss_scaling":
+            if not isinstance(value, bool):
+                raise TypeError(f"use_dynamic_loss_scaling={value!r} must be a bool.")
+            out["dynamic"] = value
+            continue
+        if key not in PADDLE_NAMES:
+            valid = [*PADDLE_NAMES, "use_dynamic_loss_scaling"]
+            raise TypeError(
+                f"GradScaler got an unknown keyword {key!r}." + did_you_mean(key, valid)
+            )
+        out[PADDLE_NAMES[key]] = value
+    return out
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -26,7 +55,9 @@ class GradScaler(torch.amp.GradScaler):
     Extra keywords: hysteresis (overflows tolerated before backing off), min_scale (floor,
     default 1: the scale never collapses to 0), max_scale, consecutive_hysteresis, and
     process_group (the group whose ranks must agree on overflow; default: the world group
-    when torch.distributed is initialised).
+    when torch.distributed is initialised). Paddle's names are accepted too:
+    init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf
+    (= hysteresis), enable, use_dynamic_loss_scaling.
     """
 
     def __init__(
@@ -43,8 +74,17 @@ class GradScaler(torch.amp.GradScaler):
         max_scale: float = float("inf"),
         consecutive_hysteresis: bool = False,
         process_group: ProcessGroup | None = None,
+        **paddle_names: Any,
     ) -> None:
+        given = paddle_to_torch_names(paddle_names)
+        enabled = given.pop("enabled", enabled)
+        init_scale = given.pop("init_scale", init_scale)
+        growth_factor = given.pop("growth_factor", growth_factor)
+        backoff_factor = given.pop("backoff_factor", backoff_factor)
+        growth_interval = given.pop("growth_interval", growth_interval)
+        hysteresis = given.pop("hysteresis", hysteresis)
         self.cfg = ScalerConfig(
+            dynamic=given.pop("dynamic", True),
             init_scale=init_scale,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
@@ -101,7 +141,8 @@ class GradScaler(torch.amp.GradScaler):
         if self._hysteresis_tracker is None:
             raise AssertionError("hysteresis tracker missing: scale() was never called.")
         found_inf = torch.stack(found_infs).amax()
-        update_scale_(scale, growth_tracker, self._hysteresis_tracker, found_inf, self.cfg)
+        if self.cfg.dynamic:
+            update_scale_(scale, growth_tracker, self._hysteresis_tracker, found_inf, self.cfg)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def state_dict(self) -> dict[str, Any]:
