@@ -130,8 +130,12 @@ def test_amax_to_scale_guards_zero_and_propagates_overflow():
     assert torch.isfinite(scale) and scale.item() > 0
     assert tensor_to_fp8(torch.zeros(4), scale, E4M3).float().abs().sum().item() == 0.0
     # An inf amax must not be hidden: scale 0 turns the tensor into nan downstream.
-    assert amax_to_scale(torch.tensor(float("inf")), E4M3).item() == 0.0
-    assert amax_to_scale(torch.tensor(float("nan")), E4M3).isnan()
+    for power_of_two in (False, True):
+        inf, nan = torch.tensor(float("inf")), torch.tensor(float("nan"))
+        assert amax_to_scale(inf, E4M3, power_of_two=power_of_two).item() == 0.0
+        assert amax_to_scale(nan, E4M3, power_of_two=power_of_two).isnan()
+    assert tensor_to_amax(torch.tensor([1.0, float("nan")])).isnan()
+    assert tensor_to_amax(torch.tensor([1.0, -float("inf")])).item() == float("inf")
 
 
 def test_tensor_to_amax_is_exact_fp32():
