@@ -304,3 +304,10 @@ def test_scale_collapse_raises_naming_the_parameters() -> None:
     with pytest.raises(RuntimeError, match=r"5 steps in a row.*floor 1.*\['3.bias'\].*bf16"):
         opt.step()
     assert opt.loss_scale == 1.0  # the floor held: the scale never fell to 0
+
+
+def test_adam_eps_that_vanishes_in_fp16_is_refused_without_masters() -> None:
+    model = cast_module(tiny_mlp(), torch.float16)
+    with pytest.raises(ValueError, match=r"eps=1e-08 with float16 parameters.*eps >= 1e-4"):
+        MixedPrecisionOptimizer(torch.optim.Adam(model.parameters()), master_weights=False)
+    MixedPrecisionOptimizer(torch.optim.Adam(model.parameters()))  # with masters: fine (fp32 state)

@@ -101,6 +101,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.hp_masters: list[torch.Tensor] = []
         for group in optimizer.param_groups:
             group["params"] = self._masters_for(group["params"])
+            self._check_eps(group)
         device = self._device()
         self.scaler = LossScaler(loss_scale, device)
         self._found_inf: torch.Tensor | None = None  # set once grads are unscaled this step
@@ -148,6 +149,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 return p.device
         return torch.device("cpu")
 
+    def _check_eps(self, group: dict[str, Any]) -> None:
+        """Adam-style eps below fp16's smallest normal is 0 in fp16 state: updates divide by 0."""
+        eps = group.get("eps")
+        tiny = torch.finfo(torch.float16).tiny
+        fp16_held = any(p.dtype == torch.float16 for p in group["params"])
+        if fp16_held and isinstance(eps, float) and eps < tiny:
+            raise ValueError(
+                f"eps={eps!r} with float16 parameters stepped directly (no fp32 master "
+                f"weights): it rounds to 0 in fp16 (smallest normal {tiny:.2e}), so the "
+                "update divides by zero and writes inf/nan into the weights. Use master "
+                "weights (fp16_naive, Apex O2), bfloat16, or eps >= 1e-4."
+            )
+
     def _masters_for(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         use_masters = self.master_weights is not False
         out = []
@@ -188,6 +202,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group["params"] = self._masters_for(params)
         self.optim.add_param_group(group)
+        self._check_eps(self.optim.param_groups[-1])
 
     # ----- scaling, unscaling, checking -----
     @property
