@@ -24,7 +24,7 @@ from mixprec.config import gpc
 from mixprec.engine import Engine, EpochShuffledDistributedSampler, initialize
 from mixprec.launch import destroy, launch_from_torch
 from mixprec.module import prepare_model
-from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError
 from mixprec.policy import preset
 
 CE = torch.nn.CrossEntropyLoss()
@@ -255,6 +255,21 @@ def test_skipped_step_leaves_weights_state_and_schedule_unchanged() -> None:
 
     run_engine(engine, [(x2, y2)])
     assert not engine.last_result.skipped and engine.lr_scheduler.last_epoch == 2
+
+
+def test_collapsing_scale_names_the_overflowing_parameter() -> None:
+    engine, model = make_engine({"fp16": {"mode": AMP_TYPE.NAIVE, "dtype": "bfloat16"}})
+    ((x, y),) = data(1, n=4)
+    limit = engine.optimizer.max_consecutive_skips = 3  # the default (100) only costs time
+    with pytest.raises(ScaleCollapseError, match=r"in: \['3\.weight'\]"):
+        for _ in range(limit):
+            engine.zero_grad()
+            engine.backward(engine.criterion(engine(x), y))
+            model[3].weight.grad[0, 0] = float(
+                "nan"
+            )  # reaches its fp32 master, named by initialize
+            engine.step()
+    assert engine.skipped_steps == limit
 
 
 def test_engine_without_scheduler_returns_callers_none() -> None:

@@ -423,6 +423,7 @@ def initialize(
             for loader in (train_dataloader, test_dataloader)
         )
     mp_optimizer = prepare_optimizer(optimizer, policy, max_norm=max_norm)
+    mp_optimizer.name_params(model)  # so a collapsing scale names the overflowing parameters
     engine = Engine(
         wrapped,
         mp_optimizer,
