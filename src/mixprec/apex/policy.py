@@ -2,7 +2,19 @@
 
 Apex's table: O0 fp32; O1 patched functions (autocast) over fp32 weights, dynamic scale;
 O2 fp16 model with fp32 batchnorm and fp32 masters, dynamic scale; O3 pure fp16, scale 1.
-Overrides adjust the chosen level; the combinations Apex rejected are rejected here too.
+Overrides adjust the chosen level; the combinations Apex rejected (its `warn_or_err`, an error
+unless `hard_override`) are rejected here too, with the conflict named:
+
+- O1 with a cast_model_type other than torch.float32 (O1 casts around functions, not weights);
+- O1 with keep_batchnorm_fp32 or master_weights set (O1's weights are fp32 already);
+- patch_torch_functions=True with any level but O1.
+
+Differences from Apex, each deliberate:
+
+- keep_batchnorm_fp32 keeps every normalisation layer fp32 (Batch/Layer/Group/Instance/RMS
+  norm), as the core Policy's keep_norm_fp32 does; Apex kept BatchNorm only.
+- master_weights=True over fp32 model weights is an error (Apex made no masters, silently).
+- min_loss_scale=None means no floor but positivity: the scale stops at fp32's smallest normal.
 """
 
 from __future__ import annotations
@@ -12,7 +24,15 @@ from typing import Any
 
 import torch
 
-from mixprec.policy import APEX_SCALER, OPT_LEVELS, Policy, ScalerConfig, did_you_mean, preset
+from mixprec.policy import (
+    APEX_SCALER,
+    OPT_LEVELS,
+    Policy,
+    ScalerConfig,
+    check_keys,
+    did_you_mean,
+    preset,
+)
 
 APEX_KEYS = (
     "enabled",
@@ -29,6 +49,8 @@ APEX_KEYS = (
     "max_loss_scale",
 )
 CAST_TYPES = (torch.float16, torch.bfloat16, torch.float32)
+NO_FLOOR = float(torch.finfo(torch.float32).tiny)
+"""Apex's min_loss_scale=None: no floor, but a scale must stay > 0 (2**-126)."""
 
 
 def _as_bool(name: str, value: Any) -> bool | None:
@@ -40,18 +62,61 @@ def _as_bool(name: str, value: Any) -> bool | None:
     raise TypeError(f"{name}={value!r} must be True, False, 'True', 'False' or None.")
 
 
-def _check_o1(opt_level: str, overrides: dict[str, Any]) -> None:
+def _check_level_conflicts(opt_level: str, overrides: dict[str, Any]) -> None:
+    """Raise on the overrides Apex refused for this opt level, naming the conflict."""
+    patch = overrides["patch_torch_functions"]
+    if opt_level != "O1" and patch:
+        raise ValueError(
+            f"opt_level={opt_level!r} with patch_torch_functions=True: patching torch functions "
+            "(autocast over fp32 weights) is what opt_level='O1' means; select 'O1' instead."
+        )
     if opt_level != "O1":
         return
+    cast = overrides["cast_model_type"]
+    if cast is not None and cast != torch.float32:
+        raise ValueError(
+            f"opt_level='O1' with cast_model_type={cast!r}: O1 casts around torch functions, so "
+            "the model weights stay fp32; to cast the model use opt_level='O2' or 'O3'."
+        )
     reasons = {
-        "cast_model_type": "O1 casts around torch functions, so the model weights stay fp32; "
-        "to cast the model use opt_level='O2' or 'O3'",
-        "keep_batchnorm_fp32": "O1 already runs batchnorm in fp32, so keep_batchnorm_fp32 must be None",
+        "keep_batchnorm_fp32": "O1 already runs batchnorm in fp32, so keep_batchnorm_fp32 must "
+        "be None",
         "master_weights": "O1's model weights are fp32 already, so master_weights must be None",
     }
     for key, why in reasons.items():
-        if overrides.get(key) is not None:
+        if overrides[key] is not None:
             raise ValueError(f"opt_level='O1' with {key}={overrides[key]!r}: {why}.")
+
+
+def _scaler_config(
+    loss_scale: float | str, min_loss_scale: float | None, max_loss_scale: float
+) -> ScalerConfig:
+    """Apex's loss_scale ('dynamic' or a number, also as a string) -> ScalerConfig."""
+    if loss_scale == "dynamic":
+        if not max_loss_scale > 0:
+            raise ValueError(f"max_loss_scale={max_loss_scale!r} must be > 0.")
+        if min_loss_scale is not None and not 0 < min_loss_scale <= max_loss_scale:
+            raise ValueError(
+                f"min_loss_scale={min_loss_scale!r} must be in (0, max_loss_scale="
+                f"{max_loss_scale!r}] (None: no floor)."
+            )
+        floor = NO_FLOOR if min_loss_scale is None else float(min_loss_scale)
+        return replace(
+            APEX_SCALER,
+            # Apex starts at min(2**16, max_loss_scale): the ceiling also caps the first scale.
+            init_scale=min(APEX_SCALER.init_scale, float(max_loss_scale)),
+            min_scale=min(floor, float(max_loss_scale)),
+            max_scale=float(max_loss_scale),
+        )
+    try:  # Apex takes float(loss_scale): numbers and numeric strings ("128.0") are static scales
+        static = float(loss_scale) if not isinstance(loss_scale, bool) else None
+    except (TypeError, ValueError):
+        static = None
+    if static is None or not static > 0 or static == float("inf"):
+        raise ValueError(
+            f"loss_scale={loss_scale!r} must be 'dynamic' or a number (a static scale > 0)."
+        )
+    return ScalerConfig(dynamic=False, init_scale=static)
 
 
 def apex_policy(
@@ -68,13 +133,19 @@ def apex_policy(
     verbosity: int = 1,
     min_loss_scale: float | None = None,
     max_loss_scale: float = 2.0**24,
+    **unknown: Any,
 ) -> Policy:
-    """Apex's `amp.initialize` keywords -> Policy (num_losses/verbosity are validated only)."""
+    """Apex's `amp.initialize` keywords -> Policy (num_losses/verbosity are validated only).
+
+    Like Apex, a cast model (O2/O3 or cast_model_type) returns fp32 outputs unless
+    cast_model_outputs says otherwise. Unknown keywords raise, naming the closest valid one.
+    """
+    check_keys("Apex amp", unknown, APEX_KEYS)
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"Unknown opt_level {opt_level!r}." + did_you_mean(opt_level, OPT_LEVELS))
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"num_losses={num_losses!r} must be an int >= 1.")
-    if not isinstance(verbosity, int):
+    if isinstance(verbosity, bool) or not isinstance(verbosity, int):
         raise TypeError(f"verbosity={verbosity!r} must be an int (0 silences mixprec's messages).")
     enabled = _as_bool("enabled", enabled)
     if not enabled:
@@ -82,10 +153,11 @@ def apex_policy(
     patch = _as_bool("patch_torch_functions", patch_torch_functions)
     keep_bn = _as_bool("keep_batchnorm_fp32", keep_batchnorm_fp32)
     masters = _as_bool("master_weights", master_weights)
-    _check_o1(
+    _check_level_conflicts(
         opt_level,
         {
             "cast_model_type": cast_model_type,
+            "patch_torch_functions": patch,
             "keep_batchnorm_fp32": keep_bn,
             "master_weights": masters,
         },
@@ -110,18 +182,8 @@ def apex_policy(
         )
     if loss_scale is None:
         loss_scale = "dynamic" if base.loss_scale.dynamic else base.loss_scale.init_scale
-    if loss_scale == "dynamic":
-        scaler = replace(
-            APEX_SCALER,
-            min_scale=1.0 if min_loss_scale is None else float(min_loss_scale),
-            max_scale=float(max_loss_scale),
-        )
-    elif isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool):
-        scaler = ScalerConfig(dynamic=False, init_scale=float(loss_scale))
-    else:
-        raise ValueError(
-            f"loss_scale={loss_scale!r} must be 'dynamic' or a number (a static scale)."
-        )
+    if cast_model_outputs is None and param_dtype != torch.float32:
+        cast_model_outputs = torch.float32  # Apex's patched forward hands back fp32 by default
     return Policy(
         name=opt_level,
         param_dtype=param_dtype,
@@ -129,5 +191,5 @@ def apex_policy(
         master_weights=masters,
         keep_norm_fp32=base.keep_norm_fp32 if keep_bn is None else keep_bn,
         cast_outputs_to=cast_model_outputs,
-        loss_scale=scaler,
+        loss_scale=_scaler_config(loss_scale, min_loss_scale, max_loss_scale),
     )
