@@ -1,1 +1,13 @@
-"""Apex's face on mixprec: `from mixprec.apex import amp` (pure PyTorch, no CUDA extension)."""
+"""Apex's face on mixprec: `from mixprec.apex import amp` (pure PyTorch, no CUDA extension).
+
+`amp.initialize` / `amp.scale_loss` / `amp.master_params` / `amp.state_dict` follow Apex's
+amp; `FP16_Optimizer` follows apex.fp16_utils. Both run on the core (Policy, LossScaler,
+MixedPrecisionOptimizer); see mixprec.apex.amp for the differences from Apex.
+"""
+
+from mixprec.apex import amp
+from mixprec.apex._optim import AmpOptimizer
+from mixprec.apex.fp16_utils import FP16_Optimizer
+from mixprec.apex.policy import apex_policy
+
+__all__ = ["AmpOptimizer", "FP16_Optimizer", "amp", "apex_policy"]

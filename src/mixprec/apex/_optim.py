@@ -1,0 +1,226 @@
+"""The core optimizer wrapper, extended with Apex's per-backward unscaling (the grad stash).
+
+The core MixedPrecisionOptimizer unscales every gradient once per step with one scaler. Apex
+unscales after each backward instead, with that loss's own scaler: gradients already present
+(unscaled, from earlier losses) are stashed before the backward, the new ones are unscaled and
+checked on their own, then the stash is added back. That lets each loss keep its own scale and
+lets an overflow be traced to the loss that caused it. `StashingOptimizer` implements that over
+the core's (lp param, fp32 master) pairs; `AmpOptimizer` is what `amp.initialize` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec.optim import MixedPrecisionOptimizer, StepResult
+from mixprec.scaling import LossScaler, all_reduce_found_inf_, default_group, unscale_and_check_
+
+log = logging.getLogger("mixprec")
+
+
+def is_rank_zero() -> bool:
+    """True outside torch.distributed and on its rank 0 (messages are logged once, there)."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+@dataclass
+class UnscaleEvent:
+    """One unscale of one loss's gradients: its (reduced) overflow flag and the scales around it."""
+
+    loss_id: int
+    """Which loss scaler unscaled (Apex's loss_id)."""
+    found_inf: torch.Tensor
+    """1 if this loss's new gradients held inf/nan on any rank (a device tensor, no sync)."""
+    scale_used: torch.Tensor
+    """The loss scale these gradients were computed with."""
+    scale_after: torch.Tensor
+    """The loss scale once this overflow flag was applied to the scaler."""
+    logged: bool = False
+    """Set once the overflow message for this event has been written (one message per event)."""
+
+
+class StashingOptimizer(MixedPrecisionOptimizer):
+    """MixedPrecisionOptimizer whose gradients are unscaled after each backward, per scaler.
+
+    Protocol: `begin_backward()`, the scaled backward, then `unscale_new_grads(inv_scale,
+    found_inf)`. Master grads accumulate the unscaled contributions; the step is skipped if any
+    contribution since the last step overflowed (see `unscale_grads`).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.events: list[UnscaleEvent] = []
+        # (fp32-own param, its grad before this backward): grads that are already unscaled.
+        self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._stashed = False
+        # loss_id whose scaled grads are accumulating (delay_unscale), None when none are.
+        self.scaled_grads_from: int | None = None
+
+    def _own_params(self) -> list[torch.Tensor]:
+        """Params the inner optimizer steps directly (fp32, or low precision without masters)."""
+        master_ids = {id(m) for m in self.hp_masters}
+        return [p for g in self.optim.param_groups for p in g["params"] if id(p) not in master_ids]
+
+    def begin_backward(self) -> None:
+        """Set aside the unscaled grads so the coming backward's grads can be unscaled alone."""
+        if self._stashed:  # scaled grads are accumulating (delay_unscale): keep the stash
+            return
+        for lp in self.lp_params:
+            lp.grad = None  # lp grads are folded into the masters after every unscale
+        self._stash = []
+        for p in self._own_params():
+            self._stash.append((p, p.grad))
+            p.grad = None
+        self._stashed = True
+
+    @torch.no_grad()
+    def unscale_new_grads(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """Unscale and check the grads since begin_backward(), then add them to the earlier ones.
+
+        found_inf is raised (not reduced over ranks: the caller does that once per loss).
+        """
+        if not self._stashed:
+            self.begin_backward()  # nothing was stashed: every grad present is new
+        hp_targets, new_grads = [], []
+        for lp, hp in zip(self.lp_params, self.hp_masters, strict=True):
+            if lp.grad is not None:
+                hp_targets.append(hp)
+                new_grads.append(lp.grad.float())  # the lp->fp32 copy Apex makes before unscaling
+                lp.grad = None  # it lives on (unscaled) in the master's grad
+        own_new = [p.grad for p, _ in self._stash if p.grad is not None]
+        if new_grads or own_new:
+            unscale_and_check_(new_grads + own_new, inv_scale, found_inf)
+        for hp, grad in zip(hp_targets, new_grads, strict=True):
+            hp.grad = grad if hp.grad is None else hp.grad.add_(grad)
+        for p, old in self._stash:
+            if old is not None:
+                p.grad = old if p.grad is None else p.grad.add_(old)
+        self._stash = []
+        self._stashed = False
+        self.scaled_grads_from = None
+
+    def unscale_grads(self) -> torch.Tensor:
+        """The overflow flag of every contribution since the last step (grads are unscaled)."""
+        if self.scaled_grads_from is not None:
+            raise RuntimeError(
+                "Gradients are still scaled (the last amp.scale_loss had delay_unscale=True): "
+                f"end the accumulation with amp.scale_loss(..., loss_id={self.scaled_grads_from}, "
+                "delay_unscale=False) before step() or clipping."
+            )
+        device = self.scaler.scale_tensor.device
+        if not self.events:
+            return torch.zeros(1, dtype=torch.float32, device=device)
+        return torch.stack([e.found_inf.to(device) for e in self.events]).amax(dim=0)
+
+    def _check_no_unscaled_lp_grads(self) -> None:
+        if any(lp.grad is not None for lp in self.lp_params):
+            raise RuntimeError(
+                "Some low-precision model params hold gradients that never reached the fp32 "
+                "masters: call backward inside `with amp.scale_loss(loss, optimizer) as s: "
+                "s.backward()` (or optimizer.backward(loss)), not on the loss directly."
+            )
+
+    def _commit(self, skipped: bool, scale: float, grad_norm: float | None = None) -> StepResult:
+        """Step the inner optimizer (unless skipped), copy the masters back, count."""
+        if not skipped:
+            self.optim.step()
+            if self.hp_masters:
+                torch._foreach_copy_(self.lp_params, self.hp_masters)
+        self.steps += 1
+        self.skipped_steps += skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        self.events = []
+        self._found_inf = None
+        self.last_result = StepResult(
+            skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=None
+        )
+        return self.last_result
+
+    def _forget_iteration(self) -> None:
+        self.events = []
+        self._stash = []
+        self._stashed = False
+        self.scaled_grads_from = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for hp in self.hp_masters:  # master grads accumulate per loss here, so they are cleared
+            hp.grad = None
+        self._forget_iteration()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._forget_iteration()
+
+
+class AmpOptimizer(StashingOptimizer):
+    """What `amp.initialize` returns for each optimizer (a torch.optim.Optimizer subclass).
+
+    Loss scalers belong to `amp` (one per loss_id); `scaler` is loss scaler 0, so
+    `loss_scale`, `state_dict()` and the core's API read it. Scales are updated by
+    `amp.scale_loss` after each (non-delayed) backward, not here; `step()` skips if any loss
+    that reached this optimizer since the last step overflowed, and clears the master grads.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scalers: list[LossScaler],
+        verbosity: int = 1,
+        master_weights: bool | None = None,
+    ) -> None:
+        super().__init__(optimizer, loss_scale=scalers[0].cfg, master_weights=master_weights)
+        self.scaler = scalers[0]  # shared with amp: no private scale that could drift from it
+        self.scalers = scalers
+        self.verbosity = verbosity
+
+    def backward(self, loss: torch.Tensor, loss_id: int = 0, **kwargs: Any) -> None:
+        """Same as `with amp.scale_loss(loss, self, loss_id) as s: s.backward(**kwargs)`."""
+        from mixprec.apex.amp import scale_loss  # amp imports this module
+
+        with scale_loss(loss, self, loss_id=loss_id) as scaled_loss:
+            scaled_loss.backward(**kwargs)
+
+    def _log_overflows(self) -> None:
+        if self.verbosity <= 0 or not is_rank_zero():
+            return
+        for event in self.events:
+            # a host sync per event, paid only on a skipped step
+            if not event.logged and bool(event.found_inf.item()):
+                event.logged = True
+                log.warning(
+                    "Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s",
+                    event.loss_id,
+                    float(event.scale_after.item()),
+                )
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> StepResult:  # type: ignore[override]
+        """Step on the unscaled master grads, or skip if a contributing loss overflowed."""
+        if closure is not None:
+            raise RuntimeError("Closures are not supported with loss scaling (as in Apex).")
+        found_inf = self.unscale_grads()
+        self._check_no_unscaled_lp_grads()
+        skipped = bool(found_inf.item())  # the one host sync per step: the skip decision
+        last = self.events[-1].scale_used if self.events else self.scaler.scale_tensor
+        scale = float(last.item())
+        if skipped:
+            self._log_overflows()
+        result = self._commit(skipped, scale)
+        for hp in self.hp_masters:  # Apex: master grads are cleared after every step
+            hp.grad = None
+        return result
+
+    def __repr__(self) -> str:
+        return f"AmpOptimizer({self.optim!r}, num_losses={len(self.scalers)})"
+
+
+def reduce_found_inf_(found_inf: torch.Tensor) -> torch.Tensor:
+    """MAX-reduce an overflow flag over the world (when initialised): every rank skips alike."""
+    return all_reduce_found_inf_(found_inf, default_group())

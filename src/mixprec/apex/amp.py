@@ -1,0 +1,357 @@
+"""Apex's `amp` on mixprec's core: initialize, scale_loss, master_params, state_dict.
+
+    from mixprec.apex import amp
+
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = criterion(model(x), y)
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+
+Checkpoints. Apex's O2 rebuilt its fp32 masters from the fp16 model on resume, so a resumed
+run drifted from an uninterrupted one. Here the optimizer `initialize` returns carries the fp32
+masters in its state_dict(), so saving and loading these three resumes bit for bit:
+
+    torch.save({"model": model.state_dict(),        # fp32 tensors, as Apex's O2 saved them
+                "optimizer": optimizer.state_dict(),  # inner state + fp32 masters + scaler 0
+                "amp": amp.state_dict()}, path)       # every loss scaler
+    # resume: build the model and optimizer as before, then
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    checkpoint = torch.load(path)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])  # after the model: masters win
+    amp.load_state_dict(checkpoint["amp"])
+
+What initialize does, as Apex does: models are cast in place (O2/O3: low-precision weights,
+norm layers fp32 unless keep_batchnorm_fp32=False) and keep their identity; their instance
+`forward` is patched (inputs cast to the model dtype, O1's forward run under autocast, outputs
+cast to cast_model_outputs, fp32 by default for a cast model). Where Apex patched the user's
+optimizer object, mixprec returns an `AmpOptimizer` wrapping it (a torch.optim.Optimizer
+subclass sharing its param_groups, so LR schedulers built on either keep working).
+
+Scaling: one LossScaler per loss_id (num_losses). On leaving `scale_loss` (unless
+delay_unscale) the grads that backward just produced are unscaled with that loss's scale and
+checked, and that scaler alone is updated by the result; an optimizer skips its next step if
+any loss that reached it since its last step overflowed. The overflow message ("Gradient
+overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0") is a warning on the
+"mixprec" logger, once per overflowing loss, on rank 0 only; verbosity=0 silences it.
+
+Differences from Apex, each deliberate: errors raise ValueError/TypeError (Apex: RuntimeError,
+unless hard_override); O3's static scale of 1 still checks for inf/nan and skips (Apex stepped
+blindly); the grads of low-precision model params are moved into the fp32 masters after each
+backward (Apex left them, scaled, on the fp16 params); a step with such grads still pending
+(backward called on an unscaled loss) raises instead of silently ignoring them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.apex._optim import AmpOptimizer, UnscaleEvent, is_rank_zero, reduce_found_inf_
+from mixprec.apex.policy import _as_bool, apex_policy
+from mixprec.casting import cast_floating, cast_module
+from mixprec.module import autocast_context, device_type_of
+from mixprec.policy import Policy, describe
+from mixprec.scaling import LossScaler
+
+log = logging.getLogger("mixprec")
+PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+
+
+class _AmpState:
+    """What `initialize` set up and `scale_loss`/`state_dict` use (Apex's `_amp_state`)."""
+
+    def __init__(
+        self, policy: Policy, enabled: bool, verbosity: int, scalers: list[LossScaler]
+    ) -> None:
+        self.policy = policy
+        self.enabled = enabled
+        self.verbosity = verbosity
+        self.scalers = scalers
+        # overflowed backward passes per loss, counted on the device (no sync per step)
+        self.overflows = [torch.zeros(1, device=s.scale_tensor.device) for s in scalers]
+
+
+_state: _AmpState | None = None
+
+
+def _require_state() -> _AmpState:
+    if _state is None:
+        raise RuntimeError(
+            "amp is not initialized: call `model, optimizer = amp.initialize(model, optimizer, "
+            "opt_level=...)` before amp.scale_loss / amp.state_dict / amp.load_state_dict."
+        )
+    return _state
+
+
+# ----- models -----
+def _amp_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The patched forward: cast inputs to the model dtype, autocast (O1), cast outputs."""
+    policy: Policy = self._mixprec_amp_policy
+    inner = self._mixprec_amp_inner_forward
+    if inner is None:
+        inner = types.MethodType(type(self).forward, self)
+    if policy.casts_params:
+        args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
+    with autocast_context(policy, device_type_of(self)):
+        out = inner(*args, **kwargs)
+    if policy.cast_outputs_to is not None:
+        out = cast_floating(out, policy.cast_outputs_to)
+    return out
+
+
+def _lp_state_to_fp32_hook(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    # Apex's O2StateDictHook: a cast model saves fp32 tensors, loadable into an fp32 model.
+    for name in (*module._parameters, *module._buffers):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+            state_dict[prefix + name] = value.float()
+
+
+def _check_model(model: nn.Module, index: int) -> None:
+    if isinstance(model, PARALLEL_WRAPPERS):
+        raise TypeError(
+            f"models[{index}] is a {type(model).__name__}: wrap models in parallel wrappers only "
+            "AFTER amp.initialize has returned them (casting would break the wrapper's hooks)."
+        )
+    if "_mixprec_amp_policy" in model.__dict__:
+        raise ValueError(f"models[{index}] was already returned by amp.initialize; pass it once.")
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and t.dtype != torch.float32:
+            raise ValueError(
+                f"models[{index}] has {name} of dtype {t.dtype}; amp.initialize expects an fp32 "
+                "model (you need not call .half() first, at any opt_level)."
+            )
+
+
+def _cast_and_patch(model: nn.Module, policy: Policy) -> None:
+    if policy.casts_params:
+        cast_module(model, policy.param_dtype, keep_norm_fp32=policy.keep_norm_fp32)
+        for module in model.modules():
+            module.register_state_dict_post_hook(_lp_state_to_fp32_hook)
+    model._mixprec_amp_policy = policy
+    model._mixprec_amp_inner_forward = model.__dict__.get("forward")
+    # bound to the instance (not a closure): deepcopy(model) rebinds it to the copy
+    model.forward = types.MethodType(_amp_forward, model)
+
+
+def _as_list(value: Any, kind: type, what: str) -> tuple[list[Any], bool]:
+    if isinstance(value, kind):
+        return [value], False
+    if isinstance(value, list) and all(isinstance(v, kind) for v in value):
+        return list(value), True
+    raise TypeError(
+        f"{what} must be a single {kind.__module__}.{kind.__qualname__} or a list of them, "
+        f"got {value!r}."
+    )
+
+
+def initialize(
+    models: nn.Module | list[nn.Module],
+    optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: torch.dtype | None = None,
+    patch_torch_functions: bool | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | None = None,
+    loss_scale: float | str | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+) -> Any:
+    """Cast models and wrap optimizers for an opt level; returns them as they were passed.
+
+    Returns model / (model, optimizer) / ([models], [optimizers]) / ... mirroring the
+    structure of the arguments, as Apex does (the model alone when optimizers is None).
+    The overrides adjust the opt level's properties (see mixprec.apex.policy).
+    """
+    global _state
+    policy = apex_policy(
+        enabled=enabled,
+        opt_level=opt_level,
+        cast_model_type=cast_model_type,
+        patch_torch_functions=patch_torch_functions,
+        keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights,
+        loss_scale=loss_scale,
+        cast_model_outputs=cast_model_outputs,
+        num_losses=num_losses,
+        verbosity=verbosity,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+    )
+    model_list, models_was_list = _as_list(models, nn.Module, "models")
+    if optimizers is None:
+        optimizer_list, optimizers_was_list = [], False
+    else:
+        optimizer_list, optimizers_was_list = _as_list(
+            optimizers, torch.optim.Optimizer, "optimizers"
+        )
+    if not _as_bool("enabled", enabled):  # Apex: every amp call becomes a no-op
+        _state = _AmpState(policy, False, verbosity, [])
+        return models if optimizers is None else (models, optimizers)
+    for index, model in enumerate(model_list):
+        _check_model(model, index)
+    device = next((p.device for m in model_list for p in m.parameters()), torch.device("cpu"))
+    scalers = [LossScaler(policy.loss_scale, device) for _ in range(num_losses)]
+    for model in model_list:
+        _cast_and_patch(model, policy)
+    # after the casts: the masters copy the cast weights
+    amp_optimizers = [
+        AmpOptimizer(
+            opt, scalers=scalers, verbosity=verbosity, master_weights=policy.master_weights
+        )
+        for opt in optimizer_list
+    ]
+    _state = _AmpState(policy, True, verbosity, scalers)
+    if verbosity > 0 and is_rank_zero():
+        log.info("amp.initialize: opt_level %s -> %s", opt_level, describe(policy))
+    out_models = model_list if models_was_list else model_list[0]
+    if optimizers_was_list:
+        return out_models, amp_optimizers
+    if not amp_optimizers:
+        return out_models
+    return out_models, amp_optimizers[0]
+
+
+# ----- losses -----
+def _amp_optimizers(optimizers: Any, state: _AmpState) -> list[AmpOptimizer]:
+    opts = list(optimizers) if isinstance(optimizers, list | tuple) else [optimizers]
+    for opt in opts:
+        if not isinstance(opt, AmpOptimizer):
+            raise TypeError(
+                f"scale_loss needs the optimizer(s) amp.initialize returned, got {opt!r}."
+            )
+        if opt.scalers is not state.scalers:
+            raise ValueError(
+                f"{opt!r} comes from an earlier amp.initialize call; amp now holds the "
+                "scalers of the latest one. Use the optimizers that call returned."
+            )
+    return opts
+
+
+@contextlib.contextmanager
+def scale_loss(
+    loss: torch.Tensor,
+    optimizers: AmpOptimizer | list[AmpOptimizer],
+    loss_id: int = 0,
+    model: nn.Module | None = None,
+    delay_unscale: bool = False,
+) -> Iterator[torch.Tensor]:
+    """Yield loss.float() * loss scale `loss_id`; on exit unscale and check the new grads.
+
+    optimizers: those whose params this backward reaches (the ones initialize returned).
+    model: unused, as in Apex. delay_unscale=True leaves the grads scaled so that several
+    backward passes accumulate; the last scale_loss of the iteration (same loss_id) must have
+    delay_unscale=False, and it unscales everything accumulated since the first.
+    """
+    state = _require_state()
+    if not state.enabled:
+        yield loss
+        return
+    opts = _amp_optimizers(optimizers, state)
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int):
+        raise TypeError(f"loss_id={loss_id!r} must be an int.")
+    if not 0 <= loss_id < len(state.scalers):
+        raise ValueError(
+            f"loss_id={loss_id!r} but amp.initialize was given num_losses={len(state.scalers)}: "
+            f"valid loss ids are 0..{len(state.scalers) - 1}."
+        )
+    for opt in opts:
+        if opt.scaled_grads_from not in (None, loss_id):
+            raise ValueError(
+                f"loss_id={loss_id} but the grads accumulating under delay_unscale=True are "
+                f"scaled by loss scaler {opt.scaled_grads_from}: accumulate with one loss_id."
+            )
+        opt.begin_backward()
+    scaler = state.scalers[loss_id]
+    yield loss.float() * scaler.scale_tensor
+    if delay_unscale:
+        for opt in opts:
+            opt.scaled_grads_from = loss_id
+        return
+    found_inf = torch.zeros(1, dtype=torch.float32, device=scaler.scale_tensor.device)
+    scale_used = scaler.scale_tensor.clone()
+    inv_scale = scaler.inv_scale()
+    for opt in opts:
+        opt.unscale_new_grads(inv_scale, found_inf)
+    reduce_found_inf_(found_inf)  # every rank must take the same skip decision
+    scaler.update(found_inf)
+    state.overflows[loss_id] += found_inf
+    event = UnscaleEvent(loss_id, found_inf, scale_used, scaler.scale_tensor.clone())
+    for opt in opts:
+        opt.events.append(event)
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The params the optimizer steps: fp32 masters where there are any (clip these grads)."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+# ----- checkpoints -----
+def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every loss scaler: {'loss_scaler0': {'loss_scale', 'unskipped', ...}, ...} (as Apex).
+
+    mixprec adds 'hysteresis' (overflows left before a back-off) and 'overflows' (backward
+    passes of that loss that overflowed so far).
+    """
+    state = _require_state()
+    destination = OrderedDict() if destination is None else destination
+    for index, scaler in enumerate(state.scalers):
+        sd = scaler.state_dict()
+        destination[f"loss_scaler{index}"] = {
+            "loss_scale": float(sd["scale"].item()),
+            "unskipped": int(sd["growth_tracker"].item()),
+            "hysteresis": int(sd["hysteresis_tracker"].item()),
+            "overflows": int(state.overflows[index].item()),
+        }
+    return destination
+
+
+def load_state_dict(state_dict: dict[str, Any]) -> None:
+    """Restore what `state_dict()` saved (Apex's two keys per scaler suffice)."""
+    state = _require_state()
+    expected = [f"loss_scaler{i}" for i in range(len(state.scalers))]
+    for key in state_dict:
+        if key not in expected:
+            raise ValueError(
+                f"Unexpected key {key!r} in the amp state_dict; this amp has "
+                f"num_losses={len(state.scalers)}: keys {expected}."
+            )
+    missing = [k for k in expected if k not in state_dict]
+    if missing:
+        raise ValueError(
+            f"The amp state_dict lacks {missing} (it holds {len(state_dict)} loss scalers, "
+            f"this amp has num_losses={len(state.scalers)})."
+        )
+    for index, (key, scaler) in enumerate(zip(expected, state.scalers, strict=True)):
+        entry = state_dict[key]
+        if not {"loss_scale", "unskipped"} <= set(entry):
+            raise ValueError(f"{key} needs 'loss_scale' and 'unskipped'; got {sorted(entry)}.")
+        scaler.load_state_dict(
+            {
+                "scale": entry["loss_scale"],
+                "growth_tracker": int(entry["unskipped"]),
+                "hysteresis_tracker": int(entry.get("hysteresis", scaler.cfg.hysteresis)),
+            }
+        )
+        state.overflows[index].fill_(float(entry.get("overflows", 0)))
+
+
+__all__ = ["initialize", "load_state_dict", "master_params", "scale_loss", "state_dict"]
