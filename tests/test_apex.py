@@ -19,6 +19,7 @@ from torch import nn
 from mixprec import AMP_TYPE, convert_to_amp, to_policy
 from mixprec.apex import FP16_Optimizer, amp
 from mixprec.apex._optim import AmpOptimizer
+from mixprec.optim import ScaleCollapseError
 
 EXACT = {"rtol": 0, "atol": 0}
 X = torch.tensor([[1.0, 2.0]])
@@ -512,3 +513,52 @@ def test_fp16_optimizer_dynamic_scale_backs_off_and_grows(caplog):
             dynamic_loss_scale=True,
             dynamic_loss_args={"scale_windows": 2},
         )
+
+
+def test_a_run_that_overflows_at_every_scale_fails_loudly_naming_the_param():
+    model = linear(W0)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5), opt_level="O2")
+    opt.max_consecutive_skips = 3  # the core's guard (default 100), lowered to keep this fast
+    for _ in range(2):
+        with amp.scale_loss(model(X).sum(), opt) as scaled_loss:
+            scaled_loss.backward()
+            model.weight.grad.fill_(float("nan"))
+        assert opt.step().skipped
+    with amp.scale_loss(model(X).sum(), opt) as scaled_loss:
+        scaled_loss.backward()
+        model.weight.grad.fill_(float("nan"))
+    with pytest.raises(ScaleCollapseError, match=r"3 steps in a row.*\['weight'\]"):
+        opt.step()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _one_rank_overflows(rank: int, world: int) -> None:
+    records = _Records()
+    logging.getLogger("mixprec").addHandler(records)
+    model = linear(W0)
+    model, opt = amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), opt_level="O2", max_loss_scale=16.0
+    )
+    with amp.scale_loss((model(X) * (rank + 1)).sum(), opt) as scaled_loss:
+        scaled_loss.backward()
+        if rank == world - 1:
+            model.weight.grad[0, 0] = float("inf")
+    assert opt.step().skipped, f"rank {rank} stepped although rank {world - 1} overflowed"
+    torch.testing.assert_close(model.weight.float(), torch.tensor(W0), **EXACT)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 8.0
+    assert len(records.messages) == (1 if rank == 0 else 0), (rank, records.messages)
+
+
+@pytest.mark.distributed
+def test_an_overflow_on_one_rank_skips_every_rank_and_is_logged_on_rank_0_only():
+    from dist_utils import spawn
+
+    spawn(_one_rank_overflows, 2)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mixprec.optim import MixedPrecisionOptimizer, StepResult
+from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
 from mixprec.scaling import LossScaler, all_reduce_found_inf_, default_group, unscale_and_check_
 
 log = logging.getLogger("mixprec")
@@ -125,8 +125,16 @@ class StashingOptimizer(MixedPrecisionOptimizer):
                 "s.backward()` (or optimizer.backward(loss)), not on the loss directly."
             )
 
-    def _commit(self, skipped: bool, scale: float, grad_norm: float | None = None) -> StepResult:
-        """Step the inner optimizer (unless skipped), copy the masters back, count."""
+    def _decide(self, found_inf: torch.Tensor, scale: torch.Tensor) -> tuple[bool, float]:
+        """(skip?, scale) in the one host sync of a step."""
+        flag, scale_value = torch.cat([found_inf, scale.to(found_inf)]).tolist()
+        return flag > 0, scale_value
+
+    def _commit(self, skipped: bool, scale: float) -> StepResult:
+        """Step the inner optimizer (unless skipped), copy the masters back, count.
+
+        Raises the core's ScaleCollapseError after max_consecutive_skips skips in a row.
+        """
         if not skipped:
             self.optim.step()
             if self.hp_masters:
@@ -136,9 +144,17 @@ class StashingOptimizer(MixedPrecisionOptimizer):
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
         self.events = []
         self._found_inf = None
-        self.last_result = StepResult(
-            skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=None
-        )
+        self.last_result = StepResult(skipped=skipped, scale=scale, grad_norm=None, num_zeros=None)
+        limit = self.max_consecutive_skips
+        if limit is not None and self.consecutive_skips >= limit:
+            bad = self.nonfinite_params()
+            raise ScaleCollapseError(
+                f"{self.consecutive_skips} steps in a row were skipped for non-finite gradients "
+                f"(last loss scale {scale:g}). Non-finite gradients this step in: "
+                f"{bad[:10] or 'another rank'}{' ...' if len(bad) > 10 else ''}. The run "
+                "overflows at any scale: look for inf/nan in the data or loss, lower the "
+                "learning rate, or train in bf16."
+            )
         return self.last_result
 
     def _forget_iteration(self) -> None:
@@ -174,8 +190,14 @@ class AmpOptimizer(StashingOptimizer):
         scalers: list[LossScaler],
         verbosity: int = 1,
         master_weights: bool | None = None,
+        max_consecutive_skips: int | None = 100,
     ) -> None:
-        super().__init__(optimizer, loss_scale=scalers[0].cfg, master_weights=master_weights)
+        super().__init__(
+            optimizer,
+            loss_scale=scalers[0].cfg,
+            master_weights=master_weights,
+            max_consecutive_skips=max_consecutive_skips,
+        )
         self.scaler = scalers[0]  # shared with amp: no private scale that could drift from it
         self.scalers = scalers
         self.verbosity = verbosity
@@ -207,15 +229,16 @@ class AmpOptimizer(StashingOptimizer):
             raise RuntimeError("Closures are not supported with loss scaling (as in Apex).")
         found_inf = self.unscale_grads()
         self._check_no_unscaled_lp_grads()
-        skipped = bool(found_inf.item())  # the one host sync per step: the skip decision
+        # the scale the last contributing loss's grads were computed with
         last = self.events[-1].scale_used if self.events else self.scaler.scale_tensor
-        scale = float(last.item())
+        skipped, scale = self._decide(found_inf, last)
         if skipped:
             self._log_overflows()
-        result = self._commit(skipped, scale)
-        for hp in self.hp_masters:  # Apex: master grads are cleared after every step
-            hp.grad = None
-        return result
+        try:
+            return self._commit(skipped, scale)
+        finally:
+            for hp in self.hp_masters:  # Apex: master grads are cleared after every step
+                hp.grad = None
 
     def __repr__(self) -> str:
         return f"AmpOptimizer({self.optim!r}, num_losses={len(self.scalers)})"

@@ -147,6 +147,13 @@ def _cast_and_patch(model: nn.Module, policy: Policy) -> None:
     model.forward = types.MethodType(_amp_forward, model)
 
 
+def _held_by(opt: AmpOptimizer, named: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, the tensor opt steps for it: its fp32 master, or the param itself)."""
+    lp_to_master = {id(lp): hp for lp, hp in zip(opt.lp_params, opt.hp_masters, strict=True)}
+    for name, p in named:
+        yield name, lp_to_master.get(id(p), p)
+
+
 def _as_list(value: Any, kind: type, what: str) -> tuple[list[Any], bool]:
     if isinstance(value, kind):
         return [value], False
@@ -218,6 +225,12 @@ def initialize(
         )
         for opt in optimizer_list
     ]
+    for opt in amp_optimizers:  # so a collapsing scale names the params that overflowed
+        for index, model in enumerate(model_list):
+            prefix = f"models[{index}]." if len(model_list) > 1 else ""
+            opt.param_names.update(
+                {id(held): prefix + name for name, held in _held_by(opt, model.named_parameters())}
+            )
     _state = _AmpState(policy, True, verbosity, scalers)
     if verbosity > 0 and is_rank_zero():
         log.info("amp.initialize: opt_level %s -> %s", opt_level, describe(policy))

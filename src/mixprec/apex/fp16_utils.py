@@ -138,15 +138,13 @@ class FP16_Optimizer(StashingOptimizer):  # noqa: N801 - Apex's name, which scri
         self.update_master_grads()
         found_inf = self.unscale_grads()
         self._check_no_unscaled_lp_grads()
-        scale = self.scaler.scale
-        self.overflow = bool(found_inf.item())  # the one host sync per step: the skip decision
-        result = self._commit(self.overflow, scale)
+        self.overflow, scale = self._decide(found_inf, self.scaler.scale_tensor)
         self.scaler.update(found_inf)
         if self.overflow and self.verbose and is_rank_zero():
             log.warning(
                 "Gradient overflow.  Skipping step, reducing loss scale to %s", self.scaler.scale
             )
-        return result
+        return self._commit(self.overflow, scale)
 
     def __repr__(self) -> str:
         return f"FP16_Optimizer({self.optim!r}, scaler={self.scaler.cfg})"
