@@ -59,6 +59,23 @@ def machine_description(device: torch.device) -> dict[str, str]:
     return info
 
 
+def scaled_mm_ops(device: torch.device) -> list[str]:
+    """The aten ops torch._scaled_mm calls on this device (profiled once on a 256^2 GEMM).
+
+    A fused float8 kernel calls none; a reference kernel shows its upcasts and matmul.
+    """
+    from torch.profiler import profile
+
+    lp = torch.randn(256, 256, device=device).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    with profile() as prof:
+        torch._scaled_mm(lp, lp.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    children = [
+        c.name for e in prof.events() if e.name == "aten::_scaled_mm" for c in e.cpu_children
+    ]
+    return list(dict.fromkeys(children))
+
+
 def build(width: int, depth: int, mode: str, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).to(device)
@@ -127,7 +144,7 @@ def markdown(results: list[dict], machine: dict[str, str], args: argparse.Namesp
         "",
         "Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()),
         "",
-        f"Command: `python benchmarks/bench_fp8.py {' '.join(args.argv)}`",
+        f"Command: `{' '.join(['python benchmarks/bench_fp8.py', *args.argv])}`",
         f"tokens per step={args.tokens}, warmup={args.warmup}, timed steps={args.steps} per mode, "
         "modes taking turns; each time is the fastest step (other processes share the cores).",
         "All modes under bf16 autocast with fp32 parameters; ratio = mode time / bf16 time "
@@ -144,6 +161,14 @@ def markdown(results: list[dict], machine: dict[str, str], args: argparse.Namesp
             f"| {row['model']} | {row['width']} | {cells[0]} | {cells[1]} | {ratios[1]} | "
             f"{cells[2]} | {ratios[2]} |"
         )
+    if args.scaled_mm_ops is not None:
+        ops = ", ".join(args.scaled_mm_ops) or "no aten ops (a fused kernel)"
+        lines += ["", f"torch._scaled_mm on this device calls: {ops}."]
+        if "aten::matmul" in args.scaled_mm_ops:
+            lines.append(
+                "That is a reference kernel (upcast, scale, matmul in high precision), so float8 "
+                "cannot beat bf16 here: the table measures what the casts and that kernel cost."
+            )
     if args.skipped:
         lines += ["", "Not run: " + "; ".join(args.skipped)]
     return "\n".join(lines) + "\n"
@@ -172,12 +197,13 @@ def chart(results: list[dict], machine: dict[str, str], path: Path) -> None:
         ax.set_xlabel("width")
         ax.set_ylabel("step time / bf16 step time")
         ax.set_title(model)
-        ax.legend()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels))
     fig.suptitle(
         f"fp8 vs bf16 fwd+bwd on {machine.get('gpu', machine['cpu'])}, torch {machine['torch']}",
         fontsize=9,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))  # room for the shared legend below
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -209,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     modes = list(args.modes)
     problem = fp8_kernel_problem(device)
+    args.scaled_mm_ops = None if problem else scaled_mm_ops(device)
     if problem and "fp8" in modes:
         modes.remove("fp8")
         args.skipped.append(f"fp8 ({problem})")
@@ -244,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                 "all_seconds": times,
             }
         )
+    if hasattr(os, "getloadavg"):
+        machine["load_avg_1min_at_end"] = f"{os.getloadavg()[0]:.2f}"
     table = markdown(results, machine, args)
     print(table)
     if not args.no_write:
