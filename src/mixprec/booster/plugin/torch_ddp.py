@@ -28,14 +28,15 @@ class TorchDDPPlugin(Plugin):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
     ) -> None:
-        self.ddp_kwargs = {
-            "broadcast_buffers": broadcast_buffers,
+        self.ddp_kwargs: dict[str, object] = {
             "bucket_cap_mb": bucket_cap_mb,
             "find_unused_parameters": find_unused_parameters,
             "check_reduction": check_reduction,
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,
         }
+        if not broadcast_buffers:  # torch 2.13 deprecates the name but keeps its meaning
+            self.ddp_kwargs["broadcast_buffers"] = False
 
     def wrap_model(self, model: PrecisionModule, device: torch.device) -> nn.Module:
         if not is_distributed():
