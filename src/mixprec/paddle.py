@@ -461,8 +461,7 @@ def _warn_pure_lp_once(lp_dtype: torch.dtype) -> None:
             "these parameters steps them in %s directly (pure %s, no fp32 master weights), as "
             "Paddle does. Pass decorate(models, optimizers) for fp32 master weights; unscale "
             "float16 gradients with mixprec.paddle.GradScaler.",
-            lp_dtype,
-            lp_dtype,
+            *[str(lp_dtype).removeprefix("torch.")] * 2,
         )
 
 
