@@ -224,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128, help="rows of the input per step")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads (default: torch's). On cores shared with other processes, "
+        "1 avoids OpenMP threads waiting on each other at every op's barrier",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     args.argv, args.skipped = argv, []
@@ -232,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--widths {bad} are not multiples of 16 (float8 GEMM alignment).")
     if "bf16" not in args.modes:
         parser.error("--modes must include bf16: every ratio is to bf16.")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     modes = list(args.modes)
     problem = fp8_kernel_problem(device)

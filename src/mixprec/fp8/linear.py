@@ -27,8 +27,8 @@ class _Float8LinearFn(torch.autograd.Function):
         config: Float8Config,
         emulate: bool,
     ) -> torch.Tensor:
-        # Autocast off inside: the CPU _scaled_mm rounds differently under autocast (measured:
-        # half its bf16 outputs moved, unlike compiled code), and emulation's GEMM must stay fp32.
+        # Autocast off inside: the CPU _scaled_mm is upcast-scale-matmul, and autocast would run
+        # that matmul in bf16 (measured: half the outputs moved); emulation's must stay fp32 too.
         with torch.autocast(hp_input.device.type, enabled=False):
             return _Float8LinearFn._forward(
                 ctx,
