@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -175,5 +176,7 @@ def _dcp_read_model_state(
         k: v.clone() if isinstance(v, torch.Tensor) else v
         for k, v in hp_model_state_dict(model, optimizer).items()
     }  # fresh tensors: DCP reads into them, the model's own params stay untouched until loaded
-    dcp.load(template, checkpoint_id=os.fspath(path), no_dist=not is_distributed())
+    with warnings.catch_warnings():  # single-process loading is intended here, not a mistake
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(template, checkpoint_id=os.fspath(path), no_dist=not is_distributed())
     return template
