@@ -160,6 +160,18 @@ def doctor_command(args: argparse.Namespace) -> int:
     return run_doctor(args)
 
 
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from mixprec.bench import add_bench_arguments as add
+
+    add(parser)
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    from mixprec.bench import bench_command as run
+
+    return run(args)
+
+
 COMMANDS: dict[str, Command] = {
     "run": Command(
         help="run a training script on N processes per node (torchrun underneath)",
@@ -170,6 +182,11 @@ COMMANDS: dict[str, Command] = {
         help="what this hardware can run (fp16/bf16/fp8), and a model's dtype/alignment report",
         add_arguments=add_doctor_arguments,
         run=doctor_command,
+    ),
+    "bench": Command(
+        help="fp32 vs every mixed-precision mode: memory, it/s, samples/s, speedup, loss",
+        add_arguments=add_bench_arguments,
+        run=bench_command,
     ),
 }
 """Every `mixprec` subcommand, by name; `mixprec --help` lists them in this order."""

@@ -1,0 +1,253 @@
+"""mixprec bench: models, mode vocabulary, planning, the subprocess runner, reports, the CLI."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mixprec import convert_to_amp
+from mixprec.bench import (
+    BENCH_MODES,
+    MODEL_NAMES,
+    BenchConfig,
+    BenchReport,
+    ModelSpec,
+    ModeResult,
+    amp_args,
+    build_model,
+    load_report,
+    make_batch,
+    make_criterion,
+    mode_policy,
+    parse_modes,
+    plan_modes,
+    render_table,
+    run_bench,
+    runner,
+    summary_rows,
+    write_report,
+)
+from mixprec.cli import main
+
+TINY = {
+    "mlp": ModelSpec(name="mlp", width=16, depth=3, batch=4, lr=0.1),
+    "vit": ModelSpec(name="vit", width=16, depth=1, batch=2, heads=2, image_size=8, lr=0.1),
+    "resnet": ModelSpec(name="resnet", width=4, depth=1, batch=2, image_size=8, lr=0.1),
+}
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_models_train_one_step(name: str, mode: str) -> None:
+    spec = TINY[name]
+    model = build_model(spec)
+    x, y = make_batch(spec, seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr)
+    model, optimizer, criterion = convert_to_amp(
+        model, optimizer, make_criterion(spec), *amp_args(mode)
+    )
+    out = model(x)
+    assert out.shape == ((spec.batch, spec.width) if name == "mlp" else (spec.batch, 10))
+    loss = criterion(out, y)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    optimizer.backward(loss)
+    assert not optimizer.step().skipped
+    changed = [
+        not torch.equal(b, p) for b, p in zip(before, model.module.parameters(), strict=True)
+    ]
+    assert any(changed), f"{name}/{mode}: one SGD step left every parameter unchanged"
+
+
+def test_same_seed_same_data_and_init() -> None:
+    spec = TINY["vit"]
+    (x1, y1), (x2, y2) = make_batch(spec, seed=3), make_batch(spec, seed=3)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)  # exact: same generator, same draws
+    torch.manual_seed(3)
+    a = build_model(spec).state_dict()
+    torch.manual_seed(3)
+    b = build_model(spec).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_model_spec_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match=r"Unknown model 'vitt'.*'vit'"):
+        ModelSpec(name="vitt", width=8, depth=1, batch=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"ModelSpec.width=0"):
+        ModelSpec(name="mlp", width=0, depth=1, batch=1)
+    with pytest.raises(ValueError, match="divisible by heads=3"):
+        ModelSpec(name="vit", width=16, depth=1, batch=1, heads=3)
+
+
+@pytest.mark.parametrize("mode", BENCH_MODES)
+def test_every_mode_parses_to_a_policy(mode: str) -> None:
+    policy = mode_policy(mode)
+    expected_low = {
+        "fp32": None,
+        "bf16": torch.bfloat16,
+        "fp8": torch.bfloat16,
+    }.get(mode, torch.float16)
+    assert policy.low_dtype == expected_low
+    assert policy.fp8 == (mode == "fp8")
+
+
+def test_dtype_reaches_only_the_modes_that_take_it() -> None:
+    assert mode_policy("fp16", "bfloat16").compute_dtype == torch.bfloat16
+    assert mode_policy("fp16_naive", "bf16").param_dtype == torch.bfloat16
+    o2 = mode_policy("O2", "bfloat16")
+    assert o2.param_dtype == torch.bfloat16 and o2.master_weights
+    assert mode_policy("O1", "bfloat16").compute_dtype == torch.float16  # O1 refuses a cast type
+    assert mode_policy("fp32", "bfloat16").low_dtype is None
+
+
+def test_parse_modes_and_unknown_mode_text() -> None:
+    assert parse_modes("bf16,fp32") == ("fp32", "bf16")  # table order, not typing order
+    assert parse_modes("torch, naive,apex") == ("fp16", "fp16_naive", "O1")
+    assert parse_modes("all") == BENCH_MODES
+    with pytest.raises(ValueError) as err:
+        parse_modes("fp32,fp61")
+    text = str(err.value)
+    assert "Unknown bench mode 'fp61'" in text and "Did you mean 'fp16'" in text
+    assert all(repr(m) in text for m in BENCH_MODES)  # every valid choice is listed
+    with pytest.raises(ValueError, match=r"Unknown bench mode 'O4'.*Valid: 'fp32'"):
+        BenchConfig(model=TINY["mlp"], modes=("O4",))
+
+
+def test_plan_cuts_fp16_steps_on_a_slow_cpu_unless_forced(monkeypatch) -> None:
+    monkeypatch.setattr(runner, "cpu_has_fast_fp16", lambda: False)
+    config = BenchConfig(model=TINY["mlp"], modes=("bf16", "fp16"), steps=7, warmup=3)
+    plans = {p.mode: p for p in plan_modes(config, CPU)}
+    assert list(plans) == ["fp32", "fp16", "bf16"]  # fp32 joins as the baseline
+    assert (plans["bf16"].steps, plans["bf16"].warmup, plans["bf16"].note) == (7, 3, "")
+    fp16 = plans["fp16"]
+    assert (fp16.steps, fp16.warmup) == (runner.CPU_FP16_STEPS, runner.CPU_FP16_WARMUP)
+    assert "no fast kernel" in fp16.note and "--modes" in fp16.note
+    forced = plan_modes(replace(config, forced=True), CPU)
+    assert all(p.steps == 7 and p.warmup == 3 for p in forced)
+    # --dtype bfloat16 moves fp16 off the slow path; O1 stays fp16
+    bf = plan_modes(replace(config, modes=("fp16", "O1"), dtype="bfloat16"), CPU)
+    assert [(p.mode, p.steps) for p in bf] == [("fp32", 7), ("fp16", 7), ("O1", 2)]
+
+
+def test_a_mode_the_device_cannot_run_is_skipped_or_refused(monkeypatch) -> None:
+    def no_fp8(mode, dtype, device):
+        return "no float8 kernel here" if mode == "fp8" else None
+
+    monkeypatch.setattr(runner, "device_problem", no_fp8)
+    config = BenchConfig(model=TINY["mlp"], modes=BENCH_MODES)
+    fp8 = {p.mode: p for p in plan_modes(config, CPU)}["fp8"]
+    assert fp8.skip_reason == "no float8 kernel here"
+    with pytest.raises(ValueError, match=r"Mode 'fp8' cannot run on cpu: no float8 kernel here"):
+        plan_modes(replace(config, modes=("fp8",), forced=True), CPU)
+
+
+def test_runner_end_to_end_in_subprocesses(tmp_path, monkeypatch) -> None:
+    # fp8 is planned as skipped (parent side), so two workers run: fp32 and bf16.
+    monkeypatch.setattr(
+        runner, "device_problem", lambda m, d, dev: "test: no fp8" if m == "fp8" else None
+    )
+    # 8 MiB of weights (+ grads): enough to lift the peak RSS above the import-time high-water
+    # mark (smaller models fit in heap memory malloc kept from the imports: a zero delta)
+    model = ModelSpec(name="mlp", width=1024, depth=2, batch=4, lr=0.1)
+    config = BenchConfig(model=model, modes=("bf16", "fp8"), steps=2, warmup=1, device="cpu")
+    report = run_bench(config, progress=False)
+    by_mode = {r.mode: r for r in report.results}
+    assert list(by_mode) == ["fp32", "bf16", "fp8"]
+    assert by_mode["fp8"].status == "skipped" and by_mode["fp8"].reason == "test: no fp8"
+    for mode in ("fp32", "bf16"):
+        r = by_mode[mode]
+        assert r.status == "ok", r.reason
+        assert len(r.losses) == 3 and len(r.loss_scales) == 3  # warm-up + timed steps
+        assert r.it_s > 0 and r.samples_s == pytest.approx(r.it_s * 4)  # batch 4
+        assert r.peak_delta_bytes > 2**20 and r.memory_kind.startswith("peak RSS")
+        assert r.peak_bytes == r.baseline_bytes + r.peak_delta_bytes
+    assert by_mode["bf16"].low_dtype == "bfloat16" and by_mode["fp32"].low_dtype == ""
+    # same seed, same init and data: the first loss (before any update) agrees to bf16 rounding
+    assert by_mode["bf16"].losses[0] == pytest.approx(by_mode["fp32"].losses[0], rel=2**-7)
+
+    paths = write_report(report, tmp_path)
+    assert {p.name for p in paths.values()} == {f"bench_mlp_cpu.{e}" for e in ("md", "json", "png")}
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(paths["json"].read_text())
+    rows = {row["mode"]: row for row in data["summary"]}
+    assert rows["fp32"]["speedup_vs_fp32"] == 1.0 and rows["fp32"]["memory_vs_fp32"] == 1.0
+    assert rows["fp8"]["speedup_vs_fp32"] is None and rows["fp8"]["reason"] == "test: no fp8"
+    md = paths["md"].read_text()
+    assert "| fp32 " in md and "| bf16 " in md and "test: no fp8" in md
+    assert load_report(paths["json"]).results == report.results  # the JSON round-trips
+
+
+def _result(mode: str, step_s: float, delta: int, losses: list[float]) -> ModeResult:
+    return ModeResult(
+        mode=mode,
+        status="ok",
+        amp_call=repr(mode),
+        steps=len(losses),
+        step_s_median=step_s,
+        it_s=1 / step_s,
+        samples_s=8 / step_s,
+        baseline_bytes=100,
+        peak_bytes=100 + delta,
+        peak_delta_bytes=delta,
+        losses=losses,
+    )
+
+
+def test_summary_ratios_and_common_loss_step() -> None:
+    report = BenchReport(
+        config={"model": {"name": "mlp"}},
+        device="cpu",
+        machine="test",
+        command="mixprec bench",
+        results=[
+            _result("fp32", 0.5, 4096, [3.0, 2.0, 1.0]),
+            _result("bf16", 0.25, 2048, [3.0, 2.5, 1.5]),
+            _result("fp16", 2.0, 3072, [3.0, 2.25]),
+            ModeResult(mode="fp8", status="skipped", reason="no kernel"),
+        ],
+    )
+    rows = {r["mode"]: r for r in summary_rows(report)}
+    # power-of-two times and sizes: the ratios are exact
+    assert rows["fp32"]["speedup_vs_fp32"] == 1.0 and rows["fp32"]["memory_vs_fp32"] == 1.0
+    assert rows["bf16"]["speedup_vs_fp32"] == 2.0 and rows["bf16"]["memory_vs_fp32"] == 0.5
+    assert rows["fp16"]["speedup_vs_fp32"] == 0.25 and rows["fp16"]["memory_vs_fp32"] == 0.75
+    assert [rows[m]["loss"] for m in ("fp32", "bf16", "fp16")] == [2.0, 2.5, 2.25]  # step 2
+    assert rows["bf16"]["final_loss"] == 1.5
+    assert rows["fp8"]["speedup_vs_fp32"] is None and rows["fp8"]["reason"] == "no kernel"
+    table = render_table(report)
+    assert "loss @ step 2" in table and "| skipped " in table and "[1] no kernel" in table
+
+
+def test_worker_timeout_is_a_failed_row_with_its_reason(tmp_path) -> None:
+    config = BenchConfig(model=TINY["mlp"], steps=1, warmup=0, timeout_s=0.05)
+    plan = runner.ModePlan(mode="fp32", steps=1, warmup=0)
+
+    class Bar:
+        n = 0
+
+        def update(self, k: int) -> None:
+            self.n += k
+
+    bar = Bar()
+    result = runner.run_worker(plan, config, CPU, tmp_path, bar)
+    assert result.status == "failed" and "stopped after 0.05 s" in result.reason
+    assert bar.n == 1  # the bar still advances by the mode's steps
+
+
+def test_cli_bench_help_and_errors(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--modes" in out and "--model {mlp,vit,resnet}" in out and "--dtype" in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--modes", "bf61"])
+    assert exit_info.value.code == 2
+    assert "Unknown bench mode 'bf61'. Did you mean 'bf16'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--device", "cuda"]) == 2
+        assert "no CUDA device is visible" in capsys.readouterr().err
