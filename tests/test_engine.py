@@ -17,11 +17,21 @@ import torch.distributed as dist
 from conftest import tiny_mlp
 from dist_utils import free_port, spawn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 from mixprec import AMP_TYPE
 from mixprec.config import gpc
-from mixprec.engine import Engine, EpochShuffledDistributedSampler, initialize
+from mixprec.engine import (
+    Engine,
+    EpochShuffledDistributedSampler,
+    dataloader_to_distributed,
+    initialize,
+)
 from mixprec.launch import destroy, launch_from_torch
 from mixprec.module import prepare_model
 from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError
@@ -424,6 +434,37 @@ def test_seed_000_loop_runs_from_launch_from_torch(monkeypatch, teardown) -> Non
     assert engine.optimizer.steps == gpc.config.NUM_EPOCHS * 3 and engine.skipped_steps == 0
     assert lr_scheduler.last_epoch == gpc.config.NUM_EPOCHS
     assert torch.isfinite(train_loss) and train_loss.dtype == torch.float32
+
+
+def _collate(batch):
+    return torch.stack([b[0] for b in batch])
+
+
+def test_dataloader_to_distributed_keeps_the_loader_and_shards_it() -> None:
+    dataset = TensorDataset(torch.arange(10.0))
+    loader = DataLoader(dataset, batch_size=2, shuffle=False, drop_last=True, collate_fn=_collate)
+    shard = dataloader_to_distributed(loader, rank=1, world_size=2)
+    assert (shard.batch_size, shard.drop_last, shard.collate_fn) == (2, True, _collate)
+    assert [b.tolist() for b in shard] == [[1.0, 3.0], [5.0, 7.0]]  # every 2nd from rank 1
+
+    shuffled = DataLoader(dataset, batch_size=5, shuffle=True)
+    shards = [dataloader_to_distributed(shuffled, rank=r, world_size=2) for r in (0, 1)]
+    epochs = [[torch.cat([b[0] for b in s]) for s in shards] for _ in range(2)]
+    for first, second in epochs:  # each pass: the two shards partition the data
+        assert sorted(torch.cat([first, second]).tolist()) == list(map(float, range(10)))
+    assert not torch.equal(epochs[0][0], epochs[1][0])  # a RandomSampler reshuffled per pass
+
+
+def test_dataloader_to_distributed_refuses_orders_it_cannot_keep() -> None:
+    dataset = TensorDataset(torch.arange(10.0))
+    weighted = DataLoader(dataset, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 10))
+    with pytest.raises(ValueError, match="WeightedRandomSampler"):
+        dataloader_to_distributed(weighted, rank=0, world_size=2)
+    batched = DataLoader(dataset, batch_sampler=[[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="batch_sampler"):
+        dataloader_to_distributed(batched, rank=0, world_size=2)
+    with pytest.raises(TypeError, match="DataLoader"):
+        dataloader_to_distributed([dataset[0]], rank=0, world_size=2)
 
 
 # ----- two processes: DDP, sharded data, overflow agreement -----

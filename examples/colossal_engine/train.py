@@ -12,6 +12,7 @@ config_AMP_apex); the loop below is the same for all of them.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import socket
@@ -108,8 +109,19 @@ def main() -> None:
             port=free_port(),
             backend=args.backend,
         )
+    try:
+        train(num_epochs=args.epochs)
+    finally:
+        # A gloo group whose last owner is DDP's reducer is destroyed with the GIL held, which
+        # can deadlock gloo's worker thread at exit: free every DDP (train's frame) first.
+        gc.collect()
+        destroy()
+
+
+def train(num_epochs: int | None = None) -> None:
+    """Build everything from gpc.config, train, print the test accuracy after each epoch."""
     cfg = gpc.config
-    num_epochs = cfg.NUM_EPOCHS if args.epochs is None else args.epochs
+    num_epochs = cfg.NUM_EPOCHS if num_epochs is None else num_epochs
 
     # build model, optimizer, criterion, dataloaders and the per-step schedule
     model = build_model(cfg.HIDDEN_SIZE, cfg.NUM_CLASSES)
@@ -154,7 +166,6 @@ def main() -> None:
                 f"loss scale: {engine.loss_scale:g}, skipped steps: {engine.skipped_steps}",
                 flush=True,
             )
-    destroy()
 
 
 if __name__ == "__main__":

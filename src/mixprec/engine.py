@@ -134,6 +134,8 @@ def dataloader_to_distributed(loader: DataLoader, rank: int, world_size: int) ->
             persistent_workers=loader.persistent_workers,
             multiprocessing_context=loader.multiprocessing_context,
         )
+        if hasattr(loader, "in_order"):  # torch >= 2.6
+            kwargs["in_order"] = loader.in_order
     return DataLoader(
         loader.dataset,
         batch_size=loader.batch_size,
