@@ -383,6 +383,14 @@ def test_engine_refuses_unprepared_pieces() -> None:
         Engine(prepare_model(tiny_mlp(), preset("fp32")), sgd(model))
 
 
+def test_bad_optimizer_fails_before_the_model_is_cast() -> None:
+    model = tiny_mlp()
+    wrapped = MixedPrecisionOptimizer(sgd(model))
+    with pytest.raises(TypeError, match="MixedPrecisionOptimizer"):
+        initialize(model, wrapped, CE, config={"fp16": {"mode": AMP_TYPE.NAIVE}})
+    assert model[0].weight.dtype == torch.float32
+
+
 def test_initialize_reads_a_config_file(tmp_path) -> None:
     path = tmp_path / "cfg.py"
     path.write_text(

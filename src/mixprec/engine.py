@@ -401,6 +401,14 @@ def initialize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
+    # checked before the model is cast in place, so a bad call leaves it untouched
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
+        optimizer, MixedPrecisionOptimizer
+    ):
+        raise TypeError(
+            f"optimizer must be a plain torch.optim.Optimizer over model's parameters, got "
+            f"{type(optimizer)!r}; initialize wraps it once."
+        )
     if config is None:
         config = gpc.config
         validate_config(config)
