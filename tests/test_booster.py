@@ -329,6 +329,14 @@ def _fsdp_worker(rank: int, world: int) -> None:
         for p, q in zip(model.parameters(), before, strict=True):
             torch.testing.assert_close(_full(p), q, rtol=0, atol=0)
 
+    # no_sync: FSDP2 keeps the accumulated gradient unsharded and reduce-scatters nothing
+    with booster.no_sync(model, optimizer):
+        booster.backward(criterion(model(x[lo:hi]), y[lo:hi]), optimizer)
+    assert all(p.grad is None for p in model.parameters())
+    booster.backward(criterion(model(x[lo:hi]), y[lo:hi]), optimizer)
+    assert all(p.grad is not None for p in model.parameters())
+    assert not optimizer.step().skipped
+
 
 @pytest.mark.distributed
 def test_fsdp2_booster_bf16_fp16_and_naive_two_ranks() -> None:
