@@ -116,3 +116,37 @@ def test_static_scale_never_moves() -> None:
         "cpu", init_loss_scaling=8.0, use_dynamic_loss_scaling=False, growth_interval=1
     )
     assert set(train(scaler, model, opt, {1, 2}, steps=5)) == {8.0}
+
+
+def test_drives_the_master_weight_optimizer() -> None:
+    # GradScaler + MixedPrecisionOptimizer over fp16 params == a hand-written fp32-master loop.
+    from mixprec import MixedPrecisionOptimizer, cast_module
+
+    torch.manual_seed(0)
+    model = cast_module(torch.nn.Linear(6, 3), torch.float16)
+    ref = copy.deepcopy(model)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    masters = [p.detach().float().requires_grad_() for p in ref.parameters()]
+    ref_opt = torch.optim.SGD(masters, lr=0.1)
+    scaler = GradScaler("cpu", init_scale=2.0**6)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x = torch.randn(4, 6, generator=gen).half()
+        opt.zero_grad()
+        scaler.scale(model(x).float().square().mean()).backward()
+        if step == 2:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        if step != 2:  # the reference skips the poisoned step by not taking it
+            (ref(x).float().square().mean() * 2.0**6).backward()
+            for p, m in zip(ref.parameters(), masters, strict=True):
+                m.grad = p.grad.float() * 2.0**-6
+                p.grad = None
+            ref_opt.step()
+            with torch.no_grad():
+                for p, m in zip(ref.parameters(), masters, strict=True):
+                    p.copy_(m)
+    for a, b in zip(opt.hp_masters, masters, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert scaler.get_scale() == 2.0**5

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
+from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import ScalerConfig, did_you_mean
 from mixprec.scaling import ProcessGroup, all_reduce_found_inf_, default_group, update_scale_
 
@@ -118,6 +119,8 @@ class GradScaler(torch.amp.GradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
+        if isinstance(optimizer, MixedPrecisionOptimizer):
+            optimizer.grads_to_masters()  # param_groups hold the masters: give them the grads
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         group = self.process_group or default_group()
         if not per_device:  # a rank without grads still joins the reduction

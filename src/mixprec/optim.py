@@ -105,6 +105,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         device = self._device()
         self.scaler = LossScaler(loss_scale, device)
         self._found_inf: torch.Tensor | None = None  # set once grads are unscaled this step
+        self._grads_on_masters = False  # set once this step's lp grads reached the masters
         self.skipped_steps = 0
         self.steps = 0
         self.consecutive_skips = 0
@@ -240,6 +241,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if hp_grads:
             torch._foreach_copy_(hp_grads, lp_grads)
 
+    def grads_to_masters(self) -> None:
+        """Hand this step's lp grads to the fp32 masters, once (an outside GradScaler calls this
+        before unscaling, since it only sees the masters in param_groups)."""
+        if not self._grads_on_masters:
+            self._lp_grads_to_masters()
+            self._grads_on_masters = True
+
     def unscale_grads(self) -> torch.Tensor:
         """Move grads to the masters, unscale them and check them, once per step.
 
@@ -247,7 +255,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """
         if self._found_inf is not None:
             return self._found_inf
-        self._lp_grads_to_masters()
+        self.grads_to_masters()
         found_inf = torch.zeros(1, dtype=torch.float32, device=self.scaler.scale_tensor.device)
         grads = self._hp_grads()
         if grads:
@@ -280,15 +288,37 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if self.max_norm > 0:
             grad_norm = float(self.clip_grad_norm(self.max_norm))
         num_zeros = self._count_zeros() if self.log_num_zeros_in_grad else None
-        # The one host sync per step: the skip decision, with the scale it was made under.
-        flag, scale = torch.cat([found_inf, self.scaler.scale_tensor.to(found_inf)]).tolist()
-        skipped = flag > 0
+        skipped, scale = self._decide(found_inf)
+        self.scaler.update(found_inf)
+        return self._commit(skipped, scale, grad_norm=grad_norm, num_zeros=num_zeros)
+
+    def _decide(
+        self, found_inf: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> tuple[bool, float]:
+        """(skip?, the scale this step ran under), read in the one host sync of a step."""
+        scale = self.scaler.scale_tensor if scale is None else scale
+        flag, scale_value = torch.cat([found_inf, scale.to(found_inf)]).tolist()
+        return flag > 0, scale_value
+
+    def _commit(
+        self,
+        skipped: bool,
+        scale: float,
+        *,
+        grad_norm: float | None = None,
+        num_zeros: int | None = None,
+    ) -> StepResult:
+        """Step the inner optimizer unless skipped, copy masters back, count (the scale is
+        advanced by the caller, which owns the scaler(s)).
+
+        Raises ScaleCollapseError after max_consecutive_skips skipped steps in a row.
+        """
         if not skipped:
             self.optim.step()
             if self.hp_masters:
                 torch._foreach_copy_(self.lp_params, self.hp_masters)
-        self.scaler.update(found_inf)
         self._found_inf = None
+        self._grads_on_masters = False
         self.steps += 1
         self.skipped_steps += skipped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
@@ -306,14 +336,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 "nan/inf in the data or loss (mixprec.debugging.NonFiniteLocator names the first "
                 "module), lower the learning rate, or train in bf16, which has fp32's range."
             )
-        if skipped and _is_rank_zero():
+        if skipped:
+            self._report_skip(scale)
+        return self.last_result
+
+    def _report_skip(self, scale: float) -> None:
+        """Log a skipped step once, on rank 0 (faces override this with their own words)."""
+        if _is_rank_zero():
             log.info(
                 "mixprec: non-finite gradients; skipped step %d (loss scale %g -> %g)",
                 self.steps,
                 scale,
                 self.scaler.scale,
             )
-        return self.last_result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.lp_params:
@@ -332,6 +367,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     else:
                         p.grad.zero_()
         self._found_inf = None
+        self._grads_on_masters = False
 
     # ----- checkpoints -----
     def state_dict(self) -> dict[str, Any]:
@@ -371,3 +407,4 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.steps = int(state_dict.get("steps", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self._found_inf = None
+        self._grads_on_masters = False

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
+from mixprec.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.scaling import LossScaler, all_reduce_found_inf_, default_group, unscale_and_check_
 
 log = logging.getLogger("mixprec")
@@ -125,37 +125,11 @@ class StashingOptimizer(MixedPrecisionOptimizer):
                 "s.backward()` (or optimizer.backward(loss)), not on the loss directly."
             )
 
-    def _decide(self, found_inf: torch.Tensor, scale: torch.Tensor) -> tuple[bool, float]:
-        """(skip?, scale) in the one host sync of a step."""
-        flag, scale_value = torch.cat([found_inf, scale.to(found_inf)]).tolist()
-        return flag > 0, scale_value
-
-    def _commit(self, skipped: bool, scale: float) -> StepResult:
-        """Step the inner optimizer (unless skipped), copy the masters back, count.
-
-        Raises the core's ScaleCollapseError after max_consecutive_skips skips in a row.
-        """
-        if not skipped:
-            self.optim.step()
-            if self.hp_masters:
-                torch._foreach_copy_(self.lp_params, self.hp_masters)
-        self.steps += 1
-        self.skipped_steps += skipped
-        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
-        self.events = []
-        self._found_inf = None
-        self.last_result = StepResult(skipped=skipped, scale=scale, grad_norm=None, num_zeros=None)
-        limit = self.max_consecutive_skips
-        if limit is not None and self.consecutive_skips >= limit:
-            bad = self.nonfinite_params()
-            raise ScaleCollapseError(
-                f"{self.consecutive_skips} steps in a row were skipped for non-finite gradients "
-                f"(last loss scale {scale:g}). Non-finite gradients this step in: "
-                f"{bad[:10] or 'another rank'}{' ...' if len(bad) > 10 else ''}. The run "
-                "overflows at any scale: look for inf/nan in the data or loss, lower the "
-                "learning rate, or train in bf16."
-            )
-        return self.last_result
+    def _commit(self, skipped: bool, scale: float, **counters: Any) -> StepResult:
+        try:
+            return super()._commit(skipped, scale, **counters)  # reports skips from events
+        finally:
+            self.events = []  # this step's unscale events are consumed
 
     def _forget_iteration(self) -> None:
         self.events = []
@@ -209,6 +183,9 @@ class AmpOptimizer(StashingOptimizer):
         with scale_loss(loss, self, loss_id=loss_id) as scaled_loss:
             scaled_loss.backward(**kwargs)
 
+    def _report_skip(self, scale: float) -> None:
+        self._log_overflows()
+
     def _log_overflows(self) -> None:
         if self.verbosity <= 0 or not is_rank_zero():
             return
@@ -232,8 +209,6 @@ class AmpOptimizer(StashingOptimizer):
         # the scale the last contributing loss's grads were computed with
         last = self.events[-1].scale_used if self.events else self.scaler.scale_tensor
         skipped, scale = self._decide(found_inf, last)
-        if skipped:
-            self._log_overflows()
         try:
             return self._commit(skipped, scale)
         finally:

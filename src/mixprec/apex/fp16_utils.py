@@ -140,11 +140,13 @@ class FP16_Optimizer(StashingOptimizer):  # noqa: N801 - Apex's name, which scri
         self._check_no_unscaled_lp_grads()
         self.overflow, scale = self._decide(found_inf, self.scaler.scale_tensor)
         self.scaler.update(found_inf)
-        if self.overflow and self.verbose and is_rank_zero():
+        return self._commit(self.overflow, scale)
+
+    def _report_skip(self, scale: float) -> None:
+        if self.verbose and is_rank_zero():
             log.warning(
                 "Gradient overflow.  Skipping step, reducing loss scale to %s", self.scaler.scale
             )
-        return self._commit(self.overflow, scale)
 
     def __repr__(self) -> str:
         return f"FP16_Optimizer({self.optim!r}, scaler={self.scaler.cfg})"
