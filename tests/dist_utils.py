@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -17,15 +19,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _entry(rank: int, world: int, rendezvous: str, fn: Callable[..., Any], args: tuple) -> None:
+    # A file rendezvous: no TCP port that a concurrent test run could take first.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     finally:
+        gc.collect()  # free DDP/FSDP state while the group lives: gloo can hang otherwise
         dist.destroy_process_group()
 
 
 def spawn(fn: Callable[..., Any], world: int = 2, *args: Any) -> None:
     """fn(rank, world, *args) on `world` processes; any rank's exception fails the caller."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        rendezvous = os.path.join(tmp, "rendezvous")
+        mp.spawn(_entry, args=(world, rendezvous, fn, args), nprocs=world, join=True)

@@ -11,6 +11,7 @@ initialised identically on every rank, which data parallelism needs; draw per-ra
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import random
@@ -241,8 +242,12 @@ def launch_from_openmpi(
 
 
 def destroy() -> None:
-    """Tear down the default process group (if any) and reset gpc."""
+    """Tear down the default process group (if any) and reset gpc.
+
+    Drop DDP/FSDP models first: one freed after the group is gone can hang gloo's threads.
+    """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()  # free unreferenced DDP reducers while their group still exists
         dist.destroy_process_group()
     gpc.reset()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -203,12 +202,9 @@ class FP8MixedPrecision(MixedPrecision):
         self.config = config
 
     def convert_module(self, model: nn.Module, policy: Policy | None = None) -> PrecisionModule:
-        from mixprec.fp8 import convert_to_fp8
-
-        # Converted here with the user's filter/config; the core must not convert again.
-        model, _ = convert_to_fp8(model, self.module_filter_fn, self.config)
-        policy = policy or self.policy
-        return prepare_model(model, replace(policy, fp8=False))
+        return prepare_model(
+            model, policy or self.policy, fp8_filter=self.module_filter_fn, fp8_config=self.config
+        )
 
 
 MODE_TO_PRECISION: dict[str, type[MixedPrecision]] = {

@@ -85,14 +85,25 @@ class FP32Criterion(nn.Module):
             return self.criterion(*args, **kwargs)
 
 
-def prepare_model(model: nn.Module, policy: Policy) -> PrecisionModule:
-    """Cast (and fp8-convert) model in place per policy; return it wrapped for forward."""
+def prepare_model(
+    model: nn.Module,
+    policy: Policy,
+    *,
+    fp8_filter: Callable[[nn.Module, str], bool | str] | None = None,
+    fp8_config: Any = None,
+) -> PrecisionModule:
+    """Cast (and fp8-convert) model in place per policy; return it wrapped for forward.
+
+    fp8_filter / fp8_config go to mixprec.fp8.convert_to_fp8 when policy.fp8 is set.
+    """
     if isinstance(model, PrecisionModule):
         raise TypeError("This model is already prepared by mixprec; prepare the original once.")
     if policy.fp8:
         from mixprec.fp8 import convert_to_fp8
 
-        convert_to_fp8(model)
+        model, _ = convert_to_fp8(model, fp8_filter, fp8_config)  # a bare Linear is replaced
+    elif fp8_filter is not None or fp8_config is not None:
+        raise ValueError(f"fp8_filter/fp8_config given, but mode {policy.name!r} is not fp8.")
     if policy.casts_params:
         cast_module(model, policy.param_dtype, keep_norm_fp32=policy.keep_norm_fp32)
     return PrecisionModule(model, policy)

@@ -224,8 +224,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.scale_loss(loss).backward(**kwargs)
 
     def _hp_grads(self) -> list[torch.Tensor]:
-        """Gradients of everything the wrapped optimizer steps (fp32 masters and fp32 params)."""
-        return [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+        """Gradients of everything the wrapped optimizer steps (fp32 masters and fp32 params).
+
+        Sharded (DTensor) grads are checked through their local shard: the same storage, and
+        the overflow flag is reduced over the group afterwards, so the check stays exact.
+        """
+        grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+        return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
 
     def _lp_grads_to_masters(self) -> None:
         lp_grads, hp_grads = [], []

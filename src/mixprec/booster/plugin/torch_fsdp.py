@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from mixprec.booster.plugin.plugin_base import (
     Plugin,
@@ -52,19 +51,6 @@ ShardFilter = Callable[[str, nn.Module], bool]
 def direct_children_with_params(name: str, module: nn.Module) -> bool:
     """Default sharding units: each top-level child that owns parameters (plus the root)."""
     return "." not in name and any(True for _ in module.parameters())
-
-
-class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
-    """The core optimizer over DTensor params: unscales and checks each rank's local shard.
-
-    The core's one-element overflow flag is a plain tensor; handing DTensor grads to the
-    foreach unscale kernel would make DTensor wrap it as a replicated DTensor (with a warning
-    every step). The local shards are the same storage, and the flag is MAX-reduced over the
-    shard group afterwards, so checking them locally is exact.
-    """
-
-    def _hp_grads(self) -> list[torch.Tensor]:
-        return [g.to_local() if isinstance(g, DTensor) else g for g in super()._hp_grads()]
 
 
 class TorchFSDPPlugin(Plugin):
@@ -149,7 +135,7 @@ class TorchFSDPPlugin(Plugin):
         if optimizer is None:
             return boosted, None
         _point_optimizer_at_shards(optimizer, names_before, boosted.module)
-        return boosted, ShardedMixedPrecisionOptimizer(
+        return boosted, MixedPrecisionOptimizer(
             optimizer,
             loss_scale=hp_policy.loss_scale,
             master_weights=False,
