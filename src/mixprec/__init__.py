@@ -14,8 +14,11 @@ from mixprec.autocast import (
     low_precision_region,
     resolve_ops,
 )
+from mixprec.booster import Booster
 from mixprec.casting import cast_floating, cast_module
+from mixprec.checkpoint import load_checkpoint, save_checkpoint
 from mixprec.config import Config, gpc, load_config
+from mixprec.engine import Engine, initialize
 from mixprec.grad_scaler import GradScaler
 from mixprec.launch import (
     get_default_parser,
@@ -23,6 +26,13 @@ from mixprec.launch import (
     launch_from_openmpi,
     launch_from_slurm,
     launch_from_torch,
+)
+from mixprec.mixed_precision import (
+    BF16MixedPrecision,
+    FP8MixedPrecision,
+    FP16ApexMixedPrecision,
+    FP16NaiveMixedPrecision,
+    FP16TorchMixedPrecision,
 )
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
@@ -32,6 +42,16 @@ from mixprec.scaling import LossScaler
 __version__ = "0.1.0"
 
 __all__ = [
+    "BF16MixedPrecision",
+    "Booster",
+    "Engine",
+    "FP16ApexMixedPrecision",
+    "FP16NaiveMixedPrecision",
+    "FP16TorchMixedPrecision",
+    "FP8MixedPrecision",
+    "initialize",
+    "load_checkpoint",
+    "save_checkpoint",
     "Config",
     "autocast",
     "fp16_guard",
