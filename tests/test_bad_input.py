@@ -1,0 +1,255 @@
+"""Bad input across every face: each raises, naming the value passed and the valid choices.
+
+A table, so the count is visible: nothing here may be silently accepted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_mlp
+
+import mixprec
+from mixprec import AMP_TYPE
+
+
+def model_opt():
+    model = tiny_mlp()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def convert(mode, cfg=None):
+    model, opt = model_opt()
+    return mixprec.convert_to_amp(model, opt, torch.nn.CrossEntropyLoss(), mode, cfg)
+
+
+def booster(mp):
+    return mixprec.Booster(mixed_precision=mp)
+
+
+def apex_init(**kw):
+    from mixprec.apex import amp
+
+    model, opt = model_opt()
+    return amp.initialize(model, opt, **kw)
+
+
+def paddle_cast(**kw):
+    from mixprec.paddle import auto_cast
+
+    return auto_cast(**kw)
+
+
+def paddle_decorate(**kw):
+    from mixprec.paddle import decorate
+
+    return decorate(tiny_mlp(), **kw)
+
+
+def fp8_config(**kw):
+    from mixprec.fp8 import Float8Config
+
+    return Float8Config(**kw)
+
+
+def load_config(path):
+    return mixprec.load_config(path)
+
+
+CASES = [
+    # (id, callable, exception, a regex the message must match: the value and the choices)
+    ("mode typo", lambda: convert("bf61"), ValueError, r"'bf61'.*Valid: .*'bf16'"),
+    ("mode type", lambda: convert(16), TypeError, r"got 16"),
+    (
+        "torch key typo",
+        lambda: convert(AMP_TYPE.TORCH, {"growth_intervl": 5}),
+        ValueError,
+        r"'growth_intervl'.*'growth_interval'",
+    ),
+    (
+        "naive key from torch",
+        lambda: convert(AMP_TYPE.NAIVE, {"init_scale": 8}),
+        ValueError,
+        r"'init_scale'.*'initial_scale'",
+    ),
+    (
+        "dtype",
+        lambda: convert("bf16", {"dtype": "float64"}),
+        ValueError,
+        r"'float64'.*'float16', 'bfloat16'",
+    ),
+    (
+        "dtype on fp32",
+        lambda: convert("fp32", {"dtype": "bfloat16"}),
+        ValueError,
+        r"'fp32' has no low-precision dtype",
+    ),
+    (
+        "enabled type",
+        lambda: convert(AMP_TYPE.TORCH, {"enabled": "no"}),
+        TypeError,
+        r"enabled must be a bool, got 'no'",
+    ),
+    (
+        "scale <= 0",
+        lambda: convert(AMP_TYPE.TORCH, {"init_scale": -1.0}),
+        ValueError,
+        r"init_scale=-1.0 must be > 0",
+    ),
+    (
+        "backoff >= 1",
+        lambda: convert(AMP_TYPE.TORCH, {"backoff_factor": 2.0}),
+        ValueError,
+        r"backoff_factor=2.0",
+    ),
+    (
+        "hysteresis 0",
+        lambda: convert(AMP_TYPE.NAIVE, {"hysteresis": 0}),
+        ValueError,
+        r"hysteresis=0 must be >= 1",
+    ),
+    (
+        "growth interval float",
+        lambda: convert(AMP_TYPE.TORCH, {"growth_interval": 2.5}),
+        TypeError,
+        r"growth_interval must be an int, got 2.5",
+    ),
+    (
+        "config without mode",
+        lambda: mixprec.to_policy({"opt_level": "O2"}),
+        ValueError,
+        r"needs a 'mode' key.*TORCH",
+    ),
+    (
+        "opt level",
+        lambda: convert(AMP_TYPE.APEX, {"opt_level": "O5"}),
+        ValueError,
+        r"'O5'.*'O0', 'O1', 'O2', 'O3'",
+    ),
+    (
+        "apex O1 cast type",
+        lambda: apex_init(opt_level="O1", cast_model_type=torch.float16),
+        ValueError,
+        r"O1.*cast_model_type",
+    ),
+    (
+        "apex O1 keep bn",
+        lambda: apex_init(opt_level="O1", keep_batchnorm_fp32=True),
+        ValueError,
+        r"O1.*keep_batchnorm_fp32",
+    ),
+    (
+        "apex O1 masters",
+        lambda: apex_init(opt_level="O1", master_weights=True),
+        ValueError,
+        r"O1.*master_weights",
+    ),
+    (
+        "apex loss scale",
+        lambda: apex_init(opt_level="O2", loss_scale="auto"),
+        ValueError,
+        r"'auto'.*'dynamic'",
+    ),
+    (
+        "apex bool string",
+        lambda: apex_init(opt_level="O2", keep_batchnorm_fp32="yes"),
+        TypeError,
+        r"'yes'.*'True', 'False'",
+    ),
+    ("apex num_losses", lambda: apex_init(num_losses=0), ValueError, r"num_losses=0"),
+    ("booster name", lambda: booster("fp16_navie"), ValueError, r"'fp16_navie'.*'fp16_naive'"),
+    ("booster type", lambda: booster(3.0), (TypeError, ValueError), r"3.0"),
+    (
+        "grad scaler paddle typo",
+        lambda: mixprec.GradScaler("cpu", init_loss_scale=8),
+        TypeError,
+        r"'init_loss_scale'.*'init_loss_scaling'",
+    ),
+    (
+        "autocast op name",
+        lambda: mixprec.autocast(dtype=torch.bfloat16, custom_white_list=["sofmax"]),
+        ValueError,
+        r"'sofmax'.*'softmax'",
+    ),
+    ("autocast dtype", lambda: mixprec.autocast(dtype=torch.int8), ValueError, r"int8"),
+    (
+        "op in both lists",
+        lambda: mixprec.autocast(
+            dtype=torch.bfloat16, custom_white_list=["add"], custom_black_list=["add"]
+        ),
+        ValueError,
+        r"add",
+    ),
+    ("paddle level", lambda: paddle_cast(level="O4"), ValueError, r"'O4'.*'O0'.*'O1'.*'O2'"),
+    (
+        "paddle dtype",
+        lambda: paddle_cast(dtype="float8"),
+        ValueError,
+        r"'float8'.*float16.*bfloat16",
+    ),
+    ("paddle decorate level", lambda: paddle_decorate(level="OD"), ValueError, r"'OD'.*'O1'.*'O2'"),
+    (
+        "fp8 scaling",
+        lambda: fp8_config(scaling="current"),
+        ValueError,
+        r"'current'.*'dynamic'.*'delayed'",
+    ),
+    (
+        "fp8 amax history",
+        lambda: fp8_config(scaling="delayed", amax_history_len=0),
+        ValueError,
+        r"amax_history_len=0",
+    ),
+    (
+        "config file missing",
+        lambda: load_config("/nonexistent/config_AMP_torch.py"),
+        FileNotFoundError,
+        r"/nonexistent/config_AMP_torch.py",
+    ),
+    (
+        "config extension",
+        lambda: load_config(__file__.replace(".py", ".yaml")),
+        (ValueError, FileNotFoundError),
+        r"\.yaml|\.py",
+    ),
+    (
+        "optimizer type",
+        lambda: mixprec.MixedPrecisionOptimizer(object()),
+        TypeError,
+        r"torch.optim.Optimizer, got",
+    ),
+    (
+        "max_norm",
+        lambda: mixprec.MixedPrecisionOptimizer(model_opt()[1], max_norm=-2.0),
+        ValueError,
+        r"max_norm=-2.0",
+    ),
+    (
+        "fp16 adam eps",
+        lambda: mixprec.MixedPrecisionOptimizer(
+            torch.optim.Adam(mixprec.cast_module(tiny_mlp(), torch.float16).parameters()),
+            master_weights=False,
+        ),
+        ValueError,
+        r"eps=1e-08.*float16",
+    ),
+    (
+        "launch env",
+        lambda: mixprec.launch_from_torch({}),
+        (RuntimeError, KeyError),
+        r"RANK|LOCAL_RANK|WORLD_SIZE|MASTER",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_named(case, monkeypatch) -> None:
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    _, call, error, match = case
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_table_is_large() -> None:
+    assert len(CASES) >= 30
