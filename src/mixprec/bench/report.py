@@ -134,15 +134,24 @@ def render_markdown(report: BenchReport) -> str:
             f"Memory: the worker process's {kind}. 'peak mem MiB' is that peak; 'peak mem Δ' "
             "subtracts the RSS at a baseline taken after imports and data creation, so it holds "
             "the model, optimizer state, fp32 masters, autocast's weight copies and activations. "
-            "'mem vs fp32' compares the Δ. (On Linux the peak is VmHWM, reset to the current RSS "
-            "at the baseline, so import-time transients do not hide small models.)"
+            "'mem vs fp32' compares the Δ."
         )
+        if "VmHWM" in kind:
+            memory += (
+                " VmHWM is reset to the current RSS at the baseline, so import-time transients "
+                "do not hide a small model."
+            )
     else:
         memory = (
             "Memory: `torch.cuda.max_memory_allocated` over the run; 'peak mem Δ' subtracts "
             "`memory_allocated` after data creation. 'mem vs fp32' compares the Δ."
         )
     busy = ""
+    if report.load_start is not None and report.load_end is not None:
+        busy = (
+            f"\nLoad: 1-minute load average {report.load_start:.1f} before the run, "
+            f"{report.load_end:.1f} after, on {report.cpus} cores.\n"
+        )
     if report.busy:
         busy = (
             f"\n**Timings taken on a busy machine**: 1-minute load average {report.load_start:.1f} "
