@@ -311,3 +311,24 @@ def test_adam_eps_that_vanishes_in_fp16_is_refused_without_masters() -> None:
     with pytest.raises(ValueError, match=r"eps=1e-08 with float16 parameters.*eps >= 1e-4"):
         MixedPrecisionOptimizer(torch.optim.Adam(model.parameters()), master_weights=False)
     MixedPrecisionOptimizer(torch.optim.Adam(model.parameters()))  # with masters: fine (fp32 state)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_master_grads_freed_between_steps_unless_kept(keep: bool) -> None:
+    model = cast_module(tiny_mlp(), torch.bfloat16)
+    ref = copy.deepcopy(model)
+    opt = MixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), keep_master_grads=keep
+    )
+    kept = MixedPrecisionOptimizer(
+        torch.optim.SGD(ref.parameters(), lr=0.1), keep_master_grads=True
+    )
+    for _ in range(3):
+        x, y = batch(dtype=torch.bfloat16)
+        for o, m in ((opt, model), (kept, ref)):
+            o.zero_grad()
+            o.backward(loss_fn(m, x, y))
+            o.step()
+    assert all((m.grad is not None) == keep for m in opt.hp_masters)
+    for a, b in zip(opt.hp_masters, kept.hp_masters, strict=True):  # same numbers either way
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
