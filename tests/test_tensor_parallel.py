@@ -34,15 +34,6 @@ MODES: dict[str, Any] = {
 # (rank that overflows, the parameter whose local gradient shard it poisons): a column shard
 # and the replicated row-parallel bias, whose replicas diverge if only one rank skipped.
 INJECTIONS = ((1, "up.weight"), (0, "down.bias"))
-MASTER_PATH_XFAIL = (
-    "The core's master-weight path cannot take DTensor params: MixedPrecisionOptimizer copies "
-    "lp grads to the fp32 masters (_lp_grads_to_masters) and masters back to the lp params "
-    "(_commit) with torch._foreach_copy_, which DTensor has no sharding strategy for "
-    "(NotImplementedError). Fix in src/mixprec/optim.py: apply both copies to local tensors, "
-    "`torch._foreach_copy_(_local(dst), _local(src))` with "
-    "`_local = lambda ts: [t.to_local() if isinstance(t, DTensor) else t for t in ts]` "
-    "(master and lp param share placements: the master is a clone)."
-)
 
 
 class TwoLayerMLP(nn.Module):
@@ -213,16 +204,9 @@ def _tp_worker(
 
 
 def _spawn(*args: Any) -> None:
-    """spawn, turning a rank's missing-DTensor-strategy error back into NotImplementedError."""
     from dist_utils import spawn
-    from torch.multiprocessing import ProcessRaisedException
 
-    try:
-        spawn(_tp_worker, WORLD, *args)
-    except ProcessRaisedException as exc:
-        if "does not have a sharding strategy registered" in str(exc):
-            raise NotImplementedError(str(exc)) from exc
-        raise
+    spawn(_tp_worker, WORLD, *args)
 
 
 @pytest.mark.distributed
@@ -231,6 +215,5 @@ def test_tp_autocast_modes_skip_together_and_match_single_process() -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=MASTER_PATH_XFAIL)
 def test_tp_master_weight_modes_skip_together() -> None:
     _spawn((), ("fp16_naive-bf16", "fp16_naive"))

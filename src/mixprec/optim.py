@@ -42,6 +42,14 @@ class StepResult:
     """Zero gradient entries, when log_num_zeros_in_grad is on."""
 
 
+def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each DTensor's local shard (same storage; foreach kernels take no DTensors), else itself.
+
+    A master is a clone of its param, so both have the same layout and shard alike.
+    """
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
 class ScaleCollapseError(RuntimeError):
     """Too many consecutive steps were skipped: the run cannot make progress."""
 
@@ -236,7 +244,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         the overflow flag is reduced over the group afterwards, so the check stays exact.
         """
         grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-        return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        return local_shards(grads)
 
     def _lp_grads_to_masters(self) -> None:
         lp_grads, hp_grads = [], []
@@ -250,7 +258,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             hp_grads.append(hp.grad)
             lp.grad = None  # the lp gradient lives only from backward to step
         if hp_grads:
-            torch._foreach_copy_(hp_grads, lp_grads)
+            torch._foreach_copy_(local_shards(hp_grads), local_shards(lp_grads))
 
     def grads_to_masters(self) -> None:
         """Hand this step's lp grads to the fp32 masters, once (an outside GradScaler calls this
@@ -327,7 +335,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if not skipped:
             self.optim.step()
             if self.hp_masters:
-                torch._foreach_copy_(self.lp_params, self.hp_masters)
+                torch._foreach_copy_(local_shards(self.lp_params), local_shards(self.hp_masters))
         keep = self.keep_master_grads
         if not (self._device().type == "cpu" if keep is None else keep):
             for hp in self.hp_masters:
