@@ -226,7 +226,22 @@ def _resolve_op(op: str | Callable) -> str:
     raise TypeError(f"An op is a name (str) or a torch callable, got {op!r} ({type(op).__name__}).")
 
 
-@torch.compiler.disable  # pure Python bookkeeping: run it eagerly, never trace it
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compiler.disable(fn), made on first call: applying it at import time would import
+    torch._dynamo with mixprec (about 1 s in every process, compiled or not)."""
+    disabled: Callable[..., Any] | None = None
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return call
+
+
+@_eager  # pure Python bookkeeping: run it eagerly, never trace it
 def resolve_ops(names: Iterable[str | Callable] | None) -> frozenset[str]:
     """Validate a custom op list and normalise it to plain torch op names.
 
@@ -344,7 +359,7 @@ def _outer_region(device_type: str | None) -> _Region:
     )
 
 
-@torch.compiler.disable
+@_eager
 def _enter_region(region: _Region) -> contextlib.ExitStack:
     """Push region: set torch's autocast, shadow the outer op-list mode, install our own."""
     stack = contextlib.ExitStack()
@@ -393,7 +408,7 @@ class _RegionContext(contextlib.ContextDecorator):
         return _decorate(target, self, cast_to_fp32=False)
 
 
-@torch.compiler.disable
+@_eager
 def _pop_exit(owner: int) -> None:
     if not _STATE.exits or _STATE.exits[-1][0] != owner:
         raise RuntimeError(

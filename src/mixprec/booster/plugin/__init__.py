@@ -1,7 +1,17 @@
 """Booster plugins: where the boosted model runs and how its checkpoints are written."""
 
+from typing import Any
+
 from mixprec.booster.plugin.plugin_base import Plugin
 from mixprec.booster.plugin.torch_ddp import TorchDDPPlugin
-from mixprec.booster.plugin.torch_fsdp import TorchFSDPPlugin
 
 __all__ = ["Plugin", "TorchDDPPlugin", "TorchFSDPPlugin"]
+
+
+def __getattr__(name: str) -> Any:
+    # torch.distributed.fsdp costs ~0.5 s to import: load it when FSDP is asked for.
+    if name == "TorchFSDPPlugin":
+        from mixprec.booster.plugin.torch_fsdp import TorchFSDPPlugin
+
+        return TorchFSDPPlugin
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
