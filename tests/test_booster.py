@@ -343,3 +343,26 @@ def test_fsdp2_booster_bf16_fp16_and_naive_two_ranks() -> None:
     from dist_utils import spawn
 
     spawn(_fsdp_worker, 2)
+
+
+def test_per_epoch_schedule_advances_if_any_step_of_the_epoch_went_through() -> None:
+    from mixprec.booster import SkipAwareLRScheduler
+    from mixprec.optim import MixedPrecisionOptimizer
+
+    model = torch.nn.Linear(4, 2)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    sched = SkipAwareLRScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), opt)
+
+    def epoch(poison_last: bool, steps: int = 3) -> None:
+        for i in range(steps):
+            opt.zero_grad()
+            opt.backward(model(torch.ones(1, 4)).sum())
+            if poison_last and i == steps - 1:
+                model.bias.grad[0] = float("nan")
+            opt.step()
+        sched.step()
+
+    epoch(poison_last=True)  # two steps applied, the last skipped: the epoch still counts
+    assert opt.param_groups[0]["lr"] == 0.5 and sched.held_steps == 0
+    epoch(poison_last=True, steps=1)  # nothing applied this epoch: hold
+    assert opt.param_groups[0]["lr"] == 0.5 and sched.held_steps == 1

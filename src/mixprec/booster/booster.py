@@ -28,23 +28,30 @@ from mixprec.optim import MixedPrecisionOptimizer
 
 
 class SkipAwareLRScheduler:
-    """An LR scheduler that holds still when the optimizer skipped its last step for overflow.
+    """An LR scheduler that holds still when no optimizer step since its last step took effect.
 
-    Meant for per-step schedules (step() after every optimizer.step()); every other attribute
-    (get_last_lr, last_epoch, ...) is the wrapped scheduler's.
+    Per-step schedules (step() after every optimizer.step()) hold on a skipped step; per-epoch
+    ones advance if any step of the epoch went through. Every other attribute (get_last_lr,
+    last_epoch, ...) is the wrapped scheduler's.
     """
 
     def __init__(self, scheduler: Any, optimizer: MixedPrecisionOptimizer) -> None:
         self.scheduler = scheduler
         self.optimizer = optimizer
         self.held_steps = 0
-        """Calls to step() that did not advance the schedule (the optimizer step was skipped)."""
+        """Calls to step() that did not advance the schedule (no optimizer step took effect)."""
+        self._applied_at_last_step = self._applied()
+
+    def _applied(self) -> int:
+        return self.optimizer.steps - self.optimizer.skipped_steps
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        result = self.optimizer.last_result
-        if result is not None and result.skipped:
+        applied = self._applied()
+        stepped_before = self.optimizer.steps > 0 or self._applied_at_last_step > 0
+        if stepped_before and applied == self._applied_at_last_step:
             self.held_steps += 1  # the weights did not move, so the schedule must not either
             return
+        self._applied_at_last_step = applied
         self.scheduler.step(*args, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
