@@ -45,6 +45,7 @@ from torch.utils.data import (
 )
 
 from mixprec.config import ConfigLike, config_to_policy, gpc, load_config, validate_config
+from mixprec.data import EpochShuffledDistributedSampler
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.policy import Policy
@@ -59,20 +60,6 @@ ENGINE_STATE_KEYS: tuple[str, ...] = (
     "accumulated_grads",
 )
 """Keys of Engine.state_dict(); load_state_dict requires all of them."""
-
-
-class EpochShuffledDistributedSampler(DistributedSampler):
-    """A DistributedSampler that reshuffles on every pass, as the RandomSampler it replaces did.
-
-    DistributedSampler draws the same permutation each epoch unless set_epoch is called;
-    Colossal-style loops never call it, so each `iter()` advances the epoch by itself. An
-    explicit set_epoch(e) before a pass still selects epoch e's permutation.
-    """
-
-    def __iter__(self):
-        indices = super().__iter__()
-        self.set_epoch(self.epoch + 1)
-        return indices
 
 
 def _distributed_world() -> tuple[int, int]:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from mixprec.checkpoint import (
     hp_model_state_dict,
@@ -25,6 +25,7 @@ from mixprec.checkpoint import (
     load_hp_model_state_dict,
     save_checkpoint,
 )
+from mixprec.data import EpochShuffledDistributedSampler
 from mixprec.mixed_precision import MixedPrecision
 from mixprec.module import PrecisionModule
 from mixprec.optim import MixedPrecisionOptimizer
@@ -95,7 +96,8 @@ class Plugin:
         """A DataLoader over this rank's part of dataset (DistributedSampler when world > 1)."""
         rank, world = rank_and_world()
         if world > 1:
-            sampler = DistributedSampler(
+            # Reshuffles on every pass by itself: seed 003's loop never calls set_epoch.
+            sampler = EpochShuffledDistributedSampler(
                 dataset,
                 num_replicas=world,
                 rank=rank,
