@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mixprec.bench.runner import cpu_model
 from mixprec.fp8 import Float8Config, convert_to_fp8, fp8_kernel_problem
 
 RESULTS = Path(__file__).parent / "results"
@@ -36,16 +37,9 @@ MLP_DEPTH = 9
 
 
 def machine_description(device: torch.device) -> dict[str, str]:
-    """What ran this: CPU model (platform.processor() is often empty on Linux), torch, threads."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = f"{names[0]} ({platform.machine()})" if names else cpu
-    except OSError:
-        pass
+    """What ran this: CPU model, cores, torch and its threads, load."""
     info = {
-        "cpu": cpu,
+        "cpu": f"{cpu_model()} ({platform.machine()})",
         "cores": str(os.cpu_count()),
         "torch_threads": str(torch.get_num_threads()),
         "torch": torch.__version__,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from tqdm import tqdm
 
 import mixprec
 from mixprec import AMP_TYPE, convert_to_amp
+from mixprec.bench.runner import machine_name
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -156,18 +156,6 @@ def time_optimizer_step(opt_cls, width: int, depth: int, steps: int, bar: tqdm) 
 OPTIMIZERS = {"SGD": torch.optim.SGD, "AdamW": torch.optim.AdamW}
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-
-
 def render(args, loops: dict[str, float], opt_steps: dict[str, dict], where: str) -> str:
     base = loops["fp32"]
     lines = [
@@ -255,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, cls in OPTIMIZERS.items()
         }
 
-    where = machine()
+    where = machine_name(torch.device("cpu"))
     table = render(args, loops, opt_steps, where)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

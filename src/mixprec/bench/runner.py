@@ -212,19 +212,22 @@ def plan_modes(config: BenchConfig, device: torch.device) -> list[ModePlan]:
     return plans
 
 
+def cpu_model() -> str:
+    """The CPU's model name (platform.processor() is often empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_name(device: torch.device) -> str:
     """'GPU name' or 'CPU model, N threads', plus the torch version."""
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    return f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def config_to_command(config: BenchConfig) -> str:
