@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import tiny_mlp
+from dist_utils import assert_same_on_every_rank, local_shard, scaler_state
 from torch import nn
 
 from mixprec.module import FP32Criterion, prepare_model, prepare_optimizer
@@ -40,12 +41,6 @@ def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(rows, WIDTH, generator=g), torch.randn(rows, 4, generator=g)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -57,31 +52,13 @@ def _poison_local_grad(params: list[torch.Tensor], step: int) -> None:
     with_grad = [p for p in params if p.grad is not None]
     grad = with_grad[step % len(with_grad)].grad
     assert grad is not None
-    _local(grad).view(-1)[0] = float("inf")  # no collective: the other ranks cannot see it
+    local_shard(grad).view(-1)[0] = float("inf")  # no collective: the other ranks cannot see it
 
 
 def _snapshot(opt: MixedPrecisionOptimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
     """This rank's params, masters and optimizer state (local shards), copied."""
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return [_local(t).detach().clone() for t in [*params, *opt.hp_masters, *state]]
-
-
-def _scaler_state(opt: MixedPrecisionOptimizer) -> list[torch.Tensor]:
-    state = opt.scaler.state_dict()
-    return [state["scale"], state["growth_tracker"], state["hysteresis_tracker"]]
-
-
-def _assert_same_on_every_rank(tensors: list[torch.Tensor], what: str) -> None:
-    import torch.distributed as dist
-
-    # fp16/bf16 -> fp32 is exact, so comparing in fp32 is comparing bits (no nan expected).
-    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    for rank, other in enumerate(gathered[1:], start=1):
-        torch.testing.assert_close(
-            other, gathered[0], rtol=0, atol=0, msg=f"{what}: rank {rank} differs from rank 0"
-        )
+    return [local_shard(t).detach().clone() for t in [*params, *opt.hp_masters, *state]]
 
 
 def _train_with_one_rank_overflowing(
@@ -106,8 +83,8 @@ def _train_with_one_rank_overflowing(
             for i, (a, b) in enumerate(zip(_snapshot(opt, params), before, strict=True)):
                 torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"step {step}: tensor {i}")
         assert opt.loss_scale == expected.scale, (step, opt.loss_scale, expected.scale)
-        _assert_same_on_every_rank(
-            [torch.tensor([float(result.skipped)]), *_scaler_state(opt)], f"step {step} decision"
+        assert_same_on_every_rank(
+            [torch.tensor([float(result.skipped)]), *scaler_state(opt)], f"step {step} decision"
         )
     assert opt.skipped_steps == sum(c is not None for c in SCHEDULE)
 
@@ -132,8 +109,8 @@ def _ddp_worker(rank: int, world: int) -> None:
         start = [p.detach().clone() for p in params]
         _train_with_one_rank_overflowing(rank, step_fn, opt, params, LossScaler(policy.loss_scale))
         assert any(not torch.equal(p, q) for p, q in zip(params, start, strict=True)), mode
-        everything = [*_snapshot(opt, params), *_scaler_state(opt)]
-        _assert_same_on_every_rank(everything, f"{mode}: params, masters, momentum, scaler")
+        everything = [*_snapshot(opt, params), *scaler_state(opt)]
+        assert_same_on_every_rank(everything, f"{mode}: params, masters, momentum, scaler")
         del ddp  # free the reducer while the gloo group lives
 
 
@@ -176,7 +153,7 @@ def _fsdp_worker(rank: int, world: int) -> None:
     # the scaler and the decisions (checked per step), and whether its shard stepped: had a
     # rank stepped alone on a poisoned step, its shard would be a whole update away from the
     # reference, about path / (clean steps) here, far outside the tolerance below.
-    _assert_same_on_every_rank(
+    assert_same_on_every_rank(
         [*full, torch.tensor([float(opt.steps), float(opt.skipped_steps)])], "FSDP params"
     )
     # Quarter-batch gradients, each rounded to bf16 and averaged in fp32, vs one full-batch

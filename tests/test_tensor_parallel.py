@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from dist_utils import assert_same_on_every_rank, local_shard, scaler_state
 from torch import nn
 
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
@@ -74,12 +75,6 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -94,25 +89,7 @@ def _is_replicated(t: torch.Tensor) -> bool:
 
 def _snapshot(model: nn.Module, opt: MixedPrecisionOptimizer) -> list[torch.Tensor]:
     """This rank's shards of every param and master."""
-    return [_local(t).detach().clone() for t in [*model.parameters(), *opt.hp_masters]]
-
-
-def _scaler_state(opt: MixedPrecisionOptimizer) -> list[torch.Tensor]:
-    state = opt.scaler.state_dict()
-    return [state["scale"], state["growth_tracker"], state["hysteresis_tracker"]]
-
-
-def _assert_same_on_every_rank(tensors: list[torch.Tensor], what: str) -> None:
-    import torch.distributed as dist
-
-    # fp16/bf16 -> fp32 is exact, so comparing in fp32 is comparing bits (no nan expected).
-    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    for rank, other in enumerate(gathered[1:], start=1):
-        torch.testing.assert_close(
-            other, gathered[0], rtol=0, atol=0, msg=f"{what}: rank {rank} differs from rank 0"
-        )
+    return [local_shard(t).detach().clone() for t in [*model.parameters(), *opt.hp_masters]]
 
 
 def _check_against_reference(rank: int, policy: Policy, mesh: Any) -> None:
@@ -156,7 +133,7 @@ def _check_skip_together(rank: int, policy: Policy, mesh: Any) -> None:
         if rank == culprit:
             grad = params[name].grad
             assert grad is not None, name
-            _local(grad).view(-1)[0] = float("inf")  # this rank's shard only: no collective
+            local_shard(grad).view(-1)[0] = float("inf")  # this rank's shard only: no collective
         result = opt.step()
         opt.zero_grad()
         expected.update(torch.ones(1))
@@ -165,8 +142,8 @@ def _check_skip_together(rank: int, policy: Policy, mesh: Any) -> None:
         for i, (a, b) in enumerate(zip(after, before, strict=True)):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"tensor {i} moved on a skip")
         assert opt.loss_scale == expected.scale, (opt.loss_scale, expected.scale)
-        _assert_same_on_every_rank(
-            [torch.tensor([float(result.skipped)]), *_scaler_state(opt)], "skip flag and scaler"
+        assert_same_on_every_rank(
+            [torch.tensor([float(result.skipped)]), *scaler_state(opt)], "skip flag and scaler"
         )
 
     # A clean step: every rank steps, and what is replicated stays identical bit for bit.
@@ -175,7 +152,7 @@ def _check_skip_together(rank: int, policy: Policy, mesh: Any) -> None:
     assert not opt.step().skipped
     replicated = [p for p in [*tp.module.parameters(), *opt.hp_masters] if _is_replicated(p)]
     assert replicated  # down.bias (and its master): RowwiseParallel replicates it
-    _assert_same_on_every_rank([out, *(_local(p) for p in replicated)], "replicated state")
+    assert_same_on_every_rank([out, *(local_shard(p) for p in replicated)], "replicated state")
     # The skipped steps were no-ops: one clean step from the same init, unsplit, lands on the
     # same params. SGD's first step moves a param by LR * grad, so the gradient bound of
     # _check_against_reference times LR, plus one rounding of the param to its own dtype.
