@@ -216,7 +216,7 @@ def _ddp_worker(rank: int, world: int) -> None:
     import torch.distributed as dist
 
     dataset = torch.utils.data.TensorDataset(*_data(32))
-    for mode in ("bf16", "fp16"):
+    for mode in ("bf16", "fp16", "fp8"):  # fp8: Float8Linear layers under DDP
         torch.manual_seed(0)
         plugin = TorchDDPPlugin()
         booster = Booster(mixed_precision=mode, plugin=plugin)
@@ -227,6 +227,10 @@ def _ddp_worker(rank: int, world: int) -> None:
         model, optimizer, criterion, loader, scheduler = booster.boost(
             model, optimizer, torch.nn.MSELoss(), loader, scheduler
         )
+        if mode == "fp8":
+            from mixprec.fp8 import Float8Linear
+
+            assert any(isinstance(m, Float8Linear) for m in model.modules())
         seen = []
         for x, y in loader:
             seen.append(x)
@@ -274,7 +278,7 @@ def _ddp_worker(rank: int, world: int) -> None:
 
 
 @pytest.mark.distributed
-def test_ddp_booster_bf16_and_fp16_two_ranks() -> None:
+def test_ddp_booster_bf16_fp16_and_fp8_two_ranks() -> None:
     from dist_utils import spawn
 
     spawn(_ddp_worker, 2)
