@@ -218,3 +218,54 @@ def test_ddp_and_fsdp_checkpoints_two_ranks(tmp_path: Path) -> None:
     full = load_checkpoint(tmp_path / "fsdp_full.pt")
     for name, p in model.module.named_parameters():
         torch.testing.assert_close(p, full[name], rtol=0, atol=0)
+
+
+KILLED_SAVER = """
+import sys, torch
+from mixprec.checkpoint import save_checkpoint
+
+class Slow:  # pickled after the big tensor: the writer is killed while the temp file is open
+    def __reduce__(self):
+        print("writing", flush=True)
+        import time; time.sleep(60)
+        return (int, (0,))
+
+save_checkpoint({"w": torch.zeros(1 << 20), "slow": Slow()}, sys.argv[1])
+"""
+
+
+def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"w": torch.arange(4.0)}, path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "writing"  # mid-save now
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    torch.testing.assert_close(load_checkpoint(path)["w"], torch.arange(4.0), rtol=0, atol=0)
+
+
+def test_apex_o2_checkpoint_loads_into_a_bf16_model(tmp_path: Path) -> None:
+    from mixprec.mixed_precision import BF16MixedPrecision, FP16ApexMixedPrecision
+
+    x, y = _data()
+    booster, model, optimizer, criterion, _, scheduler = _setup(
+        FP16ApexMixedPrecision(opt_level="O2", loss_scale=2.0**8), 0
+    )
+    _train(booster, model, optimizer, criterion, scheduler, x, y, 3)
+    booster.save_model(model, tmp_path / "model.pt")
+    bf16_booster = Booster(mixed_precision=BF16MixedPrecision())
+    bf16_model, *_ = bf16_booster.boost(tiny_mlp(WIDTH))
+    bf16_booster.load_model(bf16_model, tmp_path / "model.pt")
+    # bf16 mode keeps fp32 params: they receive O2's fp32 masters exactly
+    for name, p in bf16_model.module.named_parameters():
+        assert p.dtype == torch.float32, name
+    torch.testing.assert_close(bf16_model.module[0].weight, optimizer.hp_masters[0], rtol=0, atol=0)
