@@ -30,62 +30,36 @@ class _Float8LinearFn(torch.autograd.Function):
         # Autocast off inside: the CPU _scaled_mm is upcast-scale-matmul, and autocast would run
         # that matmul in bf16 (measured: half the outputs moved); emulation's must stay fp32 too.
         with torch.autocast(hp_input.device.type, enabled=False):
-            return _Float8LinearFn._forward(
-                ctx,
-                hp_input,
-                hp_weight,
-                input_history,
-                weight_history,
-                grad_history,
-                out_dtype,
-                config,
-                emulate,
+            lp_input, input_inv = cast_to_fp8(hp_input, LP_FORWARD_DTYPE, input_history, config)
+            lp_weight, weight_inv = cast_to_fp8(hp_weight, LP_FORWARD_DTYPE, weight_history, config)
+            # Saving the float8 copies (1 byte per element) is what backward needs: the spec'd GEMMs
+            # reuse the forward's e4m3 input and weight, not fresh casts.
+            ctx.save_for_backward(lp_input, lp_weight, input_inv, weight_inv)
+            ctx.grad_history = grad_history
+            ctx.hp_dtypes = (hp_input.dtype, hp_weight.dtype)
+            ctx.config, ctx.emulate = config, emulate
+            return lp_gemm(
+                lp_input, lp_weight.t(), input_inv, weight_inv, out_dtype, emulate=emulate
             )
-
-    @staticmethod
-    def _forward(
-        ctx: Any,
-        hp_input: torch.Tensor,
-        hp_weight: torch.Tensor,
-        input_history: torch.Tensor | None,
-        weight_history: torch.Tensor | None,
-        grad_history: torch.Tensor | None,
-        out_dtype: torch.dtype,
-        config: Float8Config,
-        emulate: bool,
-    ) -> torch.Tensor:
-        lp_input, input_inv = cast_to_fp8(hp_input, LP_FORWARD_DTYPE, input_history, config)
-        lp_weight, weight_inv = cast_to_fp8(hp_weight, LP_FORWARD_DTYPE, weight_history, config)
-        # Saving the float8 copies (1 byte per element) is what backward needs: the spec'd GEMMs
-        # reuse the forward's e4m3 input and weight, not fresh casts.
-        ctx.save_for_backward(lp_input, lp_weight, input_inv, weight_inv)
-        ctx.grad_history = grad_history
-        ctx.hp_dtypes = (hp_input.dtype, hp_weight.dtype)
-        ctx.config, ctx.emulate = config, emulate
-        return lp_gemm(lp_input, lp_weight.t(), input_inv, weight_inv, out_dtype, emulate=emulate)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        with torch.autocast(grad_out.device.type, enabled=False):
-            return _Float8LinearFn._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        lp_input, lp_weight, input_inv, weight_inv = ctx.saved_tensors
-        input_dtype, weight_dtype = ctx.hp_dtypes
-        lp_grad, grad_inv = cast_to_fp8(
-            grad_out, ctx.config.lp_grad_dtype, ctx.grad_history, ctx.config
-        )
-        grad_input = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_input = lp_gemm(
-                lp_grad, lp_weight, grad_inv, weight_inv, input_dtype, emulate=ctx.emulate
+        with torch.autocast(grad_out.device.type, enabled=False):  # as in forward
+            lp_input, lp_weight, input_inv, weight_inv = ctx.saved_tensors
+            input_dtype, weight_dtype = ctx.hp_dtypes
+            lp_grad, grad_inv = cast_to_fp8(
+                grad_out, ctx.config.lp_grad_dtype, ctx.grad_history, ctx.config
             )
-        if ctx.needs_input_grad[1]:
-            grad_weight = lp_gemm(
-                lp_grad.t(), lp_input, grad_inv, input_inv, weight_dtype, emulate=ctx.emulate
-            )
-        return grad_input, grad_weight, None, None, None, None, None, None
+            grad_input = grad_weight = None
+            if ctx.needs_input_grad[0]:
+                grad_input = lp_gemm(
+                    lp_grad, lp_weight, grad_inv, weight_inv, input_dtype, emulate=ctx.emulate
+                )
+            if ctx.needs_input_grad[1]:
+                grad_weight = lp_gemm(
+                    lp_grad.t(), lp_input, grad_inv, input_inv, weight_dtype, emulate=ctx.emulate
+                )
+            return grad_input, grad_weight, None, None, None, None, None, None
 
 
 def _autocast_dtype_or(device_type: str, dtype: torch.dtype) -> torch.dtype:
