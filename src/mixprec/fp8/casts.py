@@ -63,17 +63,19 @@ def fp8_to_tensor(
     return (lp_tensor.to(torch.float32) / scale).to(hp_dtype)
 
 
-def delayed_amax(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """The amax a delayed scale is computed from; records `amax` as the newest history entry.
+def delayed_amax(history: torch.Tensor, amax: torch.Tensor, *, record: bool = True) -> torch.Tensor:
+    """The amax a delayed scale is computed from; with record, `amax` becomes the newest entry.
 
     The scale comes from the max over past calls only (the current amax is not waited for),
-    except on the first call, when the history is still all zeros and this call's amax is used.
+    except while the history is still all zeros, when this call's amax is used. record=False
+    reads the history and leaves it bitwise unchanged (eval, no_grad).
     """
     past = torch.max(history)
     # torch.where, not `if`: choosing on device keeps this free of host syncs.
     chosen = torch.where(past > 0, past, amax)
-    with torch.no_grad():
-        history.copy_(torch.cat([amax.reshape(1).to(history.dtype), history[:-1]]))
+    if record:
+        with torch.no_grad():
+            history.copy_(torch.cat([amax.reshape(1).to(history.dtype), history[:-1]]))
     return chosen
 
 
@@ -82,11 +84,16 @@ def cast_to_fp8(
     lp_dtype: torch.dtype,
     history: torch.Tensor | None,
     config: Float8Config,
+    *,
+    record: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """hp -> (lp, inverse scale). The inverse is what _scaled_mm multiplies the product by."""
+    """hp -> (lp, inverse scale). The inverse is what _scaled_mm multiplies the product by.
+
+    With a delayed-scaling history, record says whether this call's amax is appended to it.
+    """
     amax = tensor_to_amax(hp_tensor)
     if history is not None:
-        amax = delayed_amax(history, amax)
+        amax = delayed_amax(history, amax, record=record)
     scale = amax_to_scale(
         amax, lp_dtype, margin=config.margin, power_of_two=config.power_of_two_scale
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,18 +27,23 @@ class _Float8LinearFn(torch.autograd.Function):
         out_dtype: torch.dtype,
         config: Float8Config,
         emulate: bool,
+        record: bool,
     ) -> torch.Tensor:
         # Autocast off inside: the CPU _scaled_mm is upcast-scale-matmul, and autocast would run
         # that matmul in bf16 (measured: half the outputs moved); emulation's must stay fp32 too.
         with torch.autocast(hp_input.device.type, enabled=False):
-            lp_input, input_inv = cast_to_fp8(hp_input, LP_FORWARD_DTYPE, input_history, config)
-            lp_weight, weight_inv = cast_to_fp8(hp_weight, LP_FORWARD_DTYPE, weight_history, config)
+            lp_input, input_inv = cast_to_fp8(
+                hp_input, LP_FORWARD_DTYPE, input_history, config, record=record
+            )
+            lp_weight, weight_inv = cast_to_fp8(
+                hp_weight, LP_FORWARD_DTYPE, weight_history, config, record=record
+            )
             # Saving the float8 copies (1 byte per element) is what backward needs: the spec'd GEMMs
             # reuse the forward's e4m3 input and weight, not fresh casts.
             ctx.save_for_backward(lp_input, lp_weight, input_inv, weight_inv)
             ctx.grad_history = grad_history
             ctx.hp_dtypes = (hp_input.dtype, hp_weight.dtype)
-            ctx.config, ctx.emulate = config, emulate
+            ctx.config, ctx.emulate, ctx.record = config, emulate, record
             return lp_gemm(
                 lp_input, lp_weight.t(), input_inv, weight_inv, out_dtype, emulate=emulate
             )
@@ -47,8 +53,9 @@ class _Float8LinearFn(torch.autograd.Function):
         with torch.autocast(grad_out.device.type, enabled=False):  # as in forward
             lp_input, lp_weight, input_inv, weight_inv = ctx.saved_tensors
             input_dtype, weight_dtype = ctx.hp_dtypes
+            # A backward records the grad amax exactly when its forward recorded.
             lp_grad, grad_inv = cast_to_fp8(
-                grad_out, ctx.config.lp_grad_dtype, ctx.grad_history, ctx.config
+                grad_out, ctx.config.lp_grad_dtype, ctx.grad_history, ctx.config, record=ctx.record
             )
             grad_input = grad_weight = None
             if ctx.needs_input_grad[0]:
@@ -59,7 +66,7 @@ class _Float8LinearFn(torch.autograd.Function):
                 grad_weight = lp_gemm(
                     lp_grad.t(), lp_input, grad_inv, input_inv, weight_dtype, emulate=ctx.emulate
                 )
-            return grad_input, grad_weight, None, None, None, None, None, None
+            return grad_input, grad_weight, None, None, None, None, None, None, None
 
 
 def _autocast_dtype_or(device_type: str, dtype: torch.dtype) -> torch.dtype:
@@ -76,7 +83,21 @@ class Float8Linear(nn.Linear):
     """nn.Linear whose GEMMs run in float8; same parameters, same state_dict keys.
 
     The output dtype is the surrounding autocast's dtype when autocast is on, else the input's;
-    the bias is added in that dtype. Delayed scaling keeps one amax history buffer per tensor.
+    the bias is added in that dtype.
+
+    Delayed scaling keeps one float32 amax history buffer per tensor (input, weight, grad).
+    When the history is written: a forward records the input and weight amaxes if and only if
+    `self.training and torch.is_grad_enabled()` at the call, and its backward records the grad
+    amax if and only if that forward recorded. Every other forward (eval mode, torch.no_grad,
+    torch.inference_mode) reads the history and leaves it bitwise unchanged; while the history is
+    still all zeros it scales by the current amax without recording it. So a validation pass
+    does not move the training scales, and reentrant activation checkpointing (a no-grad first
+    pass, then a grad-enabled recompute) records once per step, with the same scales in both
+    passes. Non-reentrant checkpointing (use_reentrant=False) runs both passes with grad enabled:
+    it records twice, and its recompute scales from a history one entry newer.
+
+    The histories stay float32 through `.half()`, `.bfloat16()` and `.to(dtype)` (device moves
+    still apply): an amax above 65504 would be inf in fp16 and zero the scale.
     """
 
     def __init__(
@@ -122,6 +143,8 @@ class Float8Linear(nn.Linear):
         out_dtype = _autocast_dtype_or(device_type, hp_input.dtype)
         emulate = resolve_emulate(hp_input.device, self.config)
         hp_2d = hp_input.reshape(-1, self.in_features)
+        # Only a training step writes the history; see the class docstring for the exact rule.
+        record = self.training and torch.is_grad_enabled()
         out = _Float8LinearFn.apply(
             hp_2d,
             self.weight,
@@ -131,12 +154,25 @@ class Float8Linear(nn.Linear):
             out_dtype,
             self.config,
             emulate,
+            record,
         )
         out = out.reshape(*hp_input.shape[:-1], self.out_features)
         if self.bias is not None:
             # The bias stays out of float8: its gradient is a plain sum in the output dtype.
             out = out + self.bias.to(out_dtype)
         return out
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """nn.Module._apply, except that the amax histories keep float32 (only devices move)."""
+        hp_histories = {name: getattr(self, name) for name in HISTORY_NAMES}
+        module = super()._apply(fn, recurse)
+        for name, hp_history in hp_histories.items():
+            moved = self._buffers.get(name)
+            if hp_history is not None and moved is not None and moved.dtype != hp_history.dtype:
+                # Move the fp32 original, not the converted copy: an fp16 round trip would have
+                # turned amaxes above 65504 into inf and rounded the rest.
+                self._buffers[name] = hp_history.to(device=moved.device)
+        return module
 
     def _load_from_state_dict(
         self,
