@@ -1,6 +1,7 @@
 """The seeds' training scripts as runnable examples, each trained for a few steps.
 
-examples/colossal_resnet (seed 000: launch, CONFIG, initialize, the Engine loop) and
+examples/colossal_resnet (seed 000: launch, CONFIG, initialize, the Engine loop),
+examples/colossal_engine (seed 001: a ViT with each of the four config files) and
 examples/booster (seed 003: TorchDDPPlugin, Booster, boost, save_model/save_optimizer) run
 in-process through their main(argv) in bf16 and one fp16 mode; the Booster example also runs
 once on two processes under `mixprec run`.
@@ -24,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from mixprec import AMP_TYPE, prepare_model, to_policy
 from mixprec.checkpoint import load_checkpoint
-from mixprec.config import config_to_policy, gpc
+from mixprec.config import config_to_policy, gpc, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCH_LINE = re.compile(
@@ -48,6 +49,7 @@ def load_example(name: str) -> ModuleType:
 
 
 resnet_example = load_example("colossal_resnet")
+engine_example = load_example("colossal_engine")
 booster_example = load_example("booster")
 
 
@@ -117,6 +119,71 @@ def test_resnet_example_learns(mode: str, scaled: bool, caplog: pytest.LogCaptur
         assert scale == 2.0**16 / 2**skipped
     else:  # bf16: no loss scaling at all
         assert (scale, skipped) == (1.0, 0)
+
+
+# ----- seed 001: ViT, a config file per precision, initialize + Engine -----
+
+ENGINE_CONFIGS = ROOT / "examples" / "colossal_engine" / "config"
+SEED_001_POLICIES = {
+    "config_fp32.py": "fp32",
+    "config_AMP_torch.py": "fp16",
+    "config_AMP_naive.py": "fp16_naive",
+    "config_AMP_apex.py": "O1",  # Apex's default opt_level
+}
+"""Seed 001's four config files and the precision each one must select."""
+
+
+def test_engine_configs_are_seed_001s() -> None:
+    assert sorted(p.name for p in ENGINE_CONFIGS.glob("*.py")) == sorted(SEED_001_POLICIES)
+    configs = {name: load_config(ENGINE_CONFIGS / name) for name in SEED_001_POLICIES}
+    assert {n: config_to_policy(c).name for n, c in configs.items()} == SEED_001_POLICIES
+    assert "fp16" not in configs["config_fp32.py"]
+    # the files differ in their fp16 section alone, so the table compares precisions only
+    shared = [{k: v for k, v in c.items() if k != "fp16"} for c in configs.values()]
+    assert all(s == shared[0] for s in shared), shared
+    assert shared[0]["clip_grad_norm"] == 1.0  # the seed's
+    model = engine_example.build_model(configs["config_fp32.py"])
+    assert isinstance(model, engine_example.ViT)
+
+
+@pytest.mark.parametrize("name", list(SEED_001_POLICIES))
+def test_engine_example_learns_with_each_config(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="colossal_engine")
+    threads = torch.get_num_threads()
+    history = engine_example.main(["--config", str(ENGINE_CONFIGS / name), "--epochs", "2"])
+    assert_torn_down()
+    assert torch.get_num_threads() == threads  # --cpu-threads is undone on the way out
+    assert [s.epoch for s in history] == [0, 1]
+    first, last = history
+    assert last.test_accuracy > LEARNED, history
+    assert last.train_loss < first.train_loss, history
+    batch = load_config(ENGINE_CONFIGS / name).BATCH_SIZE  # one process: the global batch
+    assert all(s.it_s > 0 and s.samples_s == s.it_s * batch for s in history)
+    assert all(0 <= s.peak_delta_bytes <= s.peak_bytes for s in history)
+
+    # each epoch is logged with what main returned, then the seed's table row
+    text = logged(caplog, "colossal_engine")
+    lines = epoch_lines(text)
+    assert [(e, round(a, 4), k) for e, _, a, _, k in lines] == [
+        (s.epoch, round(s.test_accuracy, 4), s.skipped_steps) for s in history
+    ]
+    policy = SEED_001_POLICIES[name]
+    label = "FP32 training" if policy == "fp32" else f"({policy})"
+    assert re.search(
+        rf"^\| [^|]*{re.escape(label)} \|.* \| {last.test_accuracy:.4f} \|$", text, re.M
+    )
+
+    scale, skipped = last.loss_scale, last.skipped_steps
+    if policy == "fp32":  # no loss scaling, nothing to overflow
+        assert (scale, skipped) == (1.0, 0)
+    elif policy == "fp16_naive":
+        # Megatron's scaler starts at 2**32, which overflows fp16 gradients: the first
+        # overflow spends the hysteresis of 2, every later one halves the scale
+        assert skipped >= 1 and scale == 2.0**32 / 2 ** (skipped - 1)
+    else:  # torch / Apex O1: 2**16, halved per overflow, growth only after 2000 clean steps
+        assert scale == 2.0**16 / 2**skipped
 
 
 # ----- seed 003: ViT, Booster + TorchDDPPlugin, checkpoint -----
