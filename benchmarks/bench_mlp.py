@@ -129,28 +129,37 @@ TWINS = {"mixprec bf16": "raw autocast bf16", "mixprec NAIVE bf16": "raw pure bf
 
 
 def time_optimizer_step(opt_cls, width: int, depth: int, steps: int, bar: tqdm) -> dict:
-    """Master-weight step (bf16 params, fp32 masters) vs a plain fp32 step, same parameter count."""
+    """Master-weight step (bf16 params, fp32 masters), unfused and fused, vs a plain fp32 step
+    over the same parameter count. Each step's grads are set anew (a pointer swap)."""
     fp32_params = [nn.Parameter(torch.randn(width, width)) for _ in range(depth)]
-    plain = opt_cls(fp32_params, lr=1e-4)
-    lp_params = [nn.Parameter(p.detach().bfloat16()) for p in fp32_params]
-    wrapped = mixprec.MixedPrecisionOptimizer(opt_cls(lp_params, lr=1e-4))
     fp32_grads = [torch.randn_like(p) for p in fp32_params]
     lp_grads = [g.bfloat16() for g in fp32_grads]
+    plain = opt_cls(fp32_params, lr=1e-4)
 
     def plain_step():
         for p, g in zip(fp32_params, fp32_grads, strict=True):
             p.grad = g
         plain.step()
 
-    def master_step():
-        for p, g in zip(lp_params, lp_grads, strict=True):
-            p.grad = g  # the wrapper hands lp grads to the masters and drops them
-        wrapped.step()
+    times = {"fp32_step_s": median_step_seconds(plain_step, 1, steps, bar)}
+    for key, fused_step in (("master_step_s", False), ("fused_master_step_s", True)):
+        lp_params = [nn.Parameter(p.detach().bfloat16()) for p in fp32_params]
+        wrapped = mixprec.MixedPrecisionOptimizer(
+            opt_cls(lp_params, lr=1e-4), fused_step=fused_step
+        )
 
-    # Grad assignment is a pointer swap, timed in both loops alike.
-    t_plain = median_step_seconds(plain_step, 1, steps, bar)
-    t_master = median_step_seconds(master_step, 1, steps, bar)
-    return {"fp32_step_s": t_plain, "master_step_s": t_master, "ratio": t_master / t_plain}
+        def master_step(lp_params=lp_params, wrapped=wrapped):
+            for p, g in zip(lp_params, lp_grads, strict=True):
+                p.grad = g  # the wrapper consumes the lp grads and drops them
+            wrapped.step()
+
+        # Two warm-up steps: the first compiles the fused kernels, the second allocates state.
+        times[key] = median_step_seconds(master_step, 2, steps, bar)
+        del wrapped, lp_params
+        gc.collect()
+    times["ratio"] = times["master_step_s"] / times["fp32_step_s"]
+    times["fused_ratio"] = times["fused_master_step_s"] / times["fp32_step_s"]
+    return times
 
 
 OPTIMIZERS = {"SGD": torch.optim.SGD, "AdamW": torch.optim.AdamW}
@@ -176,12 +185,13 @@ def render(args, loops: dict[str, float], opt_steps: dict[str, dict], where: str
         "Master-weight optimizer step (bf16 params, fp32 masters, overflow check) vs a plain fp32",
         "step over the same parameters:",
         "",
-        "| optimizer | fp32 step s | master step s | ratio |",
-        "|---|---:|---:|---:|",
+        "| optimizer | fp32 step s | master step s (unfused) | ratio | fused step s | ratio |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, r in opt_steps.items():
         lines.append(
-            f"| {name} | {r['fp32_step_s']:.4f} | {r['master_step_s']:.4f} | {r['ratio']:.2f}x |"
+            f"| {name} | {r['fp32_step_s']:.4f} | {r['master_step_s']:.4f} | {r['ratio']:.2f}x "
+            f"| {r['fused_master_step_s']:.4f} | {r['fused_ratio']:.2f}x |"
         )
     return "\n".join(lines) + "\n"
 
@@ -228,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
 
     builders = make_loops(args.width, args.depth, args.batch, lr=1e-4)
-    total = len(builders) * (args.warmup + args.steps) + len(OPTIMIZERS) * 2 * (1 + args.opt_steps)
+    total = len(builders) * (args.warmup + args.steps) + len(OPTIMIZERS) * (
+        1 + 2 * 2 + 3 * args.opt_steps
+    )
     loops: dict[str, float] = {}
     with tqdm(total=total, desc="bench_mlp", unit="step", file=sys.stderr) as bar:
         for name, build in builders.items():

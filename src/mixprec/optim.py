@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mixprec import fused_step as fused
 from mixprec.policy import UNIT_SCALE, ScalerConfig
 from mixprec.scaling import (
     LossScaler,
@@ -76,6 +77,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             on CPU). Freeing them lowers peak memory by 4 bytes per low-precision param (the
             backward peak then holds lp grads, not fp32 ones); on CUDA the caching allocator
             hands the memory back for free, on CPU each re-allocation page-faults anew.
+        fused_step: run the step as one compiled pass per tensor straight from the lp grads
+            (mixprec.fused_step: SGD, Adam, AdamW; no fp32 master grads at all). None: on CPU
+            steps of at least fused_step.AUTO_MIN_ELEMENTS elements. A step whose grads were
+            already unscaled (clip_grad_norm(), an outside GradScaler) runs unfused.
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         log_num_zeros_in_grad: bool = False,
         max_consecutive_skips: int | None = 100,
         keep_master_grads: bool | None = None,
+        fused_step: bool | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
@@ -102,7 +108,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             )
         if max_norm < 0:
             raise ValueError(f"max_norm={max_norm!r} must be >= 0 (0 turns clipping off).")
+        reason = fused.unsupported_reason(optimizer)
+        if fused_step and reason:
+            raise ValueError(f"fused_step=True cannot run this optimizer: {reason}.")
         self.optim = optimizer
+        self.fused_step = fused_step
         self.master_weights = master_weights
         self.max_norm = float(max_norm)
         self.process_group = process_group
@@ -203,13 +213,21 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def nonfinite_params(self) -> list[str]:
         """Names (or group/index) of the parameters whose current gradient holds inf/nan."""
         bad = []
+        master_to_lp = self._master_to_lp()
         for g, group in enumerate(self.optim.param_groups):
             for i, p in enumerate(group["params"]):
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                lp = master_to_lp.get(id(p))
+                grad = (
+                    lp.grad if p.grad is None and lp is not None else p.grad
+                )  # fused: lp holds it
+                if grad is not None and not bool(torch.isfinite(grad).all()):
                     bad.append(
                         self.param_names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}")
                     )
         return bad
+
+    def _master_to_lp(self) -> dict[int, torch.Tensor]:
+        return {id(hp): lp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
@@ -302,6 +320,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Unscale + check (if not done yet), then step or skip; copy masters back; update scale."""
         if closure is not None:
             raise RuntimeError("Closures are not supported with loss scaling (as in torch.amp).")
+        if self._fuses_this_step():
+            return self._fused_step()
         grad_norm = None
         found_inf = self.unscale_grads()
         if self.max_norm > 0:
@@ -310,6 +330,68 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         skipped, scale = self._decide(found_inf)
         self.scaler.update(found_inf)
         return self._commit(skipped, scale, grad_norm=grad_norm, num_zeros=num_zeros)
+
+    def _step_grads(self) -> list[torch.Tensor]:
+        """This step's grads as backward left them: lp grads, and fp32 params' own."""
+        grads = [lp.grad for lp in self.lp_params if lp.grad is not None]
+        master_ids = {id(m) for m in self.hp_masters}
+        for group in self.optim.param_groups:
+            grads += [
+                p.grad for p in group["params"] if id(p) not in master_ids and p.grad is not None
+            ]
+        return grads
+
+    def _fuses_this_step(self) -> bool:
+        """Whether this step runs fused (see fused_step in the class docstring)."""
+        if self.fused_step is False or self._found_inf is not None or self._grads_on_masters:
+            return False
+        if self.log_num_zeros_in_grad or fused.unsupported_reason(self.optim):
+            return False
+        grads = self._step_grads()
+        params = [p for g in self.optim.param_groups for p in g["params"]] + self.lp_params
+        if any(not t.is_contiguous() or t.layout != torch.strided for t in grads + params):
+            return False
+        if self.max_norm > 0 and any(hasattr(p, "to_local") for p in params):
+            return False  # a sharded norm needs a sum over the shards; the unfused clip has it
+        if self.fused_step is None:
+            return (
+                self._device().type == "cpu"
+                and sum(g.numel() for g in grads) >= fused.AUTO_MIN_ELEMENTS
+            )
+        return True
+
+    def _fused_step(self) -> StepResult:
+        """Check the lp grads (read only), agree on overflow, then update in one fused pass."""
+        inv_scale = self.scaler.inv_scale()
+        grads = self._step_grads()
+        clipping = self.max_norm > 0
+        if grads:
+            stats = fused.check_grads(grads, inv_scale, norm=clipping)
+        else:
+            stats = torch.zeros(2, device=inv_scale.device)
+        found_inf = stats[:1].clone()
+        all_reduce_found_inf_(found_inf, self.process_group or default_group())
+        norm = stats[1]
+        clip = None
+        if clipping:  # torch's clip_grad_norm_ coefficient, applied inside the kernel
+            clip = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+        scale = self.scaler.scale_tensor.to(found_inf).reshape(1)
+        flag, scale_value, norm_value = torch.cat([found_inf, scale, norm.reshape(1)]).tolist()
+        self.scaler.update(found_inf)
+        master_to_lp = self._master_to_lp()
+
+        def apply() -> None:
+            fused.fused_step(self.optim, master_to_lp, inv_scale, clip)
+
+        result = self._commit(
+            flag > 0,
+            scale_value,
+            grad_norm=norm_value if clipping else None,
+            apply=apply,
+        )
+        for lp in self.lp_params:
+            lp.grad = None  # as in the unfused step: the lp gradient lives from backward to step
+        return result
 
     def _decide(
         self, found_inf: torch.Tensor, scale: torch.Tensor | None = None
@@ -326,13 +408,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         *,
         grad_norm: float | None = None,
         num_zeros: int | None = None,
+        apply: Any = None,
     ) -> StepResult:
-        """Step the inner optimizer unless skipped, copy masters back, count (the scale is
-        advanced by the caller, which owns the scaler(s)).
+        """Step the inner optimizer unless skipped (`apply`, when given, instead), copy masters
+        back, count (the scale is advanced by the caller, which owns the scaler(s)).
 
         Raises ScaleCollapseError after max_consecutive_skips skipped steps in a row.
         """
-        if not skipped:
+        if not skipped and apply is not None:
+            apply()
+        elif not skipped:
             self.optim.step()
             if self.hp_masters:
                 torch._foreach_copy_(local_shards(self.lp_params), local_shards(self.hp_masters))
