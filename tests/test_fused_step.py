@@ -81,7 +81,9 @@ def test_fused_matches_unfused(name) -> None:
     torch.testing.assert_close(params[2], ref_params[2], **ROUNDING)
     for got, want in zip(params[:2], opt.hp_masters, strict=True):
         assert torch.equal(got, want.to(got.dtype)), "lp params are their masters, rounded"
-    for (_, got), (_, want) in zip(opt.optim.state.items(), ref_opt.optim.state.items()):
+    for (_, got), (_, want) in zip(
+        opt.optim.state.items(), ref_opt.optim.state.items(), strict=True
+    ):
         assert got.keys() == want.keys()
         for key in got:
             torch.testing.assert_close(got[key], want[key], **ROUNDING)
