@@ -81,6 +81,31 @@ def test_model_spec_rejects_bad_sizes() -> None:
         ModelSpec(name="mlp", width=0, depth=1, batch=1)
     with pytest.raises(ValueError, match="divisible by heads=3"):
         ModelSpec(name="vit", width=16, depth=1, batch=1, heads=3)
+    with pytest.raises(ValueError, match="image_size=30 must be a multiple of patch_size=16"):
+        ModelSpec(name="vit", width=16, depth=1, batch=1, image_size=30, patch_size=16)
+
+
+def test_vit_b16_shape_flags_reach_the_spec_and_the_repeat_command() -> None:
+    import argparse
+
+    from mixprec.bench.command import add_bench_arguments, config_from_args
+    from mixprec.bench.runner import config_to_command
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    argv = "--model vit --width 768 --depth 12 --image-size 224 --patch-size 16 --heads 12"
+    config = config_from_args(parser.parse_args(argv.split()))
+    spec = config.model
+    assert (spec.width, spec.depth, spec.image_size, spec.patch_size, spec.heads) == (
+        768,
+        12,
+        224,
+        16,
+        12,
+    )
+    assert "--image-size 224 --patch-size 16 --heads 12" in config_to_command(config)
+    default = config_from_args(parser.parse_args(["--model", "vit"]))
+    assert "--image-size" not in config_to_command(default)  # preset values are not repeated
 
 
 @pytest.mark.parametrize("mode", BENCH_MODES)

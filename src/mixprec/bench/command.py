@@ -55,6 +55,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=_positive, help="mlp features / vit dim / resnet channels")
     parser.add_argument("--depth", type=_positive, help="mlp layers / vit blocks / resnet blocks")
     parser.add_argument("--batch", type=_positive, help="samples per step")
+    parser.add_argument(
+        "--image-size", type=_positive, help="vit/resnet: side of the synthetic images (32)"
+    )
+    parser.add_argument("--patch-size", type=_positive, help="vit: side of a patch (4)")
+    parser.add_argument("--heads", type=_positive, help="vit: attention heads")
     parser.add_argument("--lr", type=float, help="SGD learning rate (default: the preset's)")
     parser.add_argument("--steps", type=_positive, default=10, help="timed steps (default: 10)")
     parser.add_argument(
@@ -91,7 +96,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Parsed options -> BenchConfig (the preset, with the sizes given overriding it)."""
-    sizes = {k: getattr(args, k) for k in ("width", "depth", "batch", "lr")}
+    keys = ("width", "depth", "batch", "lr", "image_size", "patch_size", "heads")
+    sizes = {k: getattr(args, k) for k in keys}
     model = replace(PRESETS[args.model], **{k: v for k, v in sizes.items() if v is not None})
     return BenchConfig(
         model=model,

@@ -173,6 +173,11 @@ class ModelSpec:
                 raise ValueError(f"ModelSpec.{key}={value!r} must be an int >= 1.")
         if self.name == "vit" and self.width % self.heads:
             raise ValueError(f"vit: width={self.width} must be divisible by heads={self.heads}.")
+        if self.name == "vit" and self.image_size % self.patch_size:
+            raise ValueError(
+                f"vit: image_size={self.image_size} must be a multiple of "
+                f"patch_size={self.patch_size}."
+            )
 
 
 PRESETS: dict[str, ModelSpec] = {

@@ -75,6 +75,15 @@ def summary_rows(report: BenchReport) -> list[dict[str, Any]]:
     return rows
 
 
+def _shape(model: dict[str, Any]) -> str:
+    """', image 224, patch 16, 12 heads' for a vit; ', image 32' for a resnet; '' for an mlp."""
+    if model["name"] == "vit":
+        return f", image {model['image_size']}, patch {model['patch_size']}, {model['heads']} heads"
+    if model["name"] == "resnet":
+        return f", image {model['image_size']}"
+    return ""
+
+
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "—" if value is None else f"{value:{spec}}{suffix}"
 
@@ -163,7 +172,8 @@ def render_markdown(report: BenchReport) -> str:
         "",
         f"Machine: {report.machine}.",
         f"Model: {model['name']} width {model['width']}, depth {model['depth']}, "
-        f"batch {model['batch']}, SGD lr {model['lr']:g}; synthetic data, seed {cfg['seed']}.",
+        f"batch {model['batch']}{_shape(model)}, SGD lr {model['lr']:g}; synthetic data, "
+        f"seed {cfg['seed']}.",
         f"Each mode ran in its own process through `mixprec.convert_to_amp`: {cfg['warmup']} "
         f"warm-up step(s), then {cfg['steps']} timed steps unless noted; it/s is 1 / the median "
         f"step time. Whole run: {report.wall_s:.0f} s.",

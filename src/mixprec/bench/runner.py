@@ -11,7 +11,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -235,6 +235,11 @@ def config_to_command(config: BenchConfig) -> str:
     argv = ["mixprec", "bench", "--model", config.model.name]
     argv += ["--width", str(config.model.width), "--depth", str(config.model.depth)]
     argv += ["--batch", str(config.model.batch), "--steps", str(config.steps)]
+    defaults = {f.name: f.default for f in fields(ModelSpec)}
+    for key in ("image_size", "patch_size", "heads"):
+        value = getattr(config.model, key)
+        if value != defaults[key]:
+            argv += ["--" + key.replace("_", "-"), str(value)]
     argv += ["--warmup", str(config.warmup), "--device", config.device]
     if config.forced:
         argv += ["--modes", ",".join(config.modes)]
