@@ -167,9 +167,8 @@ def test_auto_fuses_only_large_cpu_steps() -> None:
     small.grad = torch.ones_like(small)
     opt.step()
     assert opt.hp_masters[0].grad is not None  # unfused: the fp32 master grad exists (kept)
-    side = 1 << 10  # 2**20 elements: fused.AUTO_MIN_ELEMENTS
-    assert side * side == fused.AUTO_MIN_ELEMENTS
-    large = torch.nn.Parameter(torch.zeros(side, side).bfloat16())
+    rows = fused.AUTO_MIN_ELEMENTS // 1024  # 2**25 elements: 64 MiB in bf16
+    large = torch.nn.Parameter(torch.zeros(rows, 1024).bfloat16())
     opt = MixedPrecisionOptimizer(torch.optim.SGD([large], lr=0.5))
     large.grad = torch.ones_like(large)
     opt.step()
