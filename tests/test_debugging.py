@@ -476,17 +476,20 @@ def test_model_report_observed_bf16_autocast_leaves_model_untouched():
     assert "observed" in report.table()
 
 
-def test_model_report_observed_fp16_naive_runs_norms_in_fp32_on_a_copy():
+def test_model_report_fp16_naive_keeps_norms_fp32_and_feeds_them_fp16_on_cpu():
     net = _mlp()
     report = model_report(net, preset("fp16_naive"), torch.randn(2, 30))  # fp16: tiny on CPU
-    observed = {layer.name: layer.observed for layer in report.layers}
-    assert observed == {
+    by_name = {layer.name: layer for layer in report.layers}
+    assert {name: layer.param_dtype for name, layer in by_name.items()} == {
         "0": "float16",
         "1": "float32",
-        "2": "float16",
+        "2": "-",
         "3": "float16",
         "4": "float32",
     }
+    # CPU's mixed-dtype norm kernels take the fp16 activation with fp32 params, accumulate in
+    # fp32 and return fp16: no fp32 copy of the activation anywhere.
+    assert {layer.observed for layer in report.layers} == {"float16"}
     assert {p.dtype for p in net.parameters()} == {torch.float32}
 
 
