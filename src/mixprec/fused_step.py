@@ -52,9 +52,6 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
         for key in ("lr", "momentum", "weight_decay", "dampening"):
             if isinstance(group.get(key), torch.Tensor):
                 return f"{key} is a Tensor"
-        for p in group["params"]:
-            if p.grad is not None and p.grad.is_sparse:
-                return "sparse gradients"
     return None
 
 
@@ -111,13 +108,12 @@ def check_grads(grads: list[torch.Tensor], inv_scale: torch.Tensor, norm: bool) 
         stats = torch.stack(
             [_run(_grad_stats, _variant("stats", g), _flat(g), inv_scale) for g in grads]
         )
+        amaxes, sum_sq = stats[:, 0], stats[:, 1].sum()
     else:
-        amaxes = [_run(_grad_max, _variant("max", g), _flat(g)) for g in grads]
-        stats = torch.stack(
-            [torch.stack(amaxes), torch.zeros(len(grads), device=inv_scale.device)], 1
-        )
-    found_inf = (~torch.isfinite(stats[:, 0])).any().float()
-    return torch.stack([found_inf, stats[:, 1].sum().sqrt()])
+        amaxes = torch.stack([_run(_grad_max, _variant("max", g), _flat(g)) for g in grads])
+        sum_sq = torch.zeros((), device=inv_scale.device)
+    found_inf = (~torch.isfinite(amaxes)).any().float()
+    return torch.stack([found_inf, sum_sq.sqrt()])
 
 
 # ----- the update kernels -----

@@ -320,8 +320,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Unscale + check (if not done yet), then step or skip; copy masters back; update scale."""
         if closure is not None:
             raise RuntimeError("Closures are not supported with loss scaling (as in torch.amp).")
-        if self._fuses_this_step():
-            return self._fused_step()
+        grads = self._step_grads()
+        if self._fuses_this_step(grads):
+            return self._fused_step(grads)
         grad_norm = None
         found_inf = self.unscale_grads()
         if self.max_norm > 0:
@@ -341,13 +342,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             ]
         return grads
 
-    def _fuses_this_step(self) -> bool:
+    def _fuses_this_step(self, grads: list[torch.Tensor]) -> bool:
         """Whether this step runs fused (see fused_step in the class docstring)."""
         if self.fused_step is False or self._found_inf is not None or self._grads_on_masters:
             return False
         if self.log_num_zeros_in_grad or fused.unsupported_reason(self.optim):
             return False
-        grads = self._step_grads()
         params = [p for g in self.optim.param_groups for p in g["params"]] + self.lp_params
         if any(not t.is_contiguous() or t.layout != torch.strided for t in grads + params):
             return False
@@ -360,10 +360,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             )
         return True
 
-    def _fused_step(self) -> StepResult:
+    def _fused_step(self, grads: list[torch.Tensor]) -> StepResult:
         """Check the lp grads (read only), agree on overflow, then update in one fused pass."""
         inv_scale = self.scaler.inv_scale()
-        grads = self._step_grads()
         clipping = self.max_norm > 0
         if grads:
             stats = fused.check_grads(grads, inv_scale, norm=clipping)
