@@ -217,9 +217,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for g, group in enumerate(self.optim.param_groups):
             for i, p in enumerate(group["params"]):
                 lp = master_to_lp.get(id(p))
-                grad = (
-                    lp.grad if p.grad is None and lp is not None else p.grad
-                )  # fused: lp holds it
+                # A fused step reads the lp grad directly: the master then has none.
+                grad = lp.grad if p.grad is None and lp is not None else p.grad
                 if grad is not None and not bool(torch.isfinite(grad).all()):
                     bad.append(
                         self.param_names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}")
@@ -320,9 +319,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Unscale + check (if not done yet), then step or skip; copy masters back; update scale."""
         if closure is not None:
             raise RuntimeError("Closures are not supported with loss scaling (as in torch.amp).")
-        grads = self._step_grads()
-        if self._fuses_this_step(grads):
-            return self._fused_step(grads)
+        fused_grads = self._grads_if_fused()
+        if fused_grads is not None:
+            return self._fused_step(fused_grads)
         grad_norm = None
         found_inf = self.unscale_grads()
         if self.max_norm > 0:
@@ -342,23 +341,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             ]
         return grads
 
-    def _fuses_this_step(self, grads: list[torch.Tensor]) -> bool:
-        """Whether this step runs fused (see fused_step in the class docstring)."""
+    def _grads_if_fused(self) -> list[torch.Tensor] | None:
+        """This step's grads when it runs fused (see fused_step in the class docstring), else
+        None; the cheap refusals come first, so an unfused step gathers nothing."""
         if self.fused_step is False or self._found_inf is not None or self._grads_on_masters:
-            return False
+            return None
         if self.log_num_zeros_in_grad or fused.unsupported_reason(self.optim):
-            return False
+            return None
+        grads = self._step_grads()
         params = [p for g in self.optim.param_groups for p in g["params"]] + self.lp_params
         if any(not t.is_contiguous() or t.layout != torch.strided for t in grads + params):
-            return False
+            return None
         if self.max_norm > 0 and any(hasattr(p, "to_local") for p in params):
-            return False  # a sharded norm needs a sum over the shards; the unfused clip has it
-        if self.fused_step is None:
-            return (
-                self._device().type == "cpu"
-                and sum(g.numel() for g in grads) >= fused.AUTO_MIN_ELEMENTS
-            )
-        return True
+            return None  # a sharded norm needs a sum over the shards; the unfused clip has it
+        if self.fused_step is None and (
+            self._device().type != "cpu" or sum(g.numel() for g in grads) < fused.AUTO_MIN_ELEMENTS
+        ):
+            return None
+        return grads
 
     def _fused_step(self, grads: list[torch.Tensor]) -> StepResult:
         """Check the lp grads (read only), agree on overflow, then update in one fused pass."""
