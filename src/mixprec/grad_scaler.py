@@ -6,10 +6,13 @@ A subclass, so every torch contract holds (scale/unscale_/step/update, fused opt
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from mixprec.optim import MixedPrecisionOptimizer
@@ -84,7 +87,9 @@ class GradScaler(torch.amp.GradScaler):
         backoff_factor = given.pop("backoff_factor", backoff_factor)
         growth_interval = given.pop("growth_interval", growth_interval)
         hysteresis = given.pop("hysteresis", hysteresis)
-        self.cfg = ScalerConfig(
+        # mixprec's own settings; the growth/backoff factors and interval live in torch's
+        # attributes (setters and load_state_dict write there) and `cfg` reads them from there.
+        self._base_cfg = ScalerConfig(
             dynamic=given.pop("dynamic", True),
             init_scale=init_scale,
             growth_factor=growth_factor,
@@ -105,12 +110,41 @@ class GradScaler(torch.amp.GradScaler):
         )
         self.process_group = process_group
         self._hysteresis_tracker: torch.Tensor | None = None
+        self._init_hysteresis_tracker = self._base_cfg.hysteresis
+
+    @property
+    def cfg(self) -> ScalerConfig:
+        """The settings update() applies now: torch's live factors plus mixprec's extras."""
+        if not self._enabled:  # torch keeps no factors on a disabled scaler
+            return self._base_cfg
+        return replace(
+            self._base_cfg,
+            growth_factor=self._growth_factor,
+            backoff_factor=self._backoff_factor,
+            growth_interval=self._growth_interval,
+        )
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        replace(self.cfg, growth_factor=new_factor)  # validates: raises ValueError if <= 1
+        super().set_growth_factor(new_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        replace(self.cfg, backoff_factor=new_factor)  # validates: must lie in (0, 1)
+        super().set_backoff_factor(new_factor)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        replace(self.cfg, growth_interval=new_interval)  # validates: an int >= 1
+        super().set_growth_interval(new_interval)
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._hysteresis_tracker = torch.full(
-            (), self.cfg.hysteresis, dtype=torch.int32, device=dev
+            (), self._init_hysteresis_tracker, dtype=torch.int32, device=dev
         )
+
+    def _get_hysteresis_tracker(self) -> int:
+        tracker = self._hysteresis_tracker
+        return self._init_hysteresis_tracker if tracker is None else int(tracker)
 
     def _unscale_grads_(
         self,
@@ -123,7 +157,16 @@ class GradScaler(torch.amp.GradScaler):
             optimizer.grads_to_masters()  # param_groups hold the masters: give them the grads
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         group = self.process_group or default_group()
-        if not per_device:  # a rank without grads still joins the reduction
+        if not per_device:
+            if group is None or dist.get_world_size(group) == 1:
+                return per_device  # torch's step() then raises "No inf checks were recorded"
+            # The other ranks wait in the all-reduce below: join it rather than raise and hang.
+            warnings.warn(
+                f"No inf checks were recorded for this optimizer on rank {dist.get_rank()}: "
+                "none of its parameters has a gradient. It joined the overflow all-reduce; "
+                "its step changes nothing unless another rank overflowed.",
+                stacklevel=3,
+            )
             per_device = {found_inf.device: found_inf}
         for flag in per_device.values():
             all_reduce_found_inf_(flag, group)
@@ -131,7 +174,7 @@ class GradScaler(torch.amp.GradScaler):
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         if not self._enabled or new_scale is not None:
-            super().update(new_scale)
+            super().update(new_scale)  # a set scale leaves both trackers alone, as in torch
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         found_infs = [
@@ -144,27 +187,46 @@ class GradScaler(torch.amp.GradScaler):
         if self._hysteresis_tracker is None:
             raise AssertionError("hysteresis tracker missing: scale() was never called.")
         found_inf = torch.stack(found_infs).amax()
-        if self.cfg.dynamic:
-            update_scale_(scale, growth_tracker, self._hysteresis_tracker, found_inf, self.cfg)
+        cfg = self.cfg
+        if cfg.dynamic:
+            update_scale_(scale, growth_tracker, self._hysteresis_tracker, found_inf, cfg)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def state_dict(self) -> dict[str, Any]:
+        """torch's five entries plus mixprec's (torch's load_state_dict ignores the extras)."""
         state = super().state_dict()
         if self._enabled:
-            tracker = self._hysteresis_tracker
-            state["hysteresis"] = self.cfg.hysteresis
-            state["_hysteresis_tracker"] = self.cfg.hysteresis if tracker is None else int(tracker)
-            state["min_scale"] = self.cfg.min_scale
-            state["max_scale"] = self.cfg.max_scale
+            cfg = self._base_cfg
+            state["hysteresis"] = cfg.hysteresis
+            state["_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            state["min_scale"] = cfg.min_scale
+            state["max_scale"] = cfg.max_scale
+            state["consecutive_hysteresis"] = cfg.consecutive_hysteresis
+            state["dynamic"] = cfg.dynamic
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
-        hyst = state.pop("_hysteresis_tracker", None)
-        for key in ("hysteresis", "min_scale", "max_scale"):
-            if key in state:
-                self.cfg = ScalerConfig(**{**self.cfg.__dict__, key: state.pop(key)})
-        super().load_state_dict(state)
-        if hyst is not None:
-            dev = self._scale.device if self._scale is not None else torch.device(self._device)
-            self._hysteresis_tracker = torch.full((), int(hyst), dtype=torch.int32, device=dev)
+        """Load a state_dict of this class or of torch.amp.GradScaler.
+
+        A torch one carries no hysteresis: mixprec's extras keep this scaler's settings and
+        the hysteresis tracker starts full, as on a fresh run.
+        """
+        if not self._enabled:
+            return
+        extras = ("hysteresis", "min_scale", "max_scale", "consecutive_hysteresis", "dynamic")
+        base = replace(self._base_cfg, **{k: state_dict[k] for k in extras if k in state_dict})
+        factors = ("growth_factor", "backoff_factor", "growth_interval")
+        replace(base, **{k: state_dict[k] for k in factors if k in state_dict})  # validates
+        super().load_state_dict(state_dict)
+        self._base_cfg = base
+        hyst = int(state_dict.get("_hysteresis_tracker", base.hysteresis))
+        self._init_hysteresis_tracker = hyst
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(hyst)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # torch drops the tensors and keeps their values
+        if self._enabled:
+            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            state["_hysteresis_tracker"] = None
+        return state
