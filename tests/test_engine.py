@@ -320,8 +320,8 @@ def test_state_dict_resume_equals_uninterrupted_exactly(fp16) -> None:
     assert_same_params(resumed_model, straight_model)
     for a, b in zip(resumed.optimizer.hp_masters, straight.optimizer.hp_masters, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert resumed.optimizer.state_dict()["optimizer"]["state"].keys() == (
-        straight.optimizer.state_dict()["optimizer"]["state"].keys()
+    assert resumed.optimizer.state_dict()["state"].keys() == (
+        straight.optimizer.state_dict()["state"].keys()
     )
     for sa, sb in zip(
         resumed.optimizer.state.values(), straight.optimizer.state.values(), strict=True

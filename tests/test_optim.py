@@ -231,7 +231,9 @@ def test_load_rejects_foreign_state() -> None:
     opt = MixedPrecisionOptimizer(
         torch.optim.SGD(cast_module(torch.nn.Linear(2, 2), torch.float16).parameters(), lr=1)
     )
-    with pytest.raises(KeyError, match="Not a mixprec optimizer checkpoint"):
+    with pytest.raises(KeyError, match="Not an optimizer checkpoint.*got keys \\['scale'\\]"):
+        opt.load_state_dict({"scale": 1.0})
+    with pytest.raises(ValueError, match="doesn't match the size"):  # torch's own check
         opt.load_state_dict(
             torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1).state_dict()
         )

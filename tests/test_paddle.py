@@ -301,8 +301,8 @@ def test_overflow_skips_the_step_bit_for_bit():
         torch.testing.assert_close(after[0][k], v, rtol=0, atol=0)
     for hp, saved in zip(after[1]["master_weights"], before[1]["master_weights"], strict=True):
         torch.testing.assert_close(hp, saved, rtol=0, atol=0)
-    momenta = [s["momentum_buffer"] for s in after[1]["optimizer"]["state"].values()]
-    saved = [s["momentum_buffer"] for s in before[1]["optimizer"]["state"].values()]
+    momenta = [s["momentum_buffer"] for s in after[1]["state"].values()]
+    saved = [s["momentum_buffer"] for s in before[1]["state"].values()]
     assert len(momenta) == len(saved) == 10  # the clean first step made every buffer
     for m, m0 in zip(momenta, saved, strict=True):
         torch.testing.assert_close(m, m0, rtol=0, atol=0)

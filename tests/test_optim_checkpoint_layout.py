@@ -1,0 +1,165 @@
+"""Optimizer checkpoints in torch's layout: mixprec <-> plain torch <-> Apex, both directions.
+
+mixprec's optimizers save torch's {'state', 'param_groups'} (of the params the inner optimizer
+steps: the fp32 masters) with 'master_weights', 'scaler', 'steps' and 'skipped_steps' beside
+them. Exactness is the contract here (rtol=0, atol=0): every transfer is a copy, no arithmetic.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from conftest import tiny_mlp
+
+from mixprec import MixedPrecisionOptimizer, cast_module
+from mixprec.apex import amp
+from mixprec.policy import ScalerConfig
+
+EXACT = {"rtol": 0, "atol": 0}
+TORCH_KEYS = {"state", "param_groups"}
+MIXPREC_KEYS = {"master_weights", "scaler", "steps", "skipped_steps"}
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
+    x, y = data(step)
+    dtype = next(model.parameters()).dtype
+    return torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
+
+
+def mixprec_run(steps: int) -> tuple[torch.nn.Module, MixedPrecisionOptimizer]:
+    torch.manual_seed(0)
+    model = cast_module(tiny_mlp(), torch.bfloat16)
+    opt = MixedPrecisionOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), loss_scale=ScalerConfig(init_scale=64.0)
+    )
+    for step in range(steps):
+        opt.zero_grad()
+        opt.backward(loss_of(model, step))
+        opt.step()
+    return model, opt
+
+
+def test_layout_is_torchs_with_mixprec_additions_beside_it() -> None:
+    _, opt = mixprec_run(2)
+    state = opt.state_dict()
+    assert set(state) == TORCH_KEYS | MIXPREC_KEYS
+    inner = opt.optim.state_dict()
+    torch.testing.assert_close(state["state"], inner["state"], **EXACT)
+    assert state["param_groups"] == inner["param_groups"]
+    assert [m.dtype for m in state["master_weights"]] == [torch.float32] * len(opt.hp_masters)
+
+
+def test_mixprec_checkpoint_loads_into_a_plain_torch_optimizer() -> None:
+    # The plain optimizer over fp32 copies of what mixprec steps (masters and fp32 params) gets
+    # the same state, and then takes the same step from the same fp32 grads, bit for bit.
+    _, opt = mixprec_run(3)
+    held = [p for g in opt.param_groups for p in g["params"]]
+    plain_params = [p.detach().clone().requires_grad_() for p in held]
+    plain = torch.optim.Adam(plain_params, lr=0.5)  # other hyperparameters: the checkpoint wins
+    plain.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch shares tensors otherwise
+    assert plain.param_groups[0]["lr"] == 1e-2
+    torch.testing.assert_close(
+        plain.state_dict()["state"], opt.optim.state_dict()["state"], **EXACT
+    )
+    for p, q in zip(held, plain_params, strict=True):
+        p.grad = q.grad = torch.full_like(p, 0.125)
+    opt.optim.step()
+    plain.step()
+    torch.testing.assert_close(plain_params, held, **EXACT)
+
+
+def test_plain_torch_checkpoint_loads_into_mixprec_and_rebuilds_the_masters(caplog) -> None:
+    # A plain fp32 run's checkpoint has no masters: mixprec takes them from the model it was
+    # loaded into (bf16 here, as Apex did), says so once, and keeps the optimizer state.
+    torch.manual_seed(0)
+    fp32_model = tiny_mlp()
+    plain = torch.optim.Adam(fp32_model.parameters(), lr=1e-2)
+    for step in range(3):
+        plain.zero_grad()
+        loss_of(fp32_model, step).backward()
+        plain.step()
+    torch.manual_seed(1)  # another init: everything must come from the checkpoints
+    model = cast_module(tiny_mlp(), torch.bfloat16)
+    opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=0.5))
+    model.load_state_dict(fp32_model.state_dict())
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        opt.load_state_dict(plain.state_dict())
+    said = [r.getMessage() for r in caplog.records if "no fp32 master weights" in r.getMessage()]
+    assert len(said) == 1 and f"rebuilt {len(opt.hp_masters)}" in said[0]
+    torch.testing.assert_close(opt.hp_masters, [lp.float() for lp in opt.lp_params], **EXACT)
+    torch.testing.assert_close(
+        opt.optim.state_dict()["state"], plain.state_dict()["state"], **EXACT
+    )
+    assert (opt.steps, opt.skipped_steps, opt.loss_scale) == (0, 0, 1.0)  # kept its own
+    opt.backward(loss_of(model, 3))
+    assert not opt.step().skipped
+
+
+def test_older_mixprec_layout_still_loads() -> None:
+    _, opt = mixprec_run(3)
+    new = opt.state_dict()
+    old = {k: new[k] for k in MIXPREC_KEYS} | {"optimizer": {k: new[k] for k in TORCH_KEYS}}
+    _, fresh = mixprec_run(1)
+    fresh.load_state_dict(copy.deepcopy(old))
+    torch.testing.assert_close(fresh.state_dict(), new, **EXACT)
+    with pytest.raises(KeyError, match="Not an optimizer checkpoint.*got keys \\['masters'\\]"):
+        fresh.load_state_dict({"masters": []})
+
+
+# ----- Apex's amp -----
+def o2_model_and_opt(seed: int, state: dict | None = None, verbosity: int = 0):
+    torch.manual_seed(seed)
+    model = tiny_mlp(width=8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if state is not None:  # Apex's other order: load into the plain optimizer, then initialize
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    return amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.0**10, verbosity=verbosity)
+
+
+def o2_steps(model, opt, steps) -> None:
+    for step in steps:
+        opt.zero_grad()
+        with amp.scale_loss(loss_of(model, step), opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+
+def test_apex_optimizer_checkpoint_is_torch_layout_and_loads_before_initialize(caplog) -> None:
+    model, opt = o2_model_and_opt(0)
+    o2_steps(model, opt, range(3))
+    saved = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    assert set(saved["optimizer"]) == TORCH_KEYS | MIXPREC_KEYS
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        model2, opt2 = o2_model_and_opt(1, state=copy.deepcopy(saved), verbosity=1)
+    inner = opt2.optim.state_dict()
+    torch.testing.assert_close(inner["state"], saved["optimizer"]["state"], **EXACT)
+    assert inner["param_groups"] == saved["optimizer"]["param_groups"]
+    # masters come from the (fp16) model, as in Apex; loading after initialize restores them
+    torch.testing.assert_close(opt2.hp_masters, [lp.float() for lp in opt2.lp_params], **EXACT)
+    o2_steps(model2, opt2, range(3, 5))
+    assert opt2.steps == 2
+
+
+def test_apex_checkpoint_without_masters_loads_after_initialize(caplog) -> None:
+    # What Apex's amp optimizer saved: plain torch layout over the masters, nothing beside it.
+    model, opt = o2_model_and_opt(0)
+    o2_steps(model, opt, range(3))
+    apex_saved = {k: v for k, v in opt.state_dict().items() if k in TORCH_KEYS}
+    model_saved = model.state_dict()
+    model2, opt2 = o2_model_and_opt(1)
+    model2.load_state_dict(model_saved)
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        opt2.load_state_dict(apex_saved)
+    assert any("no fp32 master weights" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(opt2.hp_masters, [lp.float() for lp in opt2.lp_params], **EXACT)
+    torch.testing.assert_close(opt2.optim.state_dict()["state"], apex_saved["state"], **EXACT)
+    o2_steps(model2, opt2, range(3, 5))
