@@ -321,10 +321,12 @@ def test_initialize_and_scale_loss_refuse_misuse():
     with pytest.raises(RuntimeError, match="never reached the fp32 masters"):
         opt.step()
     other = linear(W1)
-    amp.initialize(other, torch.optim.SGD(other.parameters(), lr=0.1), opt_level="O2")
+    _, other_opt = amp.initialize(
+        other, torch.optim.SGD(other.parameters(), lr=0.1), opt_level="O2"
+    )
     with (
-        pytest.raises(ValueError, match="earlier amp.initialize"),
-        amp.scale_loss(model(X).sum(), opt),
+        pytest.raises(ValueError, match="optimizers from different amp.initialize calls"),
+        amp.scale_loss(model(X).sum(), [opt, other_opt]),
     ):
         pass
 

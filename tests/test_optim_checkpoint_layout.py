@@ -145,6 +145,7 @@ def test_apex_optimizer_checkpoint_is_torch_layout_and_loads_before_initialize(c
     assert inner["param_groups"] == saved["optimizer"]["param_groups"]
     # masters come from the (fp16) model, as in Apex; loading after initialize restores them
     torch.testing.assert_close(opt2.hp_masters, [lp.float() for lp in opt2.lp_params], **EXACT)
+    assert any("built from the model" in r.getMessage() for r in caplog.records)
     o2_steps(model2, opt2, range(3, 5))
     assert opt2.steps == 2
 

@@ -175,6 +175,7 @@ class AmpOptimizer(StashingOptimizer):
         self.scaler = scalers[0]  # shared with amp: no private scale that could drift from it
         self.scalers = scalers
         self.verbosity = verbosity
+        self.amp_state: Any = None  # the amp.initialize call this came from (set by it)
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **kwargs: Any) -> None:
         """Same as `with amp.scale_loss(loss, self, loss_id) as s: s.backward(**kwargs)`."""

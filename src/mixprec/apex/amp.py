@@ -15,7 +15,7 @@ run drifted from an uninterrupted one. Here the optimizer `initialize` returns c
 masters in its state_dict(), so saving and loading these three resumes bit for bit:
 
     torch.save({"model": model.state_dict(),        # fp32 tensors, as Apex's O2 saved them
-                "optimizer": optimizer.state_dict(),  # inner state + fp32 masters + scaler 0
+                "optimizer": optimizer.state_dict(),  # torch's layout + fp32 masters + scaler 0
                 "amp": amp.state_dict()}, path)       # every loss scaler
     # resume: build the model and optimizer as before, then
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
@@ -23,6 +23,11 @@ masters in its state_dict(), so saving and loading these three resumes bit for b
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])  # after the model: masters win
     amp.load_state_dict(checkpoint["amp"])
+
+The optimizer checkpoint is torch's {'state', 'param_groups'} with mixprec's additions beside
+it, so Apex's and plain torch optimizers' checkpoints load here (masters then rebuilt from the
+model, as Apex did), and Apex's other order (optimizer.load_state_dict before initialize) works
+too, with the masters built from the cast model.
 
 What initialize does, as Apex does: models are cast in place (O2/O3: low-precision weights,
 norm layers fp32 unless keep_batchnorm_fp32=False) and keep their identity; their instance
@@ -38,6 +43,12 @@ any loss that reached it since its last step overflowed. The overflow message ("
 overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0") is a warning on the
 "mixprec" logger, once per overflowing loss, on rank 0 only; verbosity=0 silences it.
 
+Optimizers: torch optimizers or wrappers with step, zero_grad, param_groups and state_dict
+(Apex's LARC). A second initialize with fresh objects leaves the first call's optimizers
+working with their own loss scalers; amp.state_dict() and `_amp_state` follow the latest call.
+A model that already holds fp16 params needs `amp._amp_state.allow_incoming_model_not_fp32 =
+True`, as in Apex; cast_model_type=False leaves its dtypes alone.
+
 Differences from Apex, each deliberate: errors raise ValueError/TypeError (Apex: RuntimeError,
 unless hard_override); O3's static scale of 1 still checks for inf/nan and skips (Apex stepped
 blindly); the grads of low-precision model params are moved into the fp32 masters after each
@@ -50,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import types
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
@@ -58,7 +70,9 @@ import torch
 from torch import nn
 
 from mixprec.apex._optim import AmpOptimizer, UnscaleEvent, is_rank_zero, reduce_found_inf_
-from mixprec.apex.policy import _as_bool, apex_policy
+from mixprec.apex._optimizer_like import REQUIRED, OptimizerLike, missing_members
+from mixprec.apex.amp_state import AmpStateHandle
+from mixprec.apex.policy import _as_bool, apex_policy, uncast_master_weights
 from mixprec.casting import cast_floating, cast_module
 from mixprec.module import autocast_context, device_type_of
 from mixprec.policy import Policy, describe
@@ -69,7 +83,7 @@ PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 
 class _AmpState:
-    """What `initialize` set up and `scale_loss`/`state_dict` use (Apex's `_amp_state`)."""
+    """What one `initialize` call set up and `scale_loss`/`state_dict` use."""
 
     def __init__(
         self, policy: Policy, enabled: bool, verbosity: int, scalers: list[LossScaler]
@@ -83,6 +97,10 @@ class _AmpState:
 
 
 _state: _AmpState | None = None
+_amp_state = AmpStateHandle()
+"""Apex's `amp._amp_state`: set allow_incoming_model_not_fp32, read loss_scalers[i].loss_scale()."""
+# optimizers an initialize call wrapped: their param_groups now hold that call's fp32 masters
+_wrapped_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _require_state() -> _AmpState:
@@ -128,12 +146,63 @@ def _check_model(model: nn.Module, index: int) -> None:
         )
     if "_mixprec_amp_policy" in model.__dict__:
         raise ValueError(f"models[{index}] was already returned by amp.initialize; pass it once.")
+    if _amp_state.allow_incoming_model_not_fp32:
+        return
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.is_floating_point() and t.dtype != torch.float32:
             raise ValueError(
                 f"models[{index}] has {name} of dtype {t.dtype}; amp.initialize expects an fp32 "
-                "model (you need not call .half() first, at any opt_level)."
+                "model (you need not call .half() first, at any opt_level). To pass it as it "
+                "is, set `amp._amp_state.allow_incoming_model_not_fp32 = True` first (as in Apex)."
             )
+
+
+def _optimizer_list(optimizers: Any) -> tuple[list[Any], bool]:
+    """(optimizers, given_as_list): torch optimizers or optimizer-like wrappers (Apex's LARC)."""
+    items, was_list = (
+        (list(optimizers), True) if isinstance(optimizers, list) else ([optimizers], False)
+    )
+    for index, opt in enumerate(items):
+        where = f"optimizers[{index}]" if was_list else "optimizers"
+        kind = f"{type(opt).__module__}.{type(opt).__qualname__}"
+        if isinstance(opt, AmpOptimizer):
+            raise ValueError(
+                f"{where} is an AmpOptimizer that amp.initialize returned; pass it once. For a "
+                "fresh model/optimizer pair, build a new torch optimizer over the new model."
+            )
+        if opt in _wrapped_optimizers:
+            raise ValueError(
+                f"{where} ({kind}) was wrapped by an earlier amp.initialize call (its "
+                "param_groups now hold that call's fp32 masters): keep using the optimizer that "
+                "call returned, or build a fresh one."
+            )
+        missing = [] if isinstance(opt, torch.optim.Optimizer) else missing_members(opt)
+        if missing:
+            raise TypeError(
+                f"{where} is a {kind}, which lacks {missing}. amp.initialize takes a "
+                f"torch.optim.Optimizer, an optimizer-like wrapper with {', '.join(REQUIRED)} "
+                "(such as Apex's LARC), or a list of them."
+            )
+    return items, was_list
+
+
+def _wrap_optimizer(
+    opt: Any, master_weights: bool | None, scalers: list[LossScaler], verbosity: int
+) -> AmpOptimizer:
+    inner = opt if isinstance(opt, torch.optim.Optimizer) else OptimizerLike(opt)
+    amp_opt = AmpOptimizer(
+        inner, scalers=scalers, verbosity=verbosity, master_weights=master_weights
+    )
+    with contextlib.suppress(TypeError):  # an object without weakref support: no re-wrap check
+        _wrapped_optimizers.add(opt)
+    loaded = any(m in amp_opt.optim.state for m in amp_opt.hp_masters)
+    if loaded and verbosity > 0 and is_rank_zero():  # Apex's load-before-initialize order
+        log.info(
+            "amp.initialize: the optimizer already holds state; its fp32 masters are built from "
+            "the model's cast params, as in Apex. Load a mixprec optimizer checkpoint after "
+            "initialize to restore its saved masters bit for bit."
+        )
+    return amp_opt
 
 
 def _cast_and_patch(model: nn.Module, policy: Policy) -> None:
@@ -206,11 +275,10 @@ def initialize(
     if optimizers is None:
         optimizer_list, optimizers_was_list = [], False
     else:
-        optimizer_list, optimizers_was_list = _as_list(
-            optimizers, torch.optim.Optimizer, "optimizers"
-        )
+        optimizer_list, optimizers_was_list = _optimizer_list(optimizers)
     if not _as_bool("enabled", enabled):  # Apex: every amp call becomes a no-op
         _state = _AmpState(policy, False, verbosity, [])
+        _amp_state.bind([])
         return models if optimizers is None else (models, optimizers)
     for index, model in enumerate(model_list):
         _check_model(model, index)
@@ -219,12 +287,10 @@ def initialize(
     for model in model_list:
         _cast_and_patch(model, policy)
     # after the casts: the masters copy the cast weights
-    amp_optimizers = [
-        AmpOptimizer(
-            opt, scalers=scalers, verbosity=verbosity, master_weights=policy.master_weights
-        )
-        for opt in optimizer_list
-    ]
+    masters = policy.master_weights
+    if cast_model_type is False:  # uncast: masters for the params that arrive in fp16/bf16
+        masters = uncast_master_weights(opt_level, master_weights)
+    amp_optimizers = [_wrap_optimizer(o, masters, scalers, verbosity) for o in optimizer_list]
     for opt in amp_optimizers:  # so a collapsing scale names the params that overflowed
         for index, model in enumerate(model_list):
             prefix = f"models[{index}]." if len(model_list) > 1 else ""
@@ -232,6 +298,9 @@ def initialize(
                 {id(held): prefix + name for name, held in _held_by(opt, model.named_parameters())}
             )
     _state = _AmpState(policy, True, verbosity, scalers)
+    _amp_state.bind(scalers)
+    for opt in amp_optimizers:  # an earlier call's optimizers keep their own scalers
+        opt.amp_state = _state
     if verbosity > 0 and is_rank_zero():
         log.info("amp.initialize: opt_level %s -> %s", opt_level, describe(policy))
     out_models = model_list if models_was_list else model_list[0]
@@ -243,19 +312,21 @@ def initialize(
 
 
 # ----- losses -----
-def _amp_optimizers(optimizers: Any, state: _AmpState) -> list[AmpOptimizer]:
-    opts = list(optimizers) if isinstance(optimizers, list | tuple) else [optimizers]
+def _amp_optimizers(opts: list[Any]) -> tuple[list[AmpOptimizer], _AmpState]:
+    """The optimizers and the amp state (loss scalers) of the initialize call they came from."""
     for opt in opts:
         if not isinstance(opt, AmpOptimizer):
             raise TypeError(
                 f"scale_loss needs the optimizer(s) amp.initialize returned, got {opt!r}."
             )
-        if opt.scalers is not state.scalers:
-            raise ValueError(
-                f"{opt!r} comes from an earlier amp.initialize call; amp now holds the "
-                "scalers of the latest one. Use the optimizers that call returned."
-            )
-    return opts
+    if any(opt.amp_state is None for opt in opts):
+        raise ValueError("scale_loss needs optimizers returned by amp.initialize.")
+    if len({id(opt.amp_state) for opt in opts}) > 1:
+        raise ValueError(
+            "scale_loss got optimizers from different amp.initialize calls; each call has its "
+            "own loss scalers, so scale each loss with the optimizers of one call."
+        )
+    return opts, opts[0].amp_state
 
 
 @contextlib.contextmanager
@@ -274,10 +345,11 @@ def scale_loss(
     delay_unscale=False, and it unscales everything accumulated since the first.
     """
     state = _require_state()
-    if not state.enabled:
+    given = list(optimizers) if isinstance(optimizers, list | tuple) else [optimizers]
+    if not state.enabled and not all(isinstance(opt, AmpOptimizer) for opt in given):
         yield loss
         return
-    opts = _amp_optimizers(optimizers, state)
+    opts, state = _amp_optimizers(given)
     if isinstance(loss_id, bool) or not isinstance(loss_id, int):
         raise TypeError(f"loss_id={loss_id!r} must be an int.")
     if not 0 <= loss_id < len(state.scalers):

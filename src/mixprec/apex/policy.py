@@ -15,6 +15,10 @@ Differences from Apex, each deliberate:
   norm), as the core Policy's keep_norm_fp32 does; Apex kept BatchNorm only.
 - master_weights=True over fp32 model weights is an error (Apex made no masters, silently).
 - min_loss_scale=None means no floor but positivity: the scale stops at fp32's smallest normal.
+
+cast_model_type=False is Apex's "don't cast": the model keeps its dtypes (a model that already
+holds fp16 params needs `amp._amp_state.allow_incoming_model_not_fp32 = True`), and a level
+with masters (O2) gives fp32 masters to whichever params are fp16/bf16.
 """
 
 from __future__ import annotations
@@ -141,6 +145,9 @@ def apex_policy(
     cast_model_outputs says otherwise. Unknown keywords raise, naming the closest valid one.
     """
     check_keys("Apex amp", unknown, APEX_KEYS)
+    no_cast = cast_model_type is False  # Apex: leave the model's dtypes as they are
+    if no_cast:
+        cast_model_type = torch.float32
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"Unknown opt_level {opt_level!r}." + did_you_mean(opt_level, OPT_LEVELS))
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
@@ -175,6 +182,8 @@ def apex_policy(
         patch = base.compute_dtype is not None
     if masters is None:
         masters = base.master_weights and param_dtype != torch.float32
+    if no_cast:
+        masters = False  # the Policy's masters follow a cast; see uncast_master_weights
     if masters and param_dtype == torch.float32:
         raise ValueError(
             f"opt_level={opt_level!r} with master_weights=True but fp32 model weights: "
@@ -193,3 +202,12 @@ def apex_policy(
         cast_outputs_to=cast_model_outputs,
         loss_scale=_scaler_config(loss_scale, min_loss_scale, max_loss_scale),
     )
+
+
+def uncast_master_weights(opt_level: str, master_weights: bool | str | None) -> bool | None:
+    """The optimizer's master_weights under cast_model_type=False: None (masters for whatever
+    params arrive in fp16/bf16) when the level or the override asks for masters, else False."""
+    asked = _as_bool("master_weights", master_weights)
+    if asked is None:
+        asked = preset(opt_level).master_weights
+    return None if asked else False
