@@ -326,3 +326,15 @@ def _rank_without_grads(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_rank_without_grads_joins_the_reduction_and_warns() -> None:
     spawn(_rank_without_grads, 2)
+
+
+def test_a_scaler_pickled_by_an_older_mixprec_still_loads() -> None:
+    # Older pickles held the settings as `cfg` and no hysteresis value: they load, tracker full.
+    scaler = GradScaler("cpu", init_scale=32.0, hysteresis=2)
+    state = scaler.__getstate__()
+    state["cfg"] = state.pop("_base_cfg")
+    del state["_init_hysteresis_tracker"]
+    old = GradScaler.__new__(GradScaler)
+    old.__setstate__(state)
+    assert (old.cfg.hysteresis, old.get_scale()) == (2, 32.0)
+    assert scales_after(old, "xx") == [32.0, 16.0]

@@ -230,3 +230,9 @@ class GradScaler(torch.amp.GradScaler):
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_hysteresis_tracker"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "cfg" in state:  # pickled before `cfg` became a view over torch's live factors
+            state["_base_cfg"] = state.pop("cfg")
+            state.setdefault("_init_hysteresis_tracker", state["_base_cfg"].hysteresis)
+        super().__setstate__(state)
