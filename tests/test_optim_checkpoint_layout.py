@@ -20,7 +20,7 @@ from mixprec.policy import ScalerConfig
 
 EXACT = {"rtol": 0, "atol": 0}
 TORCH_KEYS = {"state", "param_groups"}
-MIXPREC_KEYS = {"master_weights", "scaler", "steps", "skipped_steps"}
+MIXPREC_KEYS = {"master_weights", "master_index", "scaler", "steps", "skipped_steps"}
 
 
 def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +93,8 @@ def test_plain_torch_checkpoint_loads_into_mixprec_and_rebuilds_the_masters(capl
     with caplog.at_level(logging.INFO, logger="mixprec"):
         opt.load_state_dict(plain.state_dict())
     said = [r.getMessage() for r in caplog.records if "no fp32 master weights" in r.getMessage()]
-    assert len(said) == 1 and f"rebuilt {len(opt.hp_masters)}" in said[0]
+    n = len(opt.hp_masters)
+    assert len(said) == 1 and f"for {n} of this optimizer's {n}" in said[0]
     torch.testing.assert_close(opt.hp_masters, [lp.float() for lp in opt.lp_params], **EXACT)
     torch.testing.assert_close(
         opt.optim.state_dict()["state"], plain.state_dict()["state"], **EXACT
@@ -106,12 +107,34 @@ def test_plain_torch_checkpoint_loads_into_mixprec_and_rebuilds_the_masters(capl
 def test_older_mixprec_layout_still_loads() -> None:
     _, opt = mixprec_run(3)
     new = opt.state_dict()
-    old = {k: new[k] for k in MIXPREC_KEYS} | {"optimizer": {k: new[k] for k in TORCH_KEYS}}
+    older = MIXPREC_KEYS - {"master_index"}  # the nested layout had no master_index
+    old = {k: new[k] for k in older} | {"optimizer": {k: new[k] for k in TORCH_KEYS}}
     _, fresh = mixprec_run(1)
     fresh.load_state_dict(copy.deepcopy(old))
     torch.testing.assert_close(fresh.state_dict(), new, **EXACT)
     with pytest.raises(KeyError, match="Not an optimizer checkpoint.*got keys \\['masters'\\]"):
         fresh.load_state_dict({"masters": []})
+
+
+def test_checkpoint_moves_between_modes_with_and_without_masters(caplog) -> None:
+    # bf16 + masters -> fp32: each saved master lands on its param, exactly (Apex O2 -> O1).
+    model, opt = mixprec_run(3)
+    saved = copy.deepcopy(opt.state_dict())
+    torch.manual_seed(1)
+    fp32_model = tiny_mlp()
+    fp32_opt = MixedPrecisionOptimizer(torch.optim.Adam(fp32_model.parameters(), lr=0.5))
+    fp32_model.load_state_dict(model.state_dict())  # the norm's fp32 params come from here
+    fp32_opt.load_state_dict(copy.deepcopy(saved))  # the bf16 layers' exact values from here
+    held = [p for g in opt.param_groups for p in g["params"]]
+    fp32_held = [p for g in fp32_opt.param_groups for p in g["params"]]
+    torch.testing.assert_close(fp32_held, held, **EXACT)
+    # fp32 -> bf16 + masters: the checkpoint has none, so they come from the bf16 model (O1 -> O2)
+    _, bf16_opt = mixprec_run(1)
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        bf16_opt.load_state_dict(fp32_opt.state_dict())
+    assert any("rebuilt them from the model" in r.getMessage() for r in caplog.records)
+    lp_as_fp32 = [lp.float() for lp in bf16_opt.lp_params]
+    torch.testing.assert_close(bf16_opt.hp_masters, lp_as_fp32, **EXACT)
 
 
 # ----- Apex's amp -----
@@ -164,3 +187,21 @@ def test_apex_checkpoint_without_masters_loads_after_initialize(caplog) -> None:
     torch.testing.assert_close(opt2.hp_masters, [lp.float() for lp in opt2.lp_params], **EXACT)
     torch.testing.assert_close(opt2.optim.state_dict()["state"], apex_saved["state"], **EXACT)
     o2_steps(model2, opt2, range(3, 5))
+
+
+def test_apex_o2_checkpoint_restores_into_o1_with_the_exact_masters() -> None:
+    # Apex's test_restoring crosses opt levels; here O1's fp32 params take O2's saved masters.
+    model, opt = o2_model_and_opt(0)
+    o2_steps(model, opt, range(3))
+    saved = {"model": model.state_dict(), "optimizer": copy.deepcopy(opt.state_dict())}
+    torch.manual_seed(1)
+    o1_model = tiny_mlp(width=8)
+    o1_model, o1_opt = amp.initialize(
+        o1_model, torch.optim.Adam(o1_model.parameters(), lr=1e-2), opt_level="O1", verbosity=0
+    )
+    o1_model.load_state_dict(saved["model"])
+    o1_opt.load_state_dict(saved["optimizer"])
+    torch.testing.assert_close(
+        list(amp.master_params(o1_opt)), list(amp.master_params(opt)), **EXACT
+    )
+    o2_steps(o1_model, o1_opt, range(3, 5))

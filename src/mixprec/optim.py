@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mixprec import fused_step as fused
+from mixprec.optim_state import place_masters, saved_masters, upgrade_optimizer_checkpoint
 from mixprec.policy import UNIT_SCALE, ScalerConfig
 from mixprec.scaling import (
     LossScaler,
@@ -479,67 +480,43 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # ----- checkpoints -----
     def state_dict(self) -> dict[str, Any]:
         """torch's layout ({'state', 'param_groups'} of the params the inner optimizer steps,
-        fp32 masters included) with mixprec's additions beside it: 'master_weights' (in
-        lp_params order), 'scaler', 'steps', 'skipped_steps'. A plain torch optimizer over the
-        fp32 model loads it as is (torch reads only its own two keys)."""
+        fp32 masters included) with mixprec's additions beside it (see mixprec.optim_state):
+        'master_weights', 'master_index', 'scaler', 'steps', 'skipped_steps'. A plain torch
+        optimizer over the fp32 model loads it as is (torch reads only its own two keys)."""
         state = self.optim.state_dict()
+        held = [p for g in self.optim.param_groups for p in g["params"]]
+        master_ids = {id(m) for m in self.hp_masters}
         state["master_weights"] = [m.detach().clone() for m in self.hp_masters]
+        state["master_index"] = [i for i, p in enumerate(held) if id(p) in master_ids]
         state["scaler"] = self.scaler.state_dict()
         state["steps"] = self.steps
         state["skipped_steps"] = self.skipped_steps
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint of this class, of a plain torch optimizer or of Apex's amp.
+        """Load a checkpoint of this class (any mode), of a plain torch optimizer or of Apex.
 
-        A checkpoint without fp32 masters (torch, Apex) rebuilds them from the model's current
-        params (load the model first), and keeps this optimizer's scaler and counters.
+        Masters the checkpoint lacks (torch, Apex, a mode without them) are rebuilt from the
+        model's current params (load the model first); its scaler and counters, if absent, stay.
         """
         state_dict = upgrade_optimizer_checkpoint(state_dict)
-        masters = state_dict.get("master_weights") or None  # [] from a run without masters
-        if masters is not None and len(masters) != len(self.hp_masters):
-            raise ValueError(
-                f"Checkpoint holds {len(masters)} master weights, this optimizer has "
-                f"{len(self.hp_masters)}: was it saved from another model or mode?"
-            )
-        for mine, saved in zip(self.hp_masters, masters or [], strict=False):
-            if mine.shape != saved.shape:
-                raise ValueError(
-                    f"Master weight shape {tuple(saved.shape)} != {tuple(mine.shape)}."
-                )
+        held = [p for g in self.optim.param_groups for p in g["params"]]
+        master_to_lp = self._master_to_lp()
+        own = [i for i, p in enumerate(held) if id(p) in master_to_lp]
+        saved = saved_masters(state_dict, held, own)
         self.optim.load_state_dict(state_dict)
-        with torch.no_grad():
-            if masters is not None:
-                for lp, hp, saved in zip(self.lp_params, self.hp_masters, masters, strict=True):
-                    hp.copy_(saved)
-                    lp.copy_(saved)
-            else:
-                for lp, hp in zip(self.lp_params, self.hp_masters, strict=True):
-                    hp.copy_(lp)
-                if self.hp_masters and _is_rank_zero():
-                    log.info(
-                        "mixprec: the optimizer checkpoint holds no fp32 master weights (saved "
-                        "by a plain torch optimizer or Apex): rebuilt %d from the model's params",
-                        len(self.hp_masters),
-                    )
+        rebuilt = place_masters(held, master_to_lp, saved)
+        if rebuilt and _is_rank_zero():
+            log.info(
+                "mixprec: the optimizer checkpoint holds no fp32 master weights for %d of this "
+                "optimizer's %d (a plain torch optimizer's, Apex's, or another mode's): rebuilt "
+                "them from the model's params",
+                rebuilt,
+                len(own),
+            )
         if "scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["scaler"])
         self.steps = int(state_dict.get("steps", self.steps))
         self.skipped_steps = int(state_dict.get("skipped_steps", self.skipped_steps))
         self._found_inf = None
         self._grads_on_masters = False
-
-
-def upgrade_optimizer_checkpoint(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint in torch's layout: mixprec's older {'optimizer': {...}, ...} is flattened."""
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}.")
-    if "param_groups" in state_dict and "state" in state_dict:
-        return state_dict
-    if {"optimizer", "master_weights", "scaler"} <= set(state_dict):  # before torch's layout
-        old = dict(state_dict)
-        return {**old.pop("optimizer"), **old}
-    raise KeyError(
-        "Not an optimizer checkpoint: it needs torch's 'state' and 'param_groups' (or mixprec's "
-        f"older 'optimizer', 'master_weights' and 'scaler'); got keys {sorted(state_dict)}."
-    )

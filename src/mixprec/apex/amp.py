@@ -26,8 +26,9 @@ masters in its state_dict(), so saving and loading these three resumes bit for b
 
 The optimizer checkpoint is torch's {'state', 'param_groups'} with mixprec's additions beside
 it, so Apex's and plain torch optimizers' checkpoints load here (masters then rebuilt from the
-model, as Apex did), and Apex's other order (optimizer.load_state_dict before initialize) works
-too, with the masters built from the cast model.
+model, as Apex did), checkpoints cross opt levels (O2's masters land on O1's fp32 params), and
+Apex's other order (optimizer.load_state_dict before initialize) works too, with the masters
+built from the cast model.
 
 What initialize does, as Apex does: models are cast in place (O2/O3: low-precision weights,
 norm layers fp32 unless keep_batchnorm_fp32=False) and keep their identity; their instance
