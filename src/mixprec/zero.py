@@ -1,0 +1,324 @@
+"""ZeRO stages 1 and 2 for every precision mode: fp32 masters and optimizer state sharded.
+
+Every rank keeps the whole model in its training dtype (lp params). Each param is owned by one
+rank of the data-parallel group, chosen as torch's ZeroRedundancyOptimizer does (largest first
+to the least-loaded rank); a rank's wrapped optimizer holds only its own params, so the fp32
+masters and the optimizer state it creates are that rank's shard. At step time the summed
+gradients are all-reduced (stage 1: every rank keeps every gradient) or reduce-scattered
+(stage 2: a rank keeps only the gradients of its own params), in fp32 over one flat buffer;
+the owner unscales, checks and steps its shard, the overflow flag is MAX-reduced over the
+group (MixedPrecisionOptimizer does this), and the updated lp params are all-gathered.
+
+Gradients are reduced once per step, not during backward: gradient accumulation needs no
+no_sync, and a micro-batch's backward costs no communication.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mixprec.optim import LOW_DTYPES, MixedPrecisionOptimizer
+from mixprec.policy import UNIT_SCALE, ScalerConfig
+from mixprec.scaling import ProcessGroup, default_group
+
+log = logging.getLogger("mixprec")
+STAGES = (1, 2)
+
+
+def partition_params(numels: list[int], world: int) -> list[int]:
+    """Owner rank of each param: largest first to the least-loaded rank (ties: lowest rank).
+
+    ZeroRedundancyOptimizer's greedy rule; same sizes on every rank give the same owners.
+    """
+    loads = [0] * world
+    owners = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        owners[i] = rank
+        loads[rank] += numels[i]
+    return owners
+
+
+def group_rank_and_world(group: ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class ZeroOptimizer(MixedPrecisionOptimizer):
+    """MixedPrecisionOptimizer whose masters and state are sharded over a process group.
+
+    Args:
+        optimizer: the optimizer over the model's (already cast) parameters, with no state yet.
+        stage: 1 (gradients all-reduced) or 2 (gradients reduce-scattered to their owner).
+        norm_type: the p of the global gradient norm that max_norm clips.
+        Others: as MixedPrecisionOptimizer (the fused step is off: it reads unreduced grads).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int,
+        loss_scale: ScalerConfig = UNIT_SCALE,
+        master_weights: bool | None = None,
+        max_norm: float = 0.0,
+        norm_type: float = 2.0,
+        process_group: ProcessGroup | None = None,
+        log_num_zeros_in_grad: bool = False,
+        max_consecutive_skips: int | None = 100,
+    ) -> None:
+        if isinstance(stage, bool) or stage not in STAGES:
+            raise ValueError(
+                f"stage={stage!r}; valid: 1 (sharded optimizer state and fp32 masters), 2 (and "
+                "sharded gradients). Stage 3 (sharded params) is FSDP2: TorchFSDPPlugin."
+            )
+        if not isinstance(norm_type, int | float) or isinstance(norm_type, bool) or norm_type <= 0:
+            raise ValueError(f"norm_type={norm_type!r} must be a positive number or inf.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
+        if optimizer.state:
+            raise ValueError(
+                "ZeRO: the optimizer already holds state for the whole model; wrap it before "
+                "its first step so each rank creates only its own shard."
+            )
+        group = process_group or default_group()
+        self.stage = stage
+        self.norm_type = float(norm_type)
+        self.rank, self.world = group_rank_and_world(group)
+        self.all_params = [p for g in optimizer.param_groups for p in g["params"]]
+        if len({id(p) for p in self.all_params}) != len(self.all_params):
+            raise ValueError("A parameter appears twice in the optimizer's param_groups.")
+        if self.world > 1:
+            _broadcast_from_first(self.all_params, group)  # every rank starts from rank 0's
+        self.owners = partition_params([p.numel() for p in self.all_params], self.world)
+        mine = {id(p) for p, r in zip(self.all_params, self.owners, strict=True) if r == self.rank}
+        for g in optimizer.param_groups:  # an emptied group keeps its hyperparameters (LR)
+            g["params"] = [p for p in g["params"] if id(p) in mine]
+        super().__init__(
+            optimizer,
+            loss_scale=loss_scale,
+            master_weights=master_weights,
+            max_norm=max_norm,
+            process_group=group,
+            log_num_zeros_in_grad=log_num_zeros_in_grad,
+            max_consecutive_skips=max_consecutive_skips,
+            fused_step=False,
+        )
+        if self.world == 1:
+            log.warning("mixprec ZeRO: a world of 1 rank; there is nothing to shard.")
+
+    def __repr__(self) -> str:
+        return (
+            f"ZeroOptimizer(stage={self.stage}, rank={self.rank}/{self.world}, "
+            f"{self.optim!r}, scaler={self.scaler.cfg})"
+        )
+
+    def owns(self, index: int) -> bool:
+        return self.owners[index] == self.rank
+
+    # ----- gradients: reduced once per step, then handed to this rank's masters -----
+    def _lp_grads_to_masters(self) -> None:
+        reduced = self._reduce_grads()
+        lp_to_hp = {id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
+        for i, p in enumerate(self.all_params):
+            if not self.owns(i):
+                continue
+            hp = lp_to_hp.get(id(p))
+            if hp is not None:  # an lp param: the fp32 mean goes to its master unrounded
+                hp.grad = reduced.get(i)
+                p.grad = None
+            else:
+                p.grad = reduced.get(i)  # None when no rank produced a gradient: no update
+
+    def _reduce_grads(self) -> dict[int, torch.Tensor]:
+        """index -> the group's mean gradient (fp32) of each param this rank owns.
+
+        One flat fp32 buffer of rank-ordered chunks of equal length; a chunk holds its owner's
+        grads, then one presence count per param (a param no rank touched gets no gradient).
+        fp32 because a sum of scaled fp16 gradients can overflow where fp32 cannot. Stage 1
+        writes the other ranks' means back into their lp grads; stage 2 drops those grads.
+        """
+        params, world = self.all_params, self.world
+        chunks = [[i for i, r in enumerate(self.owners) if r == rank] for rank in range(world)]
+        sizes = [sum(params[i].numel() for i in c) for c in chunks]
+        length = max(s + len(c) for s, c in zip(sizes, chunks, strict=True))
+        device = params[0].device if params else torch.device("cpu")
+        flat = torch.zeros(world * length, dtype=torch.float32, device=device)
+        for rank, chunk in enumerate(chunks):
+            offset, flags = rank * length, rank * length + sizes[rank]
+            for k, i in enumerate(chunk):
+                n = params[i].numel()
+                if params[i].grad is not None:
+                    flat[offset : offset + n].copy_(params[i].grad.reshape(-1))
+                    flat[flags + k] = 1.0
+                offset += n
+        if world > 1 and self.stage == 1:
+            dist.all_reduce(flat, group=self.process_group)
+        elif world > 1:
+            mine = torch.empty(length, dtype=torch.float32, device=device)
+            dist.reduce_scatter_single(mine, flat, group=self.process_group)
+            flat = mine  # the full buffer is freed: only this rank's chunk lives on
+        if world > 1:
+            flat.div_(world)  # the mean over ranks, as DDP takes (exact for powers of 2)
+        scattered = flat.numel() == length  # stage 2: only this rank's chunk came back
+        out: dict[int, torch.Tensor] = {}
+        for rank, chunk in enumerate(chunks):
+            if scattered and rank != self.rank:
+                continue
+            base = 0 if scattered else rank * length
+            flags = base + sizes[rank]
+            present = (flat[flags : flags + len(chunk)] > 0).tolist()  # one host sync
+            offset = base
+            for i, has_grad in zip(chunk, present, strict=True):
+                p, n = params[i], params[i].numel()
+                grad = flat[offset : offset + n].view_as(p)
+                offset += n
+                if rank == self.rank:
+                    if has_grad:  # a clone lets the stage-1 buffer go; a stage-2 chunk is ours
+                        out[i] = grad if scattered else grad.clone()
+                elif not has_grad:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = grad.to(p.dtype)
+                else:
+                    p.grad.copy_(grad)
+        if scattered:
+            for i, p in enumerate(params):
+                if not self.owns(i):
+                    p.grad = None  # stage 2 keeps no gradient of a param another rank owns
+        return out
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float | None = None) -> torch.Tensor:
+        """Clip every rank's gradients by the norm over the whole model (all shards)."""
+        self.unscale_grads()
+        p = self.norm_type if norm_type is None else float(norm_type)
+        grads = self._hp_grads()
+        device = self.scaler.scale_tensor.device
+        if math.isinf(p):
+            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device))
+            op = dist.ReduceOp.MAX
+        else:
+            norms = [torch.linalg.vector_norm(g, p) for g in grads]
+            local = torch.stack(norms).pow(p).sum() if norms else torch.zeros((), device=device)
+            op = dist.ReduceOp.SUM
+        total = local.float().reshape(1)
+        if self.world > 1:
+            dist.all_reduce(total, op=op, group=self.process_group)
+        total = total[0] if math.isinf(p) else total[0].pow(1.0 / p)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grad_norm_'s coefficient
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    # ----- the step: this rank's shard, then the updated lp params to every rank -----
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        result = super().step(closure)
+        if not result.skipped and self.world > 1:
+            self._all_gather_params()
+        return result
+
+    def _all_gather_params(self) -> None:
+        """Each owner's updated params to every rank: one all-gather per param dtype."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(self.all_params):
+            by_dtype.setdefault(p.dtype, []).append(i)
+        for dtype, indices in by_dtype.items():
+            chunks = [[i for i in indices if self.owners[i] == r] for r in range(self.world)]
+            length = max(sum(self.all_params[i].numel() for i in c) for c in chunks)
+            if length == 0:
+                continue
+            device = self.all_params[indices[0]].device
+            send = torch.zeros(length, dtype=dtype, device=device)
+            offset = 0
+            for i in chunks[self.rank]:
+                n = self.all_params[i].numel()
+                send[offset : offset + n].copy_(self.all_params[i].detach().reshape(-1))
+                offset += n
+            recv = torch.empty(self.world * length, dtype=dtype, device=device)
+            dist.all_gather_single(recv, send, group=self.process_group)
+            for rank, chunk in enumerate(chunks):
+                if rank == self.rank:
+                    continue
+                offset = rank * length
+                for i in chunk:
+                    p, n = self.all_params[i], self.all_params[i].numel()
+                    p.detach().copy_(recv[offset : offset + n].view_as(p))
+                    offset += n
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.all_params:  # params other ranks own are not in the inner optimizer
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    # ----- checkpoints: one shard per rank (resumes on the same world size) -----
+    def shard_layout(self) -> dict[str, Any]:
+        """Which rank owns which param: a shard only loads where this layout is the same."""
+        return {"stage": self.stage, "world": self.world, "rank": self.rank, "owners": self.owners}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: its optimizer state and masters, the scaler, and the layout."""
+        return {**super().state_dict(), "zero": self.shard_layout()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("zero")
+        mine = self.shard_layout()
+        if saved is None or {k: saved.get(k) for k in ("world", "rank", "owners")} != {
+            k: mine[k] for k in ("world", "rank", "owners")
+        }:
+            layout = None if saved is None else {k: saved.get(k) for k in ("world", "rank")}
+            raise ValueError(
+                f"This ZeRO shard was saved as {layout or 'no ZeRO shard'}; this rank is "
+                f"{ {'world': self.world, 'rank': self.rank} } with a different param layout. "
+                "Load it on the same world size and model."
+            )
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "zero"})
+        if self.world > 1:
+            self._all_gather_params()  # each owner loaded its params: every rank needs them
+
+    def hp_params(self) -> list[torch.Tensor]:
+        """Every param's fp32 value (the master where one exists), gathered from its owner."""
+        lp_to_hp = {id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
+        out = []
+        for i, p in enumerate(self.all_params):
+            hp = lp_to_hp.get(id(p))
+            if hp is None and (p.dtype not in LOW_DTYPES or self.master_weights is False):
+                out.append(p.detach().float())  # fp32 (or master-less) params are replicated
+                continue
+            value = (
+                hp.detach().clone() if hp is not None else torch.empty_like(p, dtype=torch.float32)
+            )
+            if self.world > 1:
+                src = dist.get_global_rank(self.process_group, self.owners[i])
+                dist.broadcast(value, src=src, group=self.process_group)
+            out.append(value)
+        return out
+
+    # ----- what this rank holds -----
+    def shard_bytes(self) -> dict[str, int]:
+        """Bytes of fp32 masters and optimizer state this rank holds, read from the state."""
+        state = sum(
+            t.numel() * t.element_size()
+            for s in self.optim.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+        masters = sum(m.numel() * m.element_size() for m in self.hp_masters)
+        return {"optimizer_state": state, "master_weights": masters}
+
+
+def _broadcast_from_first(params: list[torch.Tensor], group: ProcessGroup) -> None:
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.detach(), src=src, group=group)

@@ -1,0 +1,227 @@
+"""ZeRO-1/2 (LowLevelZeroPlugin, mixprec.zero) against one process on the concatenated batch."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mixprec.booster import Booster
+from mixprec.booster.plugin import LowLevelZeroPlugin
+from mixprec.module import prepare_model, prepare_optimizer
+from mixprec.zero import ZeroOptimizer, partition_params
+
+WIDTH = 16  # tiny: fp16 matmuls are slow on CPU
+STEPS = 4
+LR = 1e-2
+MAX_NORM = 0.5  # below the first steps' gradient norm, so the global-norm clip is exercised
+CASES = [(stage, precision) for stage in (1, 2) for precision in ("fp16", "bf16", "fp32")]
+
+
+def zero_model() -> nn.Module:
+    """Four equal Linears and a LayerNorm: sizes that split evenly over 2 ranks."""
+    return nn.Sequential(
+        nn.Linear(WIDTH, WIDTH),
+        nn.LayerNorm(WIDTH),
+        nn.ReLU(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.Tanh(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.ReLU(),
+        nn.Linear(WIDTH, WIDTH),
+    )
+
+
+def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)
+
+
+def _plugin(stage: int, precision: str) -> LowLevelZeroPlugin:
+    # 2**8, not 2**32: the default first scale skips ~24 steps before one lands.
+    return LowLevelZeroPlugin(
+        stage=stage, precision=precision, initial_scale=2**8, max_norm=MAX_NORM
+    )
+
+
+def _optimizer(model: nn.Module, precision: str) -> torch.optim.Optimizer:
+    """AdamW in fp32; SGD with momentum over lp gradients: Adam's g/sqrt(v) turns the sign of
+    a near-zero gradient's rounding noise into a whole lr step, SGD keeps it proportional."""
+    if precision == "fp32":
+        return torch.optim.AdamW(model.parameters(), lr=LR)
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def _state_tensors(opt: ZeroOptimizer) -> list[torch.Tensor]:
+    return [t.clone() for s in opt.optim.state.values() for t in s.values()] + [
+        m.clone() for m in opt.hp_masters
+    ]
+
+
+def _gather_ints(values: list[int]) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.int64)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return torch.stack(out)
+
+
+def _equality_worker(rank: int, world: int) -> None:
+    from dist_utils import assert_same_on_every_rank, scaler_state
+
+    per_rank = 4
+    x, y = _data(per_rank * world)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    for stage, precision in CASES:
+        torch.manual_seed(0)
+        model = zero_model()
+        ref_model = copy.deepcopy(model)
+        plugin = _plugin(stage, precision)
+        booster = Booster(plugin=plugin)
+        opt = _optimizer(model, precision)
+        model, opt, criterion, *_ = booster.boost(model, opt, nn.MSELoss())
+        assert isinstance(opt, ZeroOptimizer) and opt.world == world
+        low = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+        assert model.module[0].weight.dtype == low  # lp params on every rank
+
+        # The reference: one process, the whole batch, the same policy and fp32-master math.
+        ref = prepare_model(ref_model, plugin.policy)
+        ref_opt = prepare_optimizer(
+            _optimizer(ref_model, precision), plugin.policy, max_norm=MAX_NORM
+        )
+        for _ in range(STEPS):
+            booster.backward(criterion(model(x[mine]), y[mine]), opt)
+            ref_opt.backward(nn.functional.mse_loss(ref(x).float(), y))
+            got, want = opt.step(), ref_opt.step()
+            assert got.skipped == want.skipped
+            # The norm over all shards, not this rank's: equal to the one-process norm.
+            torch.testing.assert_close(got.grad_norm, want.grad_norm, rtol=1e-3, atol=0)
+            if stage == 2:  # a rank keeps no gradient of what another rank owns
+                assert all(p.grad is None for i, p in enumerate(opt.all_params) if not opt.owns(i))
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        assert opt.skipped_steps < STEPS
+        # Half-batch lp gradients round separately from the full batch's: about 1 eps of the
+        # low dtype of a gradient clipped below 1; SGD moves a master by lr times it, momentum
+        # 0.9 sums at most 10 of them. fp32: the sums only run in another order.
+        tol = 10 * LR * torch.finfo(low).eps if precision != "fp32" else 1e-6
+        ref_hp = {id(lp): hp for lp, hp in zip(ref_opt.lp_params, ref_opt.hp_masters, strict=True)}
+        gathered = opt.hp_params()
+        ref_params = list(ref_model.parameters())
+        for hp, q in zip(gathered, ref_params, strict=True):
+            torch.testing.assert_close(
+                hp, ref_hp.get(id(q), q).float(), rtol=0, atol=tol, msg=f"{stage}/{precision}"
+            )
+        assert_same_on_every_rank(list(model.parameters()), f"{stage}/{precision} params")
+        # The lp params are the masters rounded, on every rank (owners all-gathered them).
+        for p, hp in zip(opt.all_params, gathered, strict=True):
+            torch.testing.assert_close(p, hp.to(p.dtype), rtol=0, atol=0)
+
+        # Sharded state, measured from each optimizer's own state: 1/world of the whole.
+        sizes = _gather_ints(list(opt.shard_bytes().values()))
+        whole_state = sum(
+            t.numel() * t.element_size() for s in ref_opt.optim.state.values() for t in s.values()
+        )
+        whole_masters = sum(m.numel() * m.element_size() for m in ref_opt.hp_masters)
+        assert sizes[:, 0].sum() == whole_state and sizes[:, 1].sum() == whole_masters
+        assert (sizes[:, 0] == whole_state // world).all(), sizes
+        assert (sizes[:, 1] == whole_masters // world).all(), sizes
+        if precision != "fp32":
+            assert whole_masters > 0
+
+        # A nan on rank 1 only, in a param rank 0 owns: every rank skips, nothing moves.
+        params_before = [p.detach().clone() for p in opt.all_params]
+        state_before = _state_tensors(opt)
+        steps_before = [s["step"].clone() for s in opt.optim.state.values() if "step" in s]
+        booster.backward(criterion(model(x[mine]), y[mine]), opt)
+        if rank == 1:
+            owned_by_0 = next(i for i, r in enumerate(opt.owners) if r == 0)
+            opt.all_params[owned_by_0].grad.view(-1)[0] = float("nan")
+        assert opt.step().skipped
+        opt.zero_grad()
+        for before, p in zip(params_before, opt.all_params, strict=True):
+            torch.testing.assert_close(p, before, rtol=0, atol=0, equal_nan=False)
+        for before, now in zip(state_before, _state_tensors(opt), strict=True):
+            torch.testing.assert_close(now, before, rtol=0, atol=0)
+        assert [s["step"] for s in opt.optim.state.values() if "step" in s] == steps_before
+        assert_same_on_every_rank(scaler_state(opt), f"{stage}/{precision} scaler")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_zero_stages_and_precisions_equal_one_process_two_ranks() -> None:
+    from dist_utils import spawn
+
+    spawn(_equality_worker, 2)
+
+
+def test_partition_is_greedy_largest_first() -> None:
+    assert partition_params([256, 16, 256, 16], 2) == [0, 0, 1, 1]
+    assert partition_params([10, 1, 1, 1], 2) == [0, 1, 1, 1]
+    assert partition_params([5], 3) == [0]
+
+
+def test_stage_3_asks_for_fsdp() -> None:
+    with pytest.raises(ValueError, match=r"stage=3.*TorchFSDPPlugin"):
+        LowLevelZeroPlugin(stage=3)
+    with pytest.raises(ValueError, match=r"precision='fp8'.*'fp16', 'bf16', 'fp32'"):
+        LowLevelZeroPlugin(precision="fp8")
+    with pytest.raises(TypeError, match="cpu_offload='yes'"):
+        LowLevelZeroPlugin(cpu_offload="yes")
+    with pytest.raises(ValueError, match="growth_factor"):
+        LowLevelZeroPlugin(growth_factor=0.5)
+
+
+def test_booster_precision_and_plugin_precision_conflict() -> None:
+    booster = Booster(mixed_precision="fp16", plugin=LowLevelZeroPlugin(precision="bf16"))
+    model = zero_model()
+    with pytest.raises(ValueError, match=r"mixed_precision.*precision='bf16'"):
+        booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_world_of_one_trains_and_says_it_shards_nothing(
+    stage: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    x, y = _data(8)
+    model = zero_model()
+    ref_model = copy.deepcopy(model)
+    with caplog.at_level(logging.WARNING, logger="mixprec"):
+        booster = Booster(
+            plugin=LowLevelZeroPlugin(stage=stage, precision="bf16", cpu_offload=True)
+        )
+        model, opt, criterion, *_ = booster.boost(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss()
+        )
+    assert "shards nothing" in caplog.text
+    assert "nothing to offload" in caplog.text  # cpu_offload on CPU: a no-op that says so
+    policy = booster.plugin.policy
+    ref = prepare_model(ref_model, policy)
+    ref_opt = prepare_optimizer(torch.optim.SGD(ref_model.parameters(), lr=0.1), policy)
+    for _ in range(3):
+        booster.backward(criterion(model(x), y), opt)
+        ref_opt.backward(nn.functional.mse_loss(ref(x).float(), y))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    # One rank: the same math in the same order as the unsharded optimizer, bit for bit.
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert opt.shard_bytes()["master_weights"] == sum(
+        m.numel() * m.element_size() for m in ref_opt.hp_masters
+    )
+
+
+def test_zero_optimizer_refuses_an_optimizer_with_state() -> None:
+    model = zero_model()
+    inner = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, WIDTH)).sum().backward()
+    inner.step()
+    with pytest.raises(ValueError, match="already holds state"):
+        ZeroOptimizer(inner, stage=1)
+    with pytest.raises(ValueError, match=r"stage=0.*Stage 3"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=0)
