@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -62,6 +63,10 @@ def _state_tensors(opt: ZeroOptimizer) -> list[torch.Tensor]:
     ]
 
 
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 def _gather_ints(values: list[int]) -> torch.Tensor:
     t = torch.tensor(values, dtype=torch.int64)
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
@@ -69,13 +74,13 @@ def _gather_ints(values: list[int]) -> torch.Tensor:
     return torch.stack(out)
 
 
-def _equality_worker(rank: int, world: int) -> None:
+def _equality_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> None:
     from dist_utils import assert_same_on_every_rank, scaler_state
 
     per_rank = 4
     x, y = _data(per_rank * world)
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    for stage, precision in CASES:
+    for stage, precision in cases:
         torch.manual_seed(0)
         model = zero_model()
         ref_model = copy.deepcopy(model)
@@ -122,13 +127,23 @@ def _equality_worker(rank: int, world: int) -> None:
 
         # Sharded state, measured from each optimizer's own state: 1/world of the whole.
         sizes = _gather_ints(list(opt.shard_bytes().values()))
-        whole_state = sum(
-            t.numel() * t.element_size() for s in ref_opt.optim.state.values() for t in s.values()
-        )
-        whole_masters = sum(m.numel() * m.element_size() for m in ref_opt.hp_masters)
+        whole_state = _nbytes(t for s in ref_opt.optim.state.values() for t in s.values())
+        whole_masters = _nbytes(ref_opt.hp_masters)
+        ref_params_held = [p for g in ref_opt.optim.param_groups for p in g["params"]]
         assert sizes[:, 0].sum() == whole_state and sizes[:, 1].sum() == whole_masters
-        assert (sizes[:, 0] == whole_state // world).all(), sizes
-        assert (sizes[:, 1] == whole_masters // world).all(), sizes
+        if world == 2:  # the model's sizes split evenly in two
+            assert (sizes[:, 0] == whole_state // world).all(), sizes
+            assert (sizes[:, 1] == whole_masters // world).all(), sizes
+        # Each rank holds exactly the unsharded optimizer's bytes for the params it owns.
+        ref_bytes = [_nbytes(ref_opt.optim.state.get(p, {}).values()) for p in ref_params_held]
+        ref_bytes = [
+            b + (_nbytes([ref_hp[id(q)]]) if id(q) in ref_hp else 0)
+            for b, q in zip(ref_bytes, ref_params, strict=True)
+        ]
+        for r in range(world):
+            assert sizes[r].sum() == sum(
+                b for b, o in zip(ref_bytes, opt.owners, strict=True) if o == r
+            )
         if precision != "fp32":
             assert whole_masters > 0
 
@@ -155,7 +170,16 @@ def _equality_worker(rank: int, world: int) -> None:
 def test_zero_stages_and_precisions_equal_one_process_two_ranks() -> None:
     from dist_utils import spawn
 
-    spawn(_equality_worker, 2)
+    spawn(_equality_worker, 2, CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_zero_four_ranks_equal_one_process() -> None:
+    from dist_utils import spawn
+
+    # Two of the six cases (each stage, each low dtype): 4 processes share 2 cores in CI.
+    spawn(_equality_worker, 4, [(1, "bf16"), (2, "fp16")])
 
 
 def test_partition_is_greedy_largest_first() -> None:
