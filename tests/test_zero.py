@@ -13,7 +13,9 @@ from torch import nn
 
 from mixprec.booster import Booster
 from mixprec.booster.plugin import LowLevelZeroPlugin
+from mixprec.config import load_config
 from mixprec.module import prepare_model, prepare_optimizer
+from mixprec.policy import AMP_TYPE
 from mixprec.zero import ZeroOptimizer, partition_params
 
 WIDTH = 16  # tiny: fp16 matmuls are slow on CPU
@@ -249,3 +251,92 @@ def test_zero_optimizer_refuses_an_optimizer_with_state() -> None:
         ZeroOptimizer(inner, stage=1)
     with pytest.raises(ValueError, match=r"stage=0.*Stage 3"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=0)
+
+
+# ----- the config face: zero=dict(level=...) next to fp16=dict(mode=...) -----
+CONFIG_MODES = {
+    "fp32": None,
+    "fp16": {"mode": AMP_TYPE.TORCH},
+    "bf16": {"mode": "bf16"},
+    "fp16_naive": {"mode": AMP_TYPE.NAIVE, "initial_scale": 2**8},
+    "O2": {"mode": AMP_TYPE.APEX, "opt_level": "O2"},
+    "fp8": {"mode": "fp8"},
+}
+
+
+def _config_worker(rank: int, world: int) -> None:
+    from dist_utils import assert_same_on_every_rank
+    from torch.distributed.fsdp import FSDPModule
+
+    from mixprec.engine import initialize
+
+    x, y = _data(4 * world)
+    mine = slice(rank * 4, (rank + 1) * 4)
+    for level in (1, 2, 3):
+        for name, fp16 in CONFIG_MODES.items():
+            torch.manual_seed(rank)  # different inits: ZeRO must start every rank from rank 0's
+            model = zero_model()
+            config = {"zero": {"level": level}, "clip_grad_norm": 1.0}
+            if fp16 is not None:
+                config["fp16"] = fp16
+            engine, *_ = initialize(
+                model, torch.optim.AdamW(model.parameters(), lr=LR), nn.MSELoss(), config=config
+            )
+            for _ in range(2):
+                engine.zero_grad()
+                loss = engine.criterion(engine(x[mine]), y[mine])
+                engine.backward(loss)
+                engine.step()
+                assert torch.isfinite(loss), f"level {level} {name}"
+            what = f"level {level} {name}"
+            if level == 3:
+                assert isinstance(engine.model.module, FSDPModule), what
+                params = [p.full_tensor() for p in engine.model.parameters()]
+            else:
+                opt = engine.optimizer
+                assert isinstance(opt, ZeroOptimizer) and opt.stage == level, what
+                sizes = _gather_ints([sum(opt.shard_bytes().values())])
+                assert (sizes < sizes.sum()).all() and (sizes > 0).all(), f"{what}: {sizes}"
+                params = list(engine.model.parameters())
+            assert_same_on_every_rank(params, what)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_config_zero_levels_work_for_every_mode_two_ranks() -> None:
+    from dist_utils import spawn
+
+    spawn(_config_worker, 2)
+
+
+@pytest.mark.parametrize(
+    ("zero", "match"),
+    [
+        ({"level": 2, "stage": 1}, r"Unknown zero config key 'stage'.*'cpu_offload', 'level'"),
+        ({"level": 4}, r"level=4; valid: 1 .* 3"),
+        ({}, r"level=None"),
+        ({"level": True}, r"level=True"),
+        ({"level": 1, "model_config": {}}, r"\['model_config'\].*legacy"),
+    ],
+)
+def test_bad_zero_sections_name_the_key(zero: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_config({"fp16": {"mode": AMP_TYPE.NAIVE}, "zero": zero})
+    with pytest.raises(TypeError, match="cpu_offload='no'"):
+        load_config({"zero": {"level": 1, "cpu_offload": "no"}})
+
+
+def test_known_unsupported_config_section_is_an_error() -> None:
+    with pytest.raises(ValueError, match="'gradient_handler' is not supported"):
+        load_config({"gradient_handler": [{"type": "DataParallelGradientHandler"}]})
+
+
+def test_config_zero_in_a_world_of_one(caplog: pytest.LogCaptureFixture) -> None:
+    from mixprec.engine import initialize
+
+    model = zero_model()
+    config = {"fp16": {"mode": AMP_TYPE.NAIVE}, "zero": {"level": 2, "cpu_offload": True}}
+    with caplog.at_level(logging.WARNING, logger="mixprec"):
+        engine, *_ = initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+    assert isinstance(engine.optimizer, ZeroOptimizer) and engine.optimizer.stage == 2
+    assert "shards nothing" in caplog.text and "nothing to offload" in caplog.text

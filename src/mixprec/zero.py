@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mixprec.optim import LOW_DTYPES, MixedPrecisionOptimizer
-from mixprec.policy import UNIT_SCALE, ScalerConfig
+from mixprec.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
 from mixprec.scaling import ProcessGroup, default_group
 
 log = logging.getLogger("mixprec")
@@ -48,6 +50,60 @@ def group_rank_and_world(group: ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """A config's `zero=dict(level=..., ...)` section."""
+
+    level: int
+    """1: optimizer state and fp32 masters sharded; 2: gradients too; 3: params too (FSDP2)."""
+    cpu_offload: bool = False
+    """Keep masters and optimizer state in CPU memory (a no-op when training on the CPU)."""
+
+
+ZERO_KEYS = tuple(f.name for f in fields(ZeroConfig))
+LEGACY_ZERO_KEYS = ("model_config", "optimizer_config")  # Colossal's old sharded-model format
+
+
+def to_zero_config(section: Mapping[str, Any] | None) -> ZeroConfig | None:
+    """A config's `zero` section (None: no ZeRO); every key is checked, none ignored."""
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise TypeError(f"zero={section!r} must be a dict like dict(level=2).")
+    legacy = [k for k in LEGACY_ZERO_KEYS if k in section]
+    if legacy:
+        raise ValueError(
+            f"zero: {legacy} are Colossal-AI's legacy sharded-model settings, which mixprec does "
+            f"not support; write zero=dict(level=1|2|3) (valid keys: {', '.join(ZERO_KEYS)})."
+        )
+    check_keys("zero config", section, ZERO_KEYS)
+    level = section.get("level")
+    if isinstance(level, bool) or level not in (1, 2, 3):
+        raise ValueError(
+            f"zero level={level!r}; valid: 1 (optimizer state and fp32 masters sharded), 2 (and "
+            "gradients), 3 (and params: FSDP2)."
+        )
+    offload = section.get("cpu_offload", False)
+    if not isinstance(offload, bool):
+        raise TypeError(f"zero cpu_offload={offload!r} must be a bool.")
+    return ZeroConfig(level=level, cpu_offload=offload)
+
+
+def check_cpu_offload(cpu_offload: bool, device: torch.device) -> None:
+    """cpu_offload where the model trains on the CPU is a no-op that says so; elsewhere an error."""
+    if not cpu_offload:
+        return
+    if device.type != "cpu":
+        raise ValueError(
+            f"cpu_offload=True on {device}: offloading masters and optimizer state from an "
+            "accelerator is not supported yet; use cpu_offload=False."
+        )
+    log.warning(
+        "mixprec ZeRO cpu_offload=True: the model trains on the CPU, so the masters and "
+        "optimizer state are in CPU memory already; nothing to offload."
+    )
 
 
 class ZeroOptimizer(MixedPrecisionOptimizer):
@@ -111,7 +167,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             fused_step=False,
         )
         if self.world == 1:
-            log.warning("mixprec ZeRO: a world of 1 rank; there is nothing to shard.")
+            log.warning("mixprec ZeRO: a world of 1 rank, so ZeRO shards nothing.")
 
     def __repr__(self) -> str:
         return (
@@ -322,3 +378,25 @@ def _broadcast_from_first(params: list[torch.Tensor], group: ProcessGroup) -> No
     with torch.no_grad():
         for p in params:
             dist.broadcast(p.detach(), src=src, group=group)
+
+
+def prepare_zero_optimizer(
+    optimizer: torch.optim.Optimizer,
+    policy: Policy,
+    *,
+    stage: int,
+    max_norm: float = 0.0,
+    norm_type: float = 2.0,
+    process_group: ProcessGroup | None = None,
+) -> ZeroOptimizer:
+    """prepare_optimizer's ZeRO twin: wrap optimizer for policy, sharded (after prepare_model)."""
+    return ZeroOptimizer(
+        optimizer,
+        stage=stage,
+        loss_scale=policy.loss_scale,
+        master_weights=policy.master_weights,
+        max_norm=max_norm,
+        norm_type=norm_type,
+        process_group=process_group,
+        log_num_zeros_in_grad=policy.log_num_zeros_in_grad,
+    )

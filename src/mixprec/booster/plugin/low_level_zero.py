@@ -8,7 +8,6 @@ flag is agreed over the group, so a step skips on every rank together.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -22,9 +21,8 @@ from mixprec.mixed_precision import FP32Precision, MixedPrecision
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import Policy, ScalerConfig, preset
 from mixprec.scaling import default_group
-from mixprec.zero import ZeroOptimizer
+from mixprec.zero import ZeroOptimizer, check_cpu_offload, prepare_zero_optimizer
 
-log = logging.getLogger("mixprec")
 PRECISIONS = ("fp16", "bf16", "fp32")
 
 
@@ -102,27 +100,14 @@ class LowLevelZeroPlugin(Plugin):
                 f"plugin sets the precision (precision={self.precision!r}); leave the "
                 "Booster's mixed_precision unset."
             )
-        if self.cpu_offload:
-            if device.type != "cpu":
-                raise ValueError(
-                    f"LowLevelZeroPlugin(cpu_offload=True) on {device}: offloading masters and "
-                    "optimizer state from an accelerator is not supported yet; use "
-                    "cpu_offload=False."
-                )
-            log.warning(
-                "LowLevelZeroPlugin(cpu_offload=True): the model trains on the CPU, so the "
-                "masters and optimizer state are in CPU memory already; nothing to offload."
-            )
-        if rank_and_world()[1] == 1:
-            log.warning("LowLevelZeroPlugin: a world of 1 rank; ZeRO shards nothing.")
+        check_cpu_offload(self.cpu_offload, device)
         boosted = mixed_precision.convert_module(model.to(device), self.policy)
         if optimizer is None:
             return boosted, None
-        zero = ZeroOptimizer(
+        zero = prepare_zero_optimizer(
             optimizer,
+            self.policy,
             stage=self.stage,
-            loss_scale=self.policy.loss_scale,
-            master_weights=self.policy.master_weights,
             max_norm=self.max_norm,
             norm_type=self.norm_type,
             process_group=self.process_group,
