@@ -169,14 +169,6 @@ def _equality_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> Non
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_zero_stages_and_precisions_equal_one_process_two_ranks() -> None:
-    from dist_utils import spawn
-
-    spawn(_equality_worker, 2, CASES)
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
 def test_zero_four_ranks_equal_one_process() -> None:
     from dist_utils import spawn
 
@@ -301,14 +293,6 @@ def _config_worker(rank: int, world: int) -> None:
             assert_same_on_every_rank(params, what)
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_config_zero_levels_work_for_every_mode_two_ranks() -> None:
-    from dist_utils import spawn
-
-    spawn(_config_worker, 2)
-
-
 @pytest.mark.parametrize(
     ("zero", "match"),
     [
@@ -340,3 +324,115 @@ def test_config_zero_in_a_world_of_one(caplog: pytest.LogCaptureFixture) -> None
         engine, *_ = initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config)
     assert isinstance(engine.optimizer, ZeroOptimizer) and engine.optimizer.stage == 2
     assert "shards nothing" in caplog.text and "nothing to offload" in caplog.text
+
+
+# ----- checkpoints: gathered files that load on any world size, sharded or not -----
+def _half_steps(booster, model, opt, criterion, x, y, steps: int) -> None:  # noqa: ANN001
+    for _ in range(steps):
+        booster.backward(criterion(model(x), y), opt)
+        opt.step()
+        opt.zero_grad()
+
+
+def _checkpoint_worker(rank: int, world: int, directory: str) -> None:
+    from dist_utils import assert_same_on_every_rank, scaler_state
+
+    from mixprec.checkpoint import (
+        hp_model_state_dict,
+        load_checkpoint,
+        load_hp_model_state_dict,
+        save_checkpoint,
+    )
+
+    x, y = _data(8 * world)
+    mine = slice(rank * 8, (rank + 1) * 8)
+    solo = dist.new_group([0])  # the unsharded run: rank 0 alone
+    for stage, precision in [(2, "fp16"), (1, "fp32")]:
+        path = f"{directory}/{stage}{precision}"
+
+        def boosted(stage: int = stage, precision: str = precision):  # noqa: ANN202
+            torch.manual_seed(0)
+            model = zero_model()
+            booster = Booster(plugin=_plugin(stage, precision))
+            return booster, *booster.boost(model, _optimizer(model, precision), nn.MSELoss())[:3]
+
+        booster, model, opt, criterion = boosted()
+        _half_steps(booster, model, opt, criterion, x[mine], y[mine], 2)
+        booster.save_model(model, f"{path}-model.pt")
+        booster.save_optimizer(opt, f"{path}-optim.pt")
+        saved_masters = opt.hp_params()
+        _half_steps(booster, model, opt, criterion, x[mine], y[mine], 2)
+
+        # Resume on the same world size: bit for bit the run that never stopped.
+        booster2, model2, opt2, criterion2 = boosted()
+        _half_steps(booster2, model2, opt2, criterion2, x[mine], y[mine], 1)  # state to overwrite
+        booster2.load_model(model2, f"{path}-model.pt")
+        booster2.load_optimizer(opt2, f"{path}-optim.pt")
+        assert (opt2.steps, opt2.skipped_steps) == (opt.steps - 2, opt.skipped_steps)
+        _half_steps(booster2, model2, opt2, criterion2, x[mine], y[mine], 2)
+        for a, b in zip(
+            opt.hp_params() + list(model.parameters()),
+            opt2.hp_params() + list(model2.parameters()),
+            strict=True,
+        ):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+        for a, b in zip(_state_tensors(opt), _state_tensors(opt2), strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+        assert_same_on_every_rank(scaler_state(opt2) + scaler_state(opt), "scalers")
+        torch.testing.assert_close(scaler_state(opt2), scaler_state(opt), rtol=0, atol=0)
+
+        # Into an unsharded run (rank 0 alone, the plain optimizer every other plugin uses):
+        # masters bitwise; two full-batch steps continue where the 2-rank run went.
+        if rank == 0:
+            policy = booster.plugin.policy
+            torch.manual_seed(5)
+            plain = zero_model()
+            ref = prepare_model(plain, policy)
+            ref_opt = prepare_optimizer(
+                _optimizer(plain, precision), policy, max_norm=MAX_NORM, process_group=solo
+            )
+            load_hp_model_state_dict(plain, load_checkpoint(f"{path}-model.pt"), ref_opt)
+            ref_opt.load_state_dict(load_checkpoint(f"{path}-optim.pt"))
+            hp = {id(lp): m for lp, m in zip(ref_opt.lp_params, ref_opt.hp_masters, strict=True)}
+            for q, want in zip(plain.parameters(), saved_masters, strict=True):
+                torch.testing.assert_close(hp.get(id(q), q).float(), want, rtol=0, atol=0)
+            for _ in range(2):
+                ref_opt.backward(nn.functional.mse_loss(ref(x).float(), y))
+                ref_opt.step()
+                ref_opt.zero_grad()
+            low = torch.float16 if precision == "fp16" else torch.float32
+            tol = 10 * LR * torch.finfo(low).eps if precision != "fp32" else 1e-6  # as above
+            for q, want in zip(plain.parameters(), opt.hp_params(), strict=True):
+                torch.testing.assert_close(hp.get(id(q), q).float(), want, rtol=0, atol=tol)
+            # ... and back: its plain checkpoint into a sharded run.
+            save_checkpoint(hp_model_state_dict(plain, ref_opt), f"{path}-plain-model.pt")
+            save_checkpoint(ref_opt.state_dict(), f"{path}-plain-optim.pt")
+            plain_masters = [hp.get(id(q), q).float() for q in plain.parameters()]
+        else:
+            opt.hp_params()  # the collective rank 0's check above took part in
+        dist.barrier()
+        booster3, model3, opt3, _ = boosted()
+        booster3.load_model(model3, f"{path}-plain-model.pt")
+        booster3.load_optimizer(opt3, f"{path}-plain-optim.pt")
+        loaded = opt3.hp_params()
+        if rank == 0:
+            for got, want in zip(loaded, plain_masters, strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert opt3.steps == opt.steps
+        assert_same_on_every_rank(list(model3.parameters()), "lp params after loading")
+
+
+def _two_rank_worker(rank: int, world: int, directory: str) -> None:
+    _equality_worker(rank, world, CASES)
+    _config_worker(rank, world)
+    _checkpoint_worker(rank, world, directory)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_zero_two_ranks(tmp_path) -> None:  # noqa: ANN001
+    """One spawn (each costs seconds): stage x precision equality, sharded bytes and skips;
+    the config face for every mode and level; checkpoints bitwise, unsharded and back."""
+    from dist_utils import spawn
+
+    spawn(_two_rank_worker, 2, str(tmp_path))

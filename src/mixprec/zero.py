@@ -15,6 +15,7 @@ no_sync, and a micro-batch's backward costs no communication.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Mapping
@@ -148,6 +149,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         self.norm_type = float(norm_type)
         self.rank, self.world = group_rank_and_world(group)
         self.all_params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.group_of = [k for k, g in enumerate(optimizer.param_groups) for _ in g["params"]]
         if len({id(p) for p in self.all_params}) != len(self.all_params):
             raise ValueError("A parameter appears twice in the optimizer's param_groups.")
         if self.world > 1:
@@ -349,7 +351,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         for i, p in enumerate(self.all_params):
             hp = lp_to_hp.get(id(p))
             if hp is None and (p.dtype not in LOW_DTYPES or self.master_weights is False):
-                out.append(p.detach().float())  # fp32 (or master-less) params are replicated
+                out.append(p.detach().float().clone())  # fp32 or master-less: replicated
                 continue
             value = (
                 hp.detach().clone() if hp is not None else torch.empty_like(p, dtype=torch.float32)
@@ -359,6 +361,110 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                 dist.broadcast(value, src=src, group=self.process_group)
             out.append(value)
         return out
+
+    # ----- gathered checkpoints: an unsharded MixedPrecisionOptimizer's state_dict -----
+    def _unsharded_twin(self) -> tuple[MixedPrecisionOptimizer, list[torch.Tensor]]:
+        """An unsharded MixedPrecisionOptimizer over CPU stand-ins of every param, and what its
+        inner optimizer holds for each (master or param). Gathered checkpoints go through its
+        own state_dict/load_state_dict, so they are ordinary mixprec optimizer checkpoints."""
+        stand_ins = [torch.zeros_like(p, device="cpu") for p in self.all_params]
+        groups = [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [s for s, g in zip(stand_ins, self.group_of, strict=True) if g == k],
+            }
+            for k, group in enumerate(self.optim.param_groups)
+        ]
+        cls = type(self.optim)
+        accepted = inspect.signature(cls).parameters  # defaults may hold more (AdamW's)
+        defaults = {k: v for k, v in self.optim.defaults.items() if k in accepted}
+        try:
+            inner = cls(groups, **defaults)
+        except TypeError as exc:
+            raise TypeError(
+                f"A gathered ZeRO checkpoint rebuilds {type(self.optim).__name__} from its "
+                f"param_groups and defaults, which failed: {exc}"
+            ) from exc
+        twin = MixedPrecisionOptimizer(
+            inner,
+            loss_scale=self.scaler.cfg,
+            master_weights=self.master_weights,
+            max_consecutive_skips=None,
+            fused_step=False,
+        )
+        return twin, [p for g in inner.param_groups for p in g["params"]]  # all_params order
+
+    def _held(self) -> dict[int, torch.Tensor]:
+        """index -> the tensor this rank's inner optimizer steps for it (master or param)."""
+        lp_to_hp = {id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
+        return {i: lp_to_hp.get(id(p), p) for i, p in enumerate(self.all_params) if self.owns(i)}
+
+    def gathered_state_dict(self) -> dict[str, Any] | None:
+        """The whole optimizer, gathered on group rank 0 as an unsharded optimizer's
+        state_dict (None on other ranks): it loads into any world size, sharded or not.
+
+        Rank 0 holds the full masters and state while building it (checkpoint time only).
+        """
+        lp_ids = {id(lp) for lp in self.lp_params}
+        local = {
+            i: (
+                {
+                    k: v.detach().cpu() if torch.is_tensor(v) else v
+                    for k, v in self.state.get(held, {}).items()
+                },
+                held.detach().cpu() if id(self.all_params[i]) in lp_ids else None,
+            )
+            for i, held in self._held().items()
+        }
+        parts: list[Any] = [local]
+        if self.world > 1:
+            parts = [None] * self.world if self.rank == 0 else []
+            dst = dist.get_global_rank(self.process_group, 0)
+            dist.gather_object(
+                local, parts if self.rank == 0 else None, dst=dst, group=self.process_group
+            )
+        if self.rank != 0:
+            return None
+        twin, twin_held = self._unsharded_twin()
+        for part in parts:
+            for i, (state, master) in part.items():
+                if master is not None:
+                    twin_held[i].detach().copy_(master)
+                if state:
+                    twin.optim.state[twin_held[i]] = state
+        twin.scaler.load_state_dict(self.scaler.state_dict())
+        twin.steps, twin.skipped_steps = self.steps, self.skipped_steps
+        return twin.state_dict()
+
+    def load_gathered_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load an unsharded optimizer's state_dict (gathered_state_dict's, or a plain
+        MixedPrecisionOptimizer's): each rank keeps its own shard of it."""
+        twin, twin_held = self._unsharded_twin()
+        twin.load_state_dict(state_dict)  # the unsharded optimizer's own checks and layout
+        for mine, loaded in zip(self.optim.param_groups, twin.optim.param_groups, strict=True):
+            mine.update({k: v for k, v in loaded.items() if k != "params"})  # lr, betas, ...
+        twin_masters = {id(hp) for hp in twin.hp_masters}
+        held = self._held()
+        with torch.no_grad():
+            for i, p in enumerate(self.all_params):
+                source = twin_held[i]
+                if id(source) in twin_masters:
+                    p.copy_(source)  # every rank's lp copy, rounded from the loaded master
+                if i not in held:
+                    continue
+                if held[i] is not p:
+                    held[i].copy_(source)
+                state = twin.optim.state.get(source, {})
+                self.optim.state.pop(held[i], None)
+                if state:  # per-param tensors follow the param; scalars (Adam's step) stay put
+                    self.optim.state[held[i]] = {
+                        k: v.to(held[i].device) if torch.is_tensor(v) and v.shape == p.shape else v
+                        for k, v in state.items()
+                    }
+        self.scaler.load_state_dict(twin.scaler.state_dict())
+        self.steps, self.skipped_steps = twin.steps, twin.skipped_steps
+        self._found_inf = None
+        self._grads_on_masters = False
 
     # ----- what this rank holds -----
     def shard_bytes(self) -> dict[str, int]:

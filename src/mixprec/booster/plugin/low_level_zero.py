@@ -10,13 +10,12 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from mixprec.booster.plugin.plugin_base import Plugin, barrier, rank_and_world, unwrap_model
-from mixprec.checkpoint import hp_model_state_dict, load_checkpoint, save_checkpoint
+from mixprec.booster.plugin.plugin_base import Plugin, unwrap_model
+from mixprec.checkpoint import hp_model_state_dict, load_checkpoint
 from mixprec.mixed_precision import FP32Precision, MixedPrecision
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import Policy, ScalerConfig, preset
@@ -135,26 +134,23 @@ class LowLevelZeroPlugin(Plugin):
     def save_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
-        """A directory with one shard file per rank (each rank writes its own)."""
-        save_checkpoint(optimizer.state_dict(), _shard_file(path))
-        barrier()  # the directory is complete once every rank has written
+        """One file, gathered on rank 0: an unsharded optimizer checkpoint (any world loads it)."""
+        self._write(_zero(optimizer).gathered_state_dict(), path)
 
     def load_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
-        shard = _shard_file(path)
-        if not shard.is_file():
-            found = sorted(q.name for q in Path(path).glob("*.pt")) if Path(path).is_dir() else []
-            raise FileNotFoundError(
-                f"No ZeRO shard {shard.name!r} in {str(path)!r} (found {found}): a ZeRO "
-                "optimizer checkpoint loads on the world size it was saved with."
-            )
-        optimizer.load_state_dict(load_checkpoint(shard))
+        """Every rank reads the whole file and keeps its shard (a plain mixprec one loads too)."""
+        _zero(optimizer).load_gathered_state_dict(load_checkpoint(path))
 
 
-def _shard_file(path: str | os.PathLike) -> Path:
-    rank, world = rank_and_world()
-    return Path(path) / f"rank{rank}-of-{world}.pt"
+def _zero(optimizer: MixedPrecisionOptimizer) -> ZeroOptimizer:
+    if not isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(
+            f"LowLevelZeroPlugin checkpoints the ZeroOptimizer boost() returned, got "
+            f"{type(optimizer).__name__}."
+        )
+    return optimizer
 
 
 def zero_policy(precision: str, scaler: ScalerConfig, master_weights: bool) -> Policy:
