@@ -438,3 +438,45 @@ def test_zero_two_ranks(tmp_path) -> None:  # noqa: ANN001
     from dist_utils import spawn
 
     spawn(_two_rank_worker, 2, str(tmp_path))
+
+
+class _PartlyUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(WIDTH, WIDTH)
+        self.unused = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_param_without_gradient_is_not_stepped(stage: int) -> None:
+    from mixprec.policy import preset
+    from mixprec.zero import prepare_zero_optimizer
+
+    x, y = _data(8)
+    policy = preset("fp16_naive", dtype="bfloat16")
+    model, ref_model = _PartlyUsed(), _PartlyUsed()
+    ref_model.load_state_dict(model.state_dict())
+    unused_before = [p.detach().clone() for p in model.unused.parameters()]
+    lp, ref = prepare_model(model, policy), prepare_model(ref_model, policy)
+    opt = prepare_zero_optimizer(
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1), policy, stage=stage
+    )
+    ref_opt = prepare_optimizer(
+        torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.1), policy
+    )
+    for _ in range(3):
+        opt.backward(nn.functional.mse_loss(lp(x).float(), y))
+        ref_opt.backward(nn.functional.mse_loss(ref(x).float(), y))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    # One rank runs the unsharded optimizer's math in its order: bit for bit. Weight decay
+    # would move the unused Linear if a zero gradient stood in for the missing one.
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    for p, before in zip(model.unused.parameters(), unused_before, strict=True):
+        torch.testing.assert_close(p.float(), before.to(p.dtype).float(), rtol=0, atol=0)
