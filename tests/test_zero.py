@@ -293,6 +293,28 @@ def _config_worker(rank: int, world: int) -> None:
                 assert (sizes < sizes.sum()).all() and (sizes > 0).all(), f"{what}: {sizes}"
                 params = list(engine.model.parameters())
             assert_same_on_every_rank(params, what)
+            if level == 2 and name == "fp16_naive":
+                _engine_resumes_bitwise(engine, config, x[mine], y[mine])
+
+
+def _engine_resumes_bitwise(engine: Any, config: dict, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Each rank's Engine.state_dict (its own ZeRO shard) resumes that rank bit for bit."""
+    from mixprec.engine import initialize
+
+    saved = copy.deepcopy(engine.state_dict())
+    model = zero_model()
+    twin, *_ = initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=LR), nn.MSELoss(), config=config
+    )
+    twin.load_state_dict(saved)
+    for run in (engine, twin):
+        run.zero_grad()
+        run.backward(run.criterion(run(x), y))
+        run.step()
+    for p, q in zip(engine.model.parameters(), twin.model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
+    for p, q in zip(engine.optimizer.hp_params(), twin.optimizer.hp_params(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -480,3 +502,11 @@ def test_a_param_without_gradient_is_not_stepped(stage: int) -> None:
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     for p, before in zip(model.unused.parameters(), unused_before, strict=True):
         torch.testing.assert_close(p.float(), before.to(p.dtype).float(), rtol=0, atol=0)
+
+
+def test_cpu_offload_from_an_accelerator_is_refused() -> None:
+    from mixprec.zero import check_cpu_offload
+
+    with pytest.raises(ValueError, match=r"cpu_offload=True on cuda:0.*not supported"):
+        check_cpu_offload(True, torch.device("cuda", 0))
+    check_cpu_offload(False, torch.device("cuda", 0))  # off: nothing to check
