@@ -5,12 +5,14 @@ rank of the data-parallel group, chosen as torch's ZeroRedundancyOptimizer does 
 to the least-loaded rank); a rank's wrapped optimizer holds only its own params, so the fp32
 masters and the optimizer state it creates are that rank's shard. At step time the summed
 gradients are all-reduced (stage 1: every rank keeps every gradient) or reduce-scattered
-(stage 2: a rank keeps only the gradients of its own params), in fp32 over one flat buffer;
-the owner unscales, checks and steps its shard, the overflow flag is MAX-reduced over the
-group (MixedPrecisionOptimizer does this), and the updated lp params are all-gathered.
+(stage 2: a rank keeps only the gradients of its own params; over gloo an all-reduce that
+keeps one chunk, see ZeroOptimizer), in fp32 over one flat buffer; the owner unscales, checks
+and steps its shard, the overflow flag is MAX-reduced over the group (MixedPrecisionOptimizer
+does this), and the updated lp params are all-gathered.
 
 Gradients are reduced once per step, not during backward: gradient accumulation needs no
-no_sync, and a micro-batch's backward costs no communication.
+no_sync, and a micro-batch's backward costs no communication. The price: no overlap with
+backward, and the flat fp32 buffer (4 bytes per param) lives for the reduction.
 """
 
 from __future__ import annotations
