@@ -7,7 +7,7 @@ load from other processes falls on all three alike. Measured in that one run:
 
     bytes   fp32 masters + optimizer state each rank holds, summed from the optimizers' own
             state after the steps (the largest rank is reported); ratio = ZeRO / DDP
-            (target: <= 1/world + 5 %)
+            (target: <= 1/world + 5 %); and the gradient bytes held after step()
     time    the fastest step (forward, backward, step) of each rank, the slowest rank's:
             on shared cores the least disturbed step; speed = DDP time / ZeRO time (>= 0.9)
 
@@ -55,6 +55,12 @@ def held_bytes(optimizer: Any) -> int:
     return state + sum(m.numel() * m.element_size() for m in optimizer.hp_masters)
 
 
+def held_grad_bytes(model: nn.Module, optimizer: Any) -> int:
+    """Gradient bytes a rank holds after step(): the params' grads and the fp32 masters'."""
+    tensors = [p.grad for p in model.parameters()] + [m.grad for m in optimizer.hp_masters]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 def build_runs(precision: str, args: argparse.Namespace) -> dict[str, tuple]:
     from mixprec.booster import Booster
     from mixprec.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
@@ -95,19 +101,22 @@ def worker(rank: int, world: int, rendezvous: str, out: str, args: argparse.Name
         for precision in args.precisions:
             runs = build_runs(precision, args)
             times: dict[str, list[float]] = {name: [] for name in RUNS}
+            grad_bytes: dict[str, int] = {}
             for i in range(args.warmup + args.steps):
                 for name, (booster, model, opt, criterion) in runs.items():
                     dist.barrier()  # every rank starts the step together
                     t0 = time.perf_counter()
                     booster.backward(criterion(model(x), y), opt)
                     opt.step()
+                    elapsed = time.perf_counter() - t0
+                    grad_bytes[name] = held_grad_bytes(model, opt)  # what outlives the step
                     opt.zero_grad()
                     if i >= args.warmup:
-                        times[name].append(time.perf_counter() - t0)
+                        times[name].append(elapsed)
                     if bar is not None:
                         bar.update()
             stats = torch.tensor(
-                [[min(times[n]), held_bytes(runs[n][2])] for n in RUNS],
+                [[min(times[n]), held_bytes(runs[n][2]), grad_bytes[n]] for n in RUNS],
                 dtype=torch.float64,
             )
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest / fullest rank
@@ -118,6 +127,7 @@ def worker(rank: int, world: int, rendezvous: str, out: str, args: argparse.Name
                     "precision": precision,
                     "seconds": {n: float(stats[k, 0]) for k, n in enumerate(RUNS)},
                     "bytes": {n: int(stats[k, 1]) for k, n in enumerate(RUNS)},
+                    "grad_bytes": {n: int(stats[k, 2]) for k, n in enumerate(RUNS)},
                     "skipped_steps": skipped,
                 }
             )
@@ -164,6 +174,20 @@ def markdown(rows: list[dict], args: argparse.Namespace, machine: str, argv: lis
             f"{b['zero1'] / b['ddp']:.3f} | {mib['zero2']:.1f} | {b['zero2'] / b['ddp']:.3f} | "
             f"{1 / r['world'] + 0.05:.3f} | {s['ddp'] * 1e3:.1f} | {s['zero1'] * 1e3:.1f} | "
             f"{s['ddp'] / s['zero1']:.2f}x | {s['zero2'] * 1e3:.1f} | {s['ddp'] / s['zero2']:.2f}x |"
+        )
+    lines += [
+        "",
+        "Gradient bytes a rank holds after step() (lp grads + fp32 master grads; the masters' "
+        "stay allocated between steps on CPU), fullest rank:",
+        "",
+        "| ranks | precision | DDP MiB | ZeRO-1 MiB | ZeRO-2 MiB | ZeRO-2 / DDP |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        g = r["grad_bytes"]
+        lines.append(
+            f"| {r['world']} | {r['precision']} | {g['ddp'] / 2**20:.1f} | "
+            f"{g['zero1'] / 2**20:.1f} | {g['zero2'] / 2**20:.1f} | {g['zero2'] / g['ddp']:.3f} |"
         )
     skipped = {f"{r['world']}/{r['precision']}": r["skipped_steps"] for r in rows}
     lines += ["", f"Skipped (overflow) steps per run: {skipped}."]
