@@ -24,9 +24,16 @@ from typing import Any
 import torch.distributed as dist
 
 from mixprec.policy import AMP_TYPE, Policy, did_you_mean, to_policy
+from mixprec.zero import to_zero_config
 
 CONFIG_SUFFIXES: tuple[str, ...] = (".py", ".json", ".toml")
 """File types load_config reads: Python (runs the file), JSON and TOML (run nothing)."""
+
+UNSUPPORTED_SECTIONS: dict[str, str] = {
+    "gradient_handler": "gradients are reduced by DDP, ZeRO (zero=dict(level=1|2)) or FSDP2 "
+    "(level=3) itself; remove the section.",
+}
+"""Colossal-AI config sections mixprec knows but does not implement: an error, never ignored."""
 
 ConfigLike = Mapping[str, Any] | str | os.PathLike[str] | None
 """What launchers and initialize accept as a config: a mapping, a file path, or None (empty)."""
@@ -196,6 +203,10 @@ def config_to_policy(config: Mapping[str, Any]) -> Policy:
 def validate_config(config: Mapping[str, Any]) -> None:
     """Fail early on a bad fp16 section, clip_grad_norm or gradient_accumulation."""
     config_to_policy(config)
+    to_zero_config(config.get("zero"))
+    for key, why in UNSUPPORTED_SECTIONS.items():
+        if key in config:
+            raise ValueError(f"Config section {key!r} is not supported by mixprec: {why}")
     clip = config.get("clip_grad_norm")
     if clip is not None and (
         isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not clip >= 0

@@ -49,6 +49,7 @@ from mixprec.data import EpochShuffledDistributedSampler
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.policy import Policy
+from mixprec.zero import check_cpu_offload, prepare_zero_optimizer, to_zero_config
 
 log = logging.getLogger("mixprec")
 
@@ -378,8 +379,9 @@ def initialize(
 
     config: a mapping or a .py/.json/.toml path; None reads `gpc.config` (set by launch).
     Its keys: `fp16=dict(mode=AMP_TYPE.X, **mode_keys)` (absent: fp32), `clip_grad_norm`
-    (float; 0 or absent: off), `gradient_accumulation` (int N >= 1). Other keys are the
-    user's and are left alone.
+    (float; 0 or absent: off), `gradient_accumulation` (int N >= 1), `zero=dict(level=1|2|3)`
+    (mixprec.zero: sharded masters and state, + gradients, + params via FSDP2; no DDP then).
+    Other keys are the user's and are left alone.
     lr_scheduler: when given, the engine steps it after every optimizer step that was not
     skipped; it is returned unchanged. Leave it out to step a schedule yourself.
     On CUDA the model moves to the current device first. With world size > 1 the prepared
@@ -405,21 +407,34 @@ def initialize(
     max_norm = float(config.get("clip_grad_norm") or 0.0)
     accumulation = int(config.get("gradient_accumulation") or 1)
 
+    zero = to_zero_config(config.get("zero"))
+
     device = _current_device()
     if device is not None:
         model.to(device)  # moves parameter data in place: the optimizer keeps the same tensors
-    precision_model = prepare_model(model, policy)
+    if zero is not None:
+        check_cpu_offload(zero.cpu_offload, device or torch.device("cpu"))
+    if zero is not None and zero.level == 3:
+        precision_model, mp_optimizer = _fsdp_prepare(model, optimizer, policy, max_norm, device)
+    else:
+        precision_model = prepare_model(model, policy)
     rank, world_size = _distributed_world()
     wrapped: nn.Module = precision_model
     if world_size > 1:
-        # DDP broadcasts rank 0's (already cast) weights; masters are copied after that
-        device_ids = None if device is None else [device.index]
-        wrapped = DistributedDataParallel(precision_model, device_ids=device_ids)
+        if zero is None:  # ZeRO reduces gradients itself (levels 1-2 at step, 3 in FSDP2)
+            # DDP broadcasts rank 0's (already cast) weights; masters are copied after that
+            device_ids = None if device is None else [device.index]
+            wrapped = DistributedDataParallel(precision_model, device_ids=device_ids)
         train_dataloader, test_dataloader = (
             None if loader is None else dataloader_to_distributed(loader, rank, world_size)
             for loader in (train_dataloader, test_dataloader)
         )
-    mp_optimizer = prepare_optimizer(optimizer, policy, max_norm=max_norm)
+    if zero is None:
+        mp_optimizer = prepare_optimizer(optimizer, policy, max_norm=max_norm)
+    elif zero.level < 3:
+        mp_optimizer = prepare_zero_optimizer(
+            optimizer, policy, stage=zero.level, max_norm=max_norm
+        )
     mp_optimizer.name_params(model)  # so a collapsing scale names the overflowing parameters
     engine = Engine(
         wrapped,
@@ -439,6 +454,30 @@ def initialize(
             accumulation,
         )
     return engine, train_dataloader, test_dataloader, lr_scheduler
+
+
+def _fsdp_prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    policy: Policy,
+    max_norm: float,
+    device: torch.device | None,
+) -> tuple[nn.Module, MixedPrecisionOptimizer]:
+    """zero level 3: the Booster's FSDP2 path (params, grads and state sharded), clipped."""
+    from mixprec.booster.plugin.torch_fsdp import TorchFSDPPlugin  # FSDP imports take ~0.5 s
+    from mixprec.mixed_precision import MixedPrecision
+
+    device = device or next(model.parameters()).device
+    if dist.is_available() and dist.is_initialized():  # else configure() says what to do
+        with torch.no_grad():  # fully_shard keeps each rank's own init: start from rank 0's
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.detach(), src=0)
+    model, mp_optimizer = TorchFSDPPlugin().configure(
+        model, optimizer, MixedPrecision(policy), device
+    )
+    assert mp_optimizer is not None
+    mp_optimizer.max_norm = max_norm
+    return model, mp_optimizer
 
 
 __all__ = [

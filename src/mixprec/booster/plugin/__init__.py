@@ -2,10 +2,11 @@
 
 from typing import Any
 
+from mixprec.booster.plugin.low_level_zero import LowLevelZeroPlugin
 from mixprec.booster.plugin.plugin_base import Plugin
 from mixprec.booster.plugin.torch_ddp import TorchDDPPlugin
 
-__all__ = ["Plugin", "TorchDDPPlugin", "TorchFSDPPlugin"]
+__all__ = ["LowLevelZeroPlugin", "Plugin", "TorchDDPPlugin", "TorchFSDPPlugin"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,265 @@
+"""ZeRO-1/2 (LowLevelZeroPlugin) vs DDP with the same precision, on 2 and 4 gloo ranks (CPU).
+
+A model whose optimizer state dominates (depth x Linear(width), AdamW, a small batch). For
+each world size and precision, every rank builds three runs from the same weights — DDP
+(TorchDDPPlugin over the same Policy), ZeRO stage 1 and stage 2 — and steps them in turns, so
+load from other processes falls on all three alike. Measured in that one run:
+
+    bytes   fp32 masters + optimizer state each rank holds, summed from the optimizers' own
+            state after the steps (the largest rank is reported); ratio = ZeRO / DDP
+            (target: <= 1/world + 5 %); and the gradient bytes held after step()
+    time    the fastest step (forward, backward, step) of each rank, the slowest rank's:
+            on shared cores the least disturbed step; speed = DDP time / ZeRO time (>= 0.9)
+
+Writes benchmarks/results/zero_cpu.{md,json,png}.
+
+    python benchmarks/bench_zero.py                       # small default run (~1 min here)
+    python benchmarks/bench_zero.py --worlds 2 --width 1024 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from mixprec.bench.runner import machine_name
+
+RESULTS = Path(__file__).parent / "results"
+PRECISIONS = ("fp16", "bf16", "fp32")
+RUNS = ("ddp", "zero1", "zero2")
+
+
+def state_dominated_net(width: int, depth: int) -> nn.Module:
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+
+def held_bytes(optimizer: Any) -> int:
+    """fp32 masters + optimizer state this rank holds, read from the optimizer's own state."""
+    state = sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )
+    return state + sum(m.numel() * m.element_size() for m in optimizer.hp_masters)
+
+
+def held_grad_bytes(model: nn.Module, optimizer: Any) -> int:
+    """Gradient bytes a rank holds after step(): the params' grads and the fp32 masters'."""
+    tensors = [p.grad for p in model.parameters()] + [m.grad for m in optimizer.hp_masters]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def build_runs(precision: str, args: argparse.Namespace) -> dict[str, tuple]:
+    from mixprec.booster import Booster
+    from mixprec.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
+    from mixprec.mixed_precision import MixedPrecision
+
+    runs = {}
+    for name in RUNS:
+        torch.manual_seed(0)
+        model = state_dominated_net(args.width, args.depth)
+        # 2**8: the default first fp16 scale (2**32) skips a few steps before one lands.
+        zero = LowLevelZeroPlugin(
+            stage=int(name[-1]) if name != "ddp" else 1, precision=precision, initial_scale=2**8
+        )
+        if name == "ddp":  # the very same Policy, DDP instead of ZeRO
+            booster = Booster(mixed_precision=MixedPrecision(zero.policy), plugin=TorchDDPPlugin())
+        else:
+            booster = Booster(plugin=zero)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt, criterion, *_ = booster.boost(model, opt, nn.MSELoss())
+        runs[name] = (booster, model, opt, criterion)
+    return runs
+
+
+def worker(rank: int, world: int, rendezvous: str, out: str, args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    torch.set_num_threads(args.threads)
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        total = len(args.precisions) * len(RUNS) * (args.warmup + args.steps)
+        bar = tqdm(total=total, desc=f"bench_zero {world} ranks", unit="step", file=sys.stderr)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randn(args.batch, args.width, generator=gen)
+    rows = []
+    try:
+        for precision in args.precisions:
+            runs = build_runs(precision, args)
+            times: dict[str, list[float]] = {name: [] for name in RUNS}
+            grad_bytes: dict[str, int] = {}
+            for i in range(args.warmup + args.steps):
+                for name, (booster, model, opt, criterion) in runs.items():
+                    dist.barrier()  # every rank starts the step together
+                    t0 = time.perf_counter()
+                    booster.backward(criterion(model(x), y), opt)
+                    opt.step()
+                    elapsed = time.perf_counter() - t0
+                    grad_bytes[name] = held_grad_bytes(model, opt)  # what outlives the step
+                    opt.zero_grad()
+                    if i >= args.warmup:
+                        times[name].append(elapsed)
+                    if bar is not None:
+                        bar.update()
+            stats = torch.tensor(
+                [[min(times[n]), held_bytes(runs[n][2]), grad_bytes[n]] for n in RUNS],
+                dtype=torch.float64,
+            )
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest / fullest rank
+            skipped = {n: runs[n][2].skipped_steps for n in RUNS}
+            rows.append(
+                {
+                    "world": world,
+                    "precision": precision,
+                    "seconds": {n: float(stats[k, 0]) for k, n in enumerate(RUNS)},
+                    "bytes": {n: int(stats[k, 1]) for k, n in enumerate(RUNS)},
+                    "grad_bytes": {n: int(stats[k, 2]) for k, n in enumerate(RUNS)},
+                    "skipped_steps": skipped,
+                }
+            )
+            del runs
+    finally:
+        if bar is not None:
+            bar.close()
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def run_world(world: int, args: argparse.Namespace) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        rendezvous = os.path.join(tmp, "rendezvous")
+        mp.spawn(worker, args=(world, rendezvous, out, args), nprocs=world, join=True)
+        return json.loads(Path(out).read_text())
+
+
+def markdown(rows: list[dict], args: argparse.Namespace, machine: str, argv: list[str]) -> str:
+    params = args.depth * (args.width * args.width + args.width)
+    lines = [
+        "# ZeRO-1/2 vs DDP, same precision (gloo, CPU)",
+        "",
+        f"Machine: {machine}; {args.threads} thread(s) per rank; "
+        f"load average at start {args.load_start:.1f}, at end {args.load_end:.1f}.",
+        f"Command: `{' '.join(['python benchmarks/bench_zero.py', *argv])}`",
+        f"Model: {args.depth} x Linear({args.width}) = {params / 1e6:.2f} M params, AdamW, "
+        f"batch {args.batch} per rank; {args.warmup} warm-up + {args.steps} timed steps per run, "
+        "runs taking turns.",
+        "bytes = fp32 masters + optimizer state on the fullest rank, from the optimizers' own "
+        "state; time = the slowest rank's fastest step (the least disturbed by other processes).",
+        "",
+        "| ranks | precision | DDP MiB | ZeRO-1 MiB | ZeRO-1 / DDP | ZeRO-2 MiB | ZeRO-2 / DDP "
+        "| 1/world + 5 % | DDP ms | ZeRO-1 ms | speed vs DDP | ZeRO-2 ms | speed vs DDP |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        b, s = r["bytes"], r["seconds"]
+        mib = {n: b[n] / 2**20 for n in RUNS}
+        lines.append(
+            f"| {r['world']} | {r['precision']} | {mib['ddp']:.1f} | {mib['zero1']:.1f} | "
+            f"{b['zero1'] / b['ddp']:.3f} | {mib['zero2']:.1f} | {b['zero2'] / b['ddp']:.3f} | "
+            f"{1 / r['world'] + 0.05:.3f} | {s['ddp'] * 1e3:.1f} | {s['zero1'] * 1e3:.1f} | "
+            f"{s['ddp'] / s['zero1']:.2f}x | {s['zero2'] * 1e3:.1f} | {s['ddp'] / s['zero2']:.2f}x |"
+        )
+    lines += [
+        "",
+        "Gradient bytes a rank holds after step() (lp grads + fp32 master grads; the masters' "
+        "stay allocated between steps on CPU), fullest rank:",
+        "",
+        "| ranks | precision | DDP MiB | ZeRO-1 MiB | ZeRO-2 MiB | ZeRO-2 / DDP |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        g = r["grad_bytes"]
+        lines.append(
+            f"| {r['world']} | {r['precision']} | {g['ddp'] / 2**20:.1f} | "
+            f"{g['zero1'] / 2**20:.1f} | {g['zero2'] / 2**20:.1f} | {g['zero2'] / g['ddp']:.3f} |"
+        )
+    skipped = {f"{r['world']}/{r['precision']}": r["skipped_steps"] for r in rows}
+    lines += ["", f"Skipped (overflow) steps per run: {skipped}."]
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a build machine
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['world']}r {r['precision']}" for r in rows]
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4))
+    for k, stage in enumerate(("zero1", "zero2")):
+        pos = [i + (k - 0.5) * 0.38 for i in range(len(rows))]
+        mem.bar(pos, [r["bytes"][stage] / r["bytes"]["ddp"] for r in rows], 0.38, label=stage)
+        speed.bar(pos, [r["seconds"]["ddp"] / r["seconds"][stage] for r in rows], 0.38, label=stage)
+    for r_i, r in enumerate(rows):
+        mem.hlines(1 / r["world"] + 0.05, r_i - 0.4, r_i + 0.4, colors="black", linestyles="--")
+    speed.axhline(0.9, color="black", linestyle="--", linewidth=0.8, label="target 0.9")
+    mem.set_ylabel("masters + state bytes / DDP's (dashes: 1/world + 5 %)")
+    speed.set_ylabel("DDP step time / ZeRO step time")
+    for ax in (mem, speed):
+        ax.set_xticks(range(len(rows)), labels, rotation=30, fontsize=8)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8, help="rows per rank per step")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run (fastest)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for md/json/png")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    for name in ("width", "depth", "batch", "steps", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if any(w < 2 for w in args.worlds):
+        parser.error(f"--worlds {args.worlds}: ZeRO needs at least 2 ranks to shard anything")
+    args.load_start = os.getloadavg()[0]
+    start = time.perf_counter()
+    rows = [row for world in args.worlds for row in run_world(world, args)]
+    args.load_end = os.getloadavg()[0]
+    machine = machine_name(torch.device("cpu"))
+    table = markdown(rows, args, machine, argv)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / "zero_cpu"
+    stem.with_suffix(".md").write_text(table)
+    record = {
+        "machine": machine,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "total_seconds": round(time.perf_counter() - start, 1),
+        "rows": rows,
+    }
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    chart(rows, stem.with_suffix(".png"), f"ZeRO vs DDP, {machine}")
+    print(f"wrote {stem}.md, .json, .png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""LowLevelZeroPlugin: Colossal-AI's ZeRO-1/2 plugin over mixprec.zero, fp16 included.
+
+Colossal-AI refuses fp16 with ZeRO; here every rank keeps the fp16/bf16 model, the fp32 masters
+and optimizer state are sharded (mixprec.zero.ZeroOptimizer), and the loss scale's overflow
+flag is agreed over the group, so a step skips on every rank together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from mixprec.booster.plugin.plugin_base import Plugin, unwrap_model
+from mixprec.checkpoint import hp_model_state_dict, load_checkpoint
+from mixprec.mixed_precision import FP32Precision, MixedPrecision
+from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.policy import Policy, ScalerConfig, preset
+from mixprec.scaling import default_group
+from mixprec.zero import ZeroOptimizer, check_cpu_offload, prepare_zero_optimizer
+
+PRECISIONS = ("fp16", "bf16", "fp32")
+
+
+class LowLevelZeroPlugin(Plugin):
+    """ZeRO stage 1 or 2 with Colossal-AI's arguments.
+
+    Args:
+        stage: 1 shards fp32 masters and optimizer state; 2 also reduce-scatters gradients.
+        precision: 'fp16' (fp16 params, fp32 masters, dynamic loss scale), 'bf16' (bf16 params,
+            fp32 masters, no scaling) or 'fp32'.
+        initial_scale ... max_scale: the fp16 loss scaler (Megatron's hysteresis rule).
+        max_norm, norm_type: clip the gradients by their norm over the whole model (0: off).
+        cpu_offload: keep masters and optimizer state in CPU memory (on CPU already: no-op).
+        master_weights: keep fp32 masters of fp16/bf16 params (False: step them directly).
+    """
+
+    def __init__(
+        self,
+        stage: int = 1,
+        precision: str = "fp16",
+        initial_scale: float = 2**32,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        max_norm: float = 0.0,
+        norm_type: float = 2.0,
+        cpu_offload: bool = False,
+        master_weights: bool = True,
+    ) -> None:
+        if isinstance(stage, bool) or stage not in (1, 2):
+            raise ValueError(
+                f"LowLevelZeroPlugin(stage={stage!r}); valid: 1, 2. Stage 3 (sharded params) "
+                "is TorchFSDPPlugin (FSDP2)."
+            )
+        if precision not in PRECISIONS:
+            raise ValueError(f"LowLevelZeroPlugin(precision={precision!r}); valid: {PRECISIONS}.")
+        for name, value in (("cpu_offload", cpu_offload), ("master_weights", master_weights)):
+            if not isinstance(value, bool):
+                raise TypeError(f"LowLevelZeroPlugin({name}={value!r}) must be a bool.")
+        if not isinstance(max_norm, int | float) or max_norm < 0:
+            raise ValueError(f"LowLevelZeroPlugin(max_norm={max_norm!r}) must be >= 0 (0: off).")
+        scaler = ScalerConfig(
+            init_scale=initial_scale,
+            min_scale=min_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            max_scale=max_scale,
+        )  # validated here, so a bad scaler argument fails at construction
+        self.stage = stage
+        self.precision = precision
+        self.policy = zero_policy(precision, scaler, master_weights)
+        self.max_norm = float(max_norm)
+        self.norm_type = norm_type
+        self.cpu_offload = cpu_offload
+
+    @property
+    def process_group(self):  # noqa: ANN201 - a torch ProcessGroup or None
+        return default_group()
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        mixed_precision: MixedPrecision,
+        device: torch.device,
+    ) -> tuple[nn.Module, ZeroOptimizer | None]:
+        if not isinstance(mixed_precision, FP32Precision):
+            raise ValueError(
+                f"Booster(mixed_precision={mixed_precision!r}) with LowLevelZeroPlugin: the "
+                f"plugin sets the precision (precision={self.precision!r}); leave the "
+                "Booster's mixed_precision unset."
+            )
+        check_cpu_offload(self.cpu_offload, device)
+        boosted = mixed_precision.convert_module(model.to(device), self.policy)
+        if optimizer is None:
+            return boosted, None
+        zero = prepare_zero_optimizer(
+            optimizer,
+            self.policy,
+            stage=self.stage,
+            max_norm=self.max_norm,
+            norm_type=self.norm_type,
+            process_group=self.process_group,
+        )
+        return boosted, zero
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Gradients are reduced at step(), not in backward: accumulating needs nothing."""
+        return contextlib.nullcontext()
+
+    # ----- checkpoints -----
+    def save_model(
+        self, model: nn.Module, path: str | os.PathLike, optimizer: MixedPrecisionOptimizer | None
+    ) -> None:
+        """fp32 weights in one file; each master comes from the rank that owns it."""
+        user_model = unwrap_model(model)
+        state = hp_model_state_dict(user_model)
+        if isinstance(optimizer, ZeroOptimizer):
+            names = {id(p): name for name, p in user_model.named_parameters()}
+            for p, hp in zip(optimizer.all_params, optimizer.hp_params(), strict=True):
+                if id(p) in names:
+                    state[names[id(p)]] = hp.cpu()
+        self._write(state, path)
+
+    def save_optimizer(
+        self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
+    ) -> None:
+        """One file, gathered on rank 0: an unsharded optimizer checkpoint (any world loads it)."""
+        self._write(_zero(optimizer).gathered_state_dict(), path)
+
+    def load_optimizer(
+        self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
+    ) -> None:
+        """Every rank reads the whole file and keeps its shard (a plain mixprec one loads too)."""
+        _zero(optimizer).load_gathered_state_dict(load_checkpoint(path))
+
+
+def _zero(optimizer: MixedPrecisionOptimizer) -> ZeroOptimizer:
+    if not isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(
+            f"LowLevelZeroPlugin checkpoints the ZeroOptimizer boost() returned, got "
+            f"{type(optimizer).__name__}."
+        )
+    return optimizer
+
+
+def zero_policy(precision: str, scaler: ScalerConfig, master_weights: bool) -> Policy:
+    """Colossal's LowLevelZero precisions as mixprec Policies (fp16/bf16 params + masters)."""
+    if precision == "fp32":
+        return preset("fp32")
+    policy = preset("fp16_naive", dtype="float16" if precision == "fp16" else "bfloat16")
+    if precision == "fp16":
+        policy = replace(policy, loss_scale=scaler)
+    return replace(policy, name=f"zero_{precision}", master_weights=master_weights)

@@ -1,0 +1,519 @@
+"""ZeRO stages 1 and 2 for every precision mode: fp32 masters and optimizer state sharded.
+
+Every rank keeps the whole model in its training dtype (lp params). Each param is owned by one
+rank of the data-parallel group, chosen as torch's ZeroRedundancyOptimizer does (largest first
+to the least-loaded rank); a rank's wrapped optimizer holds only its own params, so the fp32
+masters and the optimizer state it creates are that rank's shard. At step time the summed
+gradients are all-reduced (stage 1: every rank keeps every gradient) or reduce-scattered
+(stage 2: a rank keeps only the gradients of its own params; over gloo an all-reduce that
+keeps one chunk, see ZeroOptimizer), in fp32 over one flat buffer; the owner unscales, checks
+and steps its shard, the overflow flag is MAX-reduced over the group (MixedPrecisionOptimizer
+does this), and the updated lp params are all-gathered.
+
+Gradients are reduced once per step, not during backward: gradient accumulation needs no
+no_sync, and a micro-batch's backward costs no communication. The price: no overlap with
+backward, and the flat fp32 buffer (4 bytes per param) lives for the reduction.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mixprec.optim import LOW_DTYPES, MixedPrecisionOptimizer
+from mixprec.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
+from mixprec.scaling import ProcessGroup, default_group
+
+log = logging.getLogger("mixprec")
+STAGES = (1, 2)
+
+
+def partition_params(numels: list[int], world: int) -> list[int]:
+    """Owner rank of each param: largest first to the least-loaded rank (ties: lowest rank).
+
+    ZeroRedundancyOptimizer's greedy rule; same sizes on every rank give the same owners.
+    """
+    loads = [0] * world
+    owners = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        owners[i] = rank
+        loads[rank] += numels[i]
+    return owners
+
+
+def group_rank_and_world(group: ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """A config's `zero=dict(level=..., ...)` section."""
+
+    level: int
+    """1: optimizer state and fp32 masters sharded; 2: gradients too; 3: params too (FSDP2)."""
+    cpu_offload: bool = False
+    """Keep masters and optimizer state in CPU memory (a no-op when training on the CPU)."""
+
+
+ZERO_KEYS = tuple(f.name for f in fields(ZeroConfig))
+LEGACY_ZERO_KEYS = ("model_config", "optimizer_config")  # Colossal's old sharded-model format
+
+
+def to_zero_config(section: Mapping[str, Any] | None) -> ZeroConfig | None:
+    """A config's `zero` section (None: no ZeRO); every key is checked, none ignored."""
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise TypeError(f"zero={section!r} must be a dict like dict(level=2).")
+    legacy = [k for k in LEGACY_ZERO_KEYS if k in section]
+    if legacy:
+        raise ValueError(
+            f"zero: {legacy} are Colossal-AI's legacy sharded-model settings, which mixprec does "
+            f"not support; write zero=dict(level=1|2|3) (valid keys: {', '.join(ZERO_KEYS)})."
+        )
+    check_keys("zero config", section, ZERO_KEYS)
+    level = section.get("level")
+    if isinstance(level, bool) or level not in (1, 2, 3):
+        raise ValueError(
+            f"zero level={level!r}; valid: 1 (optimizer state and fp32 masters sharded), 2 (and "
+            "gradients), 3 (and params: FSDP2)."
+        )
+    offload = section.get("cpu_offload", False)
+    if not isinstance(offload, bool):
+        raise TypeError(f"zero cpu_offload={offload!r} must be a bool.")
+    return ZeroConfig(level=level, cpu_offload=offload)
+
+
+def check_cpu_offload(cpu_offload: bool, device: torch.device) -> None:
+    """cpu_offload where the model trains on the CPU is a no-op that says so; elsewhere an error."""
+    if not cpu_offload:
+        return
+    if device.type != "cpu":
+        raise ValueError(
+            f"cpu_offload=True on {device}: offloading masters and optimizer state from an "
+            "accelerator is not supported yet; use cpu_offload=False."
+        )
+    log.warning(
+        "mixprec ZeRO cpu_offload=True: the model trains on the CPU, so the masters and "
+        "optimizer state are in CPU memory already; nothing to offload."
+    )
+
+
+class ZeroOptimizer(MixedPrecisionOptimizer):
+    """MixedPrecisionOptimizer whose masters and state are sharded over a process group.
+
+    Args:
+        optimizer: the optimizer over the model's (already cast) parameters, with no state yet.
+        stage: 1 (gradients all-reduced) or 2 (gradients reduce-scattered to their owner).
+        norm_type: the p of the global gradient norm that max_norm clips.
+        reduce_scatter: stage 2's collective. False all-reduces and keeps this rank's chunk
+            (the same values, the same memory after the step). None: reduce-scatter, except
+            over gloo, whose reduce-scatter ran 1.5-3x slower than its all-reduce on 4 MiB.
+        Others: as MixedPrecisionOptimizer (the fused step is off: it reads unreduced grads).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int,
+        loss_scale: ScalerConfig = UNIT_SCALE,
+        master_weights: bool | None = None,
+        max_norm: float = 0.0,
+        norm_type: float = 2.0,
+        process_group: ProcessGroup | None = None,
+        log_num_zeros_in_grad: bool = False,
+        max_consecutive_skips: int | None = 100,
+        reduce_scatter: bool | None = None,
+    ) -> None:
+        if isinstance(stage, bool) or stage not in STAGES:
+            raise ValueError(
+                f"stage={stage!r}; valid: 1 (sharded optimizer state and fp32 masters), 2 (and "
+                "sharded gradients). Stage 3 (sharded params) is FSDP2: TorchFSDPPlugin."
+            )
+        if not isinstance(norm_type, int | float) or isinstance(norm_type, bool) or norm_type <= 0:
+            raise ValueError(f"norm_type={norm_type!r} must be a positive number or inf.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
+        if optimizer.state:
+            raise ValueError(
+                "ZeRO: the optimizer already holds state for the whole model; wrap it before "
+                "its first step so each rank creates only its own shard."
+            )
+        group = process_group or default_group()
+        self.stage = stage
+        self.norm_type = float(norm_type)
+        self.rank, self.world = group_rank_and_world(group)
+        if reduce_scatter is None:
+            reduce_scatter = group is None or dist.get_backend(group) != "gloo"
+        self.reduce_scatter = reduce_scatter
+        self.all_params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.group_of = [k for k, g in enumerate(optimizer.param_groups) for _ in g["params"]]
+        if len({id(p) for p in self.all_params}) != len(self.all_params):
+            raise ValueError("A parameter appears twice in the optimizer's param_groups.")
+        if self.world > 1:
+            _broadcast_from_first(self.all_params, group)  # every rank starts from rank 0's
+        self.owners = partition_params([p.numel() for p in self.all_params], self.world)
+        mine = {id(p) for p, r in zip(self.all_params, self.owners, strict=True) if r == self.rank}
+        for g in optimizer.param_groups:  # an emptied group keeps its hyperparameters (LR)
+            g["params"] = [p for p in g["params"] if id(p) in mine]
+        super().__init__(
+            optimizer,
+            loss_scale=loss_scale,
+            master_weights=master_weights,
+            max_norm=max_norm,
+            process_group=group,
+            log_num_zeros_in_grad=log_num_zeros_in_grad,
+            max_consecutive_skips=max_consecutive_skips,
+            fused_step=False,
+        )
+        if self.world == 1:
+            log.warning("mixprec ZeRO: a world of 1 rank, so ZeRO shards nothing.")
+
+    def __repr__(self) -> str:
+        return (
+            f"ZeroOptimizer(stage={self.stage}, rank={self.rank}/{self.world}, "
+            f"{self.optim!r}, scaler={self.scaler.cfg})"
+        )
+
+    def owns(self, index: int) -> bool:
+        return self.owners[index] == self.rank
+
+    # ----- gradients: reduced once per step, then handed to this rank's masters -----
+    def _lp_grads_to_masters(self) -> None:
+        reduced = self._reduce_grads()
+        lp_to_hp = {id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
+        for i, p in enumerate(self.all_params):
+            if not self.owns(i):
+                continue
+            hp = lp_to_hp.get(id(p))
+            if hp is not None:  # an lp param: the fp32 mean goes to its master unrounded
+                hp.grad = reduced.get(i)
+                p.grad = None
+            else:
+                p.grad = reduced.get(i)  # None when no rank produced a gradient: no update
+
+    def _reduce_grads(self) -> dict[int, torch.Tensor]:
+        """index -> the group's mean gradient (fp32) of each param this rank owns.
+
+        One flat fp32 buffer of rank-ordered chunks of equal length; a chunk holds its owner's
+        grads, then one presence count per param (a param no rank touched gets no gradient).
+        fp32 because a sum of scaled fp16 gradients can overflow where fp32 cannot. Stage 1
+        writes the other ranks' means back into their lp grads; stage 2 drops those grads.
+        """
+        params, world = self.all_params, self.world
+        chunks = [[i for i, r in enumerate(self.owners) if r == rank] for rank in range(world)]
+        sizes = [sum(params[i].numel() for i in c) for c in chunks]
+        length = max(s + len(c) for s, c in zip(sizes, chunks, strict=True))
+        device = params[0].device if params else torch.device("cpu")
+        flat = torch.zeros(world * length, dtype=torch.float32, device=device)
+        for rank, chunk in enumerate(chunks):
+            offset, flags = rank * length, rank * length + sizes[rank]
+            for k, i in enumerate(chunk):
+                n = params[i].numel()
+                if params[i].grad is not None:
+                    flat[offset : offset + n].copy_(params[i].grad.reshape(-1))
+                    flat[flags + k] = 1.0
+                offset += n
+        if world > 1 and (self.stage == 1 or not self.reduce_scatter):
+            dist.all_reduce(flat, group=self.process_group)
+            if self.stage == 2:  # stage 2 over gloo: keep this rank's chunk only
+                flat = flat[self.rank * length : (self.rank + 1) * length].clone()
+        elif world > 1:
+            mine = torch.empty(length, dtype=torch.float32, device=device)
+            dist.reduce_scatter_single(mine, flat, group=self.process_group)
+            flat = mine  # the full buffer is freed: only this rank's chunk lives on
+        if world > 1:
+            flat.div_(world)  # the mean over ranks, as DDP takes (exact for powers of 2)
+        scattered = flat.numel() == length  # stage 2: only this rank's chunk came back
+        out: dict[int, torch.Tensor] = {}
+        for rank, chunk in enumerate(chunks):
+            if scattered and rank != self.rank:
+                continue
+            base = 0 if scattered else rank * length
+            flags = base + sizes[rank]
+            present = (flat[flags : flags + len(chunk)] > 0).tolist()  # one host sync
+            offset = base
+            for i, has_grad in zip(chunk, present, strict=True):
+                p, n = params[i], params[i].numel()
+                grad = flat[offset : offset + n].view_as(p)
+                offset += n
+                if rank == self.rank:
+                    if has_grad:  # a clone lets the stage-1 buffer go; a stage-2 chunk is ours
+                        out[i] = grad if scattered else grad.clone()
+                elif not has_grad:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = grad.to(p.dtype)
+                else:
+                    p.grad.copy_(grad)
+        if scattered:
+            for i, p in enumerate(params):
+                if not self.owns(i):
+                    p.grad = None  # stage 2 keeps no gradient of a param another rank owns
+        return out
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float | None = None) -> torch.Tensor:
+        """Clip every rank's gradients by the norm over the whole model (all shards)."""
+        self.unscale_grads()
+        p = self.norm_type if norm_type is None else float(norm_type)
+        grads = self._hp_grads()
+        device = self.scaler.scale_tensor.device
+        if math.isinf(p):
+            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device))
+            op = dist.ReduceOp.MAX
+        else:
+            norms = [torch.linalg.vector_norm(g, p) for g in grads]
+            local = torch.stack(norms).pow(p).sum() if norms else torch.zeros((), device=device)
+            op = dist.ReduceOp.SUM
+        total = local.float().reshape(1)
+        if self.world > 1:
+            dist.all_reduce(total, op=op, group=self.process_group)
+        total = total[0] if math.isinf(p) else total[0].pow(1.0 / p)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grad_norm_'s coefficient
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    # ----- the step: this rank's shard, then the updated lp params to every rank -----
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        result = super().step(closure)
+        if not result.skipped and self.world > 1:
+            self._all_gather_params()
+        return result
+
+    def _all_gather_params(self) -> None:
+        """Each owner's updated params to every rank: one all-gather per param dtype."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(self.all_params):
+            by_dtype.setdefault(p.dtype, []).append(i)
+        for dtype, indices in by_dtype.items():
+            chunks = [[i for i in indices if self.owners[i] == r] for r in range(self.world)]
+            length = max(sum(self.all_params[i].numel() for i in c) for c in chunks)
+            if length == 0:
+                continue
+            device = self.all_params[indices[0]].device
+            send = torch.zeros(length, dtype=dtype, device=device)
+            offset = 0
+            for i in chunks[self.rank]:
+                n = self.all_params[i].numel()
+                send[offset : offset + n].copy_(self.all_params[i].detach().reshape(-1))
+                offset += n
+            recv = torch.empty(self.world * length, dtype=dtype, device=device)
+            dist.all_gather_single(recv, send, group=self.process_group)
+            for rank, chunk in enumerate(chunks):
+                if rank == self.rank:
+                    continue
+                offset = rank * length
+                for i in chunk:
+                    p, n = self.all_params[i], self.all_params[i].numel()
+                    p.detach().copy_(recv[offset : offset + n].view_as(p))
+                    offset += n
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.all_params:  # params other ranks own are not in the inner optimizer
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    # ----- checkpoints: one shard per rank (resumes on the same world size) -----
+    def shard_layout(self) -> dict[str, Any]:
+        """Which rank owns which param: a shard only loads where this layout is the same."""
+        return {"stage": self.stage, "world": self.world, "rank": self.rank, "owners": self.owners}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: its optimizer state and masters, the scaler, and the layout."""
+        return {**super().state_dict(), "zero": self.shard_layout()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("zero")
+        mine = self.shard_layout()
+        if saved is None or {k: saved.get(k) for k in ("world", "rank", "owners")} != {
+            k: mine[k] for k in ("world", "rank", "owners")
+        }:
+            layout = None if saved is None else {k: saved.get(k) for k in ("world", "rank")}
+            raise ValueError(
+                f"This ZeRO shard was saved as {layout or 'no ZeRO shard'}; this rank is "
+                f"{ {'world': self.world, 'rank': self.rank} } with a different param layout. "
+                "Load it on the same world size and model."
+            )
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "zero"})
+        if self.world > 1:
+            self._all_gather_params()  # each owner loaded its params: every rank needs them
+
+    def hp_params(self) -> list[torch.Tensor]:
+        """Every param's fp32 value (the master where one exists), gathered from its owner."""
+        lp_to_hp = {id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
+        out = []
+        for i, p in enumerate(self.all_params):
+            hp = lp_to_hp.get(id(p))
+            if hp is None and (p.dtype not in LOW_DTYPES or self.master_weights is False):
+                out.append(p.detach().float().clone())  # fp32 or master-less: replicated
+                continue
+            value = (
+                hp.detach().clone() if hp is not None else torch.empty_like(p, dtype=torch.float32)
+            )
+            if self.world > 1:
+                src = dist.get_global_rank(self.process_group, self.owners[i])
+                dist.broadcast(value, src=src, group=self.process_group)
+            out.append(value)
+        return out
+
+    # ----- gathered checkpoints: an unsharded MixedPrecisionOptimizer's state_dict -----
+    def _unsharded_twin(self) -> tuple[MixedPrecisionOptimizer, list[torch.Tensor]]:
+        """An unsharded MixedPrecisionOptimizer over CPU stand-ins of every param, and what its
+        inner optimizer holds for each (master or param). Gathered checkpoints go through its
+        own state_dict/load_state_dict, so they are ordinary mixprec optimizer checkpoints."""
+        stand_ins = [torch.zeros_like(p, device="cpu") for p in self.all_params]
+        groups = [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [s for s, g in zip(stand_ins, self.group_of, strict=True) if g == k],
+            }
+            for k, group in enumerate(self.optim.param_groups)
+        ]
+        cls = type(self.optim)
+        accepted = inspect.signature(cls).parameters  # defaults may hold more (AdamW's)
+        defaults = {k: v for k, v in self.optim.defaults.items() if k in accepted}
+        try:
+            inner = cls(groups, **defaults)
+        except TypeError as exc:
+            raise TypeError(
+                f"A gathered ZeRO checkpoint rebuilds {type(self.optim).__name__} from its "
+                f"param_groups and defaults, which failed: {exc}"
+            ) from exc
+        twin = MixedPrecisionOptimizer(
+            inner,
+            loss_scale=self.scaler.cfg,
+            master_weights=self.master_weights,
+            max_consecutive_skips=None,
+            fused_step=False,
+        )
+        return twin, [p for g in inner.param_groups for p in g["params"]]  # all_params order
+
+    def _held(self) -> dict[int, torch.Tensor]:
+        """index -> the tensor this rank's inner optimizer steps for it (master or param)."""
+        lp_to_hp = {id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
+        return {i: lp_to_hp.get(id(p), p) for i, p in enumerate(self.all_params) if self.owns(i)}
+
+    def gathered_state_dict(self) -> dict[str, Any] | None:
+        """The whole optimizer, gathered on group rank 0 as an unsharded optimizer's
+        state_dict (None on other ranks): it loads into any world size, sharded or not.
+
+        Rank 0 holds the full masters and state while building it (checkpoint time only).
+        """
+        lp_ids = {id(lp) for lp in self.lp_params}
+        local = {
+            i: (
+                {
+                    k: v.detach().cpu() if torch.is_tensor(v) else v
+                    for k, v in self.state.get(held, {}).items()
+                },
+                held.detach().cpu() if id(self.all_params[i]) in lp_ids else None,
+            )
+            for i, held in self._held().items()
+        }
+        parts: list[Any] = [local]
+        if self.world > 1:
+            parts = [None] * self.world if self.rank == 0 else []
+            dst = dist.get_global_rank(self.process_group, 0)
+            dist.gather_object(
+                local, parts if self.rank == 0 else None, dst=dst, group=self.process_group
+            )
+        if self.rank != 0:
+            return None
+        twin, twin_held = self._unsharded_twin()
+        for part in parts:
+            for i, (state, master) in part.items():
+                if master is not None:
+                    twin_held[i].detach().copy_(master)
+                if state:
+                    twin.optim.state[twin_held[i]] = state
+        twin.scaler.load_state_dict(self.scaler.state_dict())
+        twin.steps, twin.skipped_steps = self.steps, self.skipped_steps
+        return twin.state_dict()
+
+    def load_gathered_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load an unsharded optimizer's state_dict (gathered_state_dict's, or a plain
+        MixedPrecisionOptimizer's): each rank keeps its own shard of it."""
+        twin, twin_held = self._unsharded_twin()
+        twin.load_state_dict(state_dict)  # the unsharded optimizer's own checks and layout
+        for mine, loaded in zip(self.optim.param_groups, twin.optim.param_groups, strict=True):
+            mine.update({k: v for k, v in loaded.items() if k != "params"})  # lr, betas, ...
+        twin_masters = {id(hp) for hp in twin.hp_masters}
+        held = self._held()
+        with torch.no_grad():
+            for i, p in enumerate(self.all_params):
+                source = twin_held[i]
+                if id(source) in twin_masters:
+                    p.copy_(source)  # every rank's lp copy, rounded from the loaded master
+                if i not in held:
+                    continue
+                if held[i] is not p:
+                    held[i].copy_(source)
+                state = twin.optim.state.get(source, {})
+                self.optim.state.pop(held[i], None)
+                if state:  # per-param tensors follow the param; scalars (Adam's step) stay put
+                    self.optim.state[held[i]] = {
+                        k: v.to(held[i].device) if torch.is_tensor(v) and v.shape == p.shape else v
+                        for k, v in state.items()
+                    }
+        self.scaler.load_state_dict(twin.scaler.state_dict())
+        self.steps, self.skipped_steps = twin.steps, twin.skipped_steps
+        self._found_inf = None
+        self._grads_on_masters = False
+
+    # ----- what this rank holds -----
+    def shard_bytes(self) -> dict[str, int]:
+        """Bytes of fp32 masters and optimizer state this rank holds, read from the state."""
+        state = sum(
+            t.numel() * t.element_size()
+            for s in self.optim.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+        masters = sum(m.numel() * m.element_size() for m in self.hp_masters)
+        return {"optimizer_state": state, "master_weights": masters}
+
+
+def _broadcast_from_first(params: list[torch.Tensor], group: ProcessGroup) -> None:
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.detach(), src=src, group=group)
+
+
+def prepare_zero_optimizer(
+    optimizer: torch.optim.Optimizer,
+    policy: Policy,
+    *,
+    stage: int,
+    max_norm: float = 0.0,
+    norm_type: float = 2.0,
+    process_group: ProcessGroup | None = None,
+) -> ZeroOptimizer:
+    """prepare_optimizer's ZeRO twin: wrap optimizer for policy, sharded (after prepare_model)."""
+    return ZeroOptimizer(
+        optimizer,
+        stage=stage,
+        loss_scale=policy.loss_scale,
+        master_weights=policy.master_weights,
+        max_norm=max_norm,
+        norm_type=norm_type,
+        process_group=process_group,
+        log_num_zeros_in_grad=policy.log_num_zeros_in_grad,
+    )
