@@ -103,7 +103,10 @@ def lp_gemm(
     # cuBLASLt wants a row-major and b column-major; the CPU kernel takes the same layout.
     lp_a = lp_a.contiguous()
     lp_b = lp_b.t().contiguous().t()
+    # The oneDNN CPU kernel (Intel) has no float64 output: a float64 model gets the fp32 result,
+    # exact to the kernel's own fp32 accumulation, widened.
+    kernel_dtype = torch.float32 if out_dtype == torch.float64 else out_dtype
     out = torch._scaled_mm(
-        lp_a, lp_b, scale_a=a_inv_scale, scale_b=b_inv_scale, out_dtype=out_dtype
-    )
+        lp_a, lp_b, scale_a=a_inv_scale, scale_b=b_inv_scale, out_dtype=kernel_dtype
+    ).to(out_dtype)
     return out[:, :n] if out.shape[1] != n else out
