@@ -20,6 +20,7 @@ import torch
 import mixprec
 from mixprec.bench.models import ModelSpec
 from mixprec.bench.modes import BASELINE, BENCH_MODES, dtype_name, mode_policy
+from mixprec.bench.progress import progress_bar
 from mixprec.bench.worker import PROGRESS_LINE, ModeResult, WorkerJob
 from mixprec.policy import did_you_mean
 
@@ -328,8 +329,6 @@ def run_bench(
     config: BenchConfig, *, progress: bool = True, command: str | None = None
 ) -> BenchReport:
     """Run every planned mode, each in its own process, and collect the report."""
-    from tqdm import tqdm
-
     device = resolve_device(config.device)
     plans = plan_modes(config, device)
     report = BenchReport(
@@ -344,9 +343,7 @@ def run_bench(
     total = sum(p.warmup + p.steps for p in plans if not p.skip_reason)
     with (
         tempfile.TemporaryDirectory(prefix="mixprec-bench-") as tmp,
-        tqdm(
-            total=total, desc="mixprec bench", unit="step", disable=not progress, file=sys.stderr
-        ) as bar,
+        progress_bar(total=total, enabled=progress) as bar,
     ):
         for plan in plans:
             if plan.skip_reason:
