@@ -101,7 +101,7 @@ def prepare_model(
     if policy.fp8:
         from mixprec.fp8 import convert_to_fp8
 
-        model, _ = convert_to_fp8(model, fp8_filter, fp8_config)  # a bare Linear is replaced
+        model = convert_to_fp8(model, fp8_filter, fp8_config)  # a bare Linear is replaced
     elif fp8_filter is not None or fp8_config is not None:
         raise ValueError(f"fp8_filter/fp8_config given, but mode {policy.name!r} is not fp8.")
     if policy.casts_params:
