@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
@@ -286,17 +286,23 @@ def naive_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
     return replace(policy, **extra)
 
 
-def _apex_policy(config: Mapping[str, Any]) -> Policy:
-    from mixprec.apex.policy import apex_policy  # the Apex face owns its override rules
-
-    return apex_policy(**config)
-
-
-MODE_PARSERS = {
+MODE_PARSERS: dict[str, Callable[[Mapping[str, Any]], Policy]] = {
     "fp16": torch_amp_policy,
     "fp16_naive": naive_amp_policy,
-    "fp16_apex": _apex_policy,
 }
+"""Mode -> parser of its config keys; a face that owns a mode's keys registers it here."""
+
+
+def register_mode_parser(mode: str, parser: Callable[[Mapping[str, Any]], Policy]) -> None:
+    """A face hands the core its mode's config parser (the Apex face: 'fp16_apex').
+
+    The core imports no face: mixprec/__init__ imports the faces, so they register first.
+    """
+    if mode not in MODES:
+        raise ValueError(
+            f"register_mode_parser: unknown mode {mode!r}." + did_you_mean(mode, MODES)
+        )
+    MODE_PARSERS[mode] = parser
 
 
 def to_policy(

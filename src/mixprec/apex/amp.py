@@ -221,7 +221,11 @@ def initialize(
     # after the casts: the masters copy the cast weights
     amp_optimizers = [
         AmpOptimizer(
-            opt, scalers=scalers, verbosity=verbosity, master_weights=policy.master_weights
+            opt,
+            scalers=scalers,
+            verbosity=verbosity,
+            master_weights=policy.master_weights,
+            amp_scale_loss=scale_loss,  # handed in: _optim does not import this module
         )
         for opt in optimizer_list
     ]

@@ -32,6 +32,7 @@ from mixprec.policy import (
     check_keys,
     did_you_mean,
     preset,
+    register_mode_parser,
 )
 
 APEX_KEYS = (
@@ -193,3 +194,7 @@ def apex_policy(
         cast_outputs_to=cast_model_outputs,
         loss_scale=_scaler_config(loss_scale, min_loss_scale, max_loss_scale),
     )
+
+
+# the core's to_policy('fp16_apex', {...}) parses Apex's keys here: the face hands it the rules
+register_mode_parser("fp16_apex", lambda config: apex_policy(**config))
