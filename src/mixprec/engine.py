@@ -49,6 +49,7 @@ from mixprec.data import EpochShuffledDistributedSampler
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.policy import Policy
+from mixprec.skip_monitor import SkipStats
 
 log = logging.getLogger("mixprec")
 
@@ -260,6 +261,11 @@ class Engine:
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because some rank's gradients were not finite."""
         return self.optimizer.skipped_steps
+
+    @property
+    def skip_stats(self) -> SkipStats:
+        """The optimizer's step and skip counts, for logging (no host sync)."""
+        return self.optimizer.skip_stats
 
     @property
     def last_result(self) -> StepResult | None:

@@ -24,6 +24,7 @@ from mixprec.scaling import (
     default_group,
     unscale_and_check_,
 )
+from mixprec.skip_monitor import SkipMonitor, SkipStats
 
 log = logging.getLogger("mixprec")
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -134,6 +135,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.steps = 0
         self.consecutive_skips = 0
         self.last_result: StepResult | None = None
+        self.skip_monitor = SkipMonitor()  # says when a run starts by skipping, or skips too often
         # torch.optim.Optimizer's bookkeeping, for hooks and LR schedulers.
         self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Any] = OrderedDict()
@@ -240,6 +242,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
+
+    @property
+    def skip_stats(self) -> SkipStats:
+        """Steps, skipped steps (in a row, in the warm-up) and the last scale: no host sync."""
+        last = self.last_result
+        return SkipStats(
+            steps=self.steps,
+            skipped_steps=self.skipped_steps,
+            consecutive_skips=self.consecutive_skips,
+            warmup_skips=self.skip_monitor.warmup_skips,
+            last_scale=None if last is None else last.scale,
+        )
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss (as fp32) times the current scale; call .backward() on the result."""
@@ -432,6 +446,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.last_result = StepResult(
             skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=num_zeros
         )
+        message = self.skip_monitor.record(skipped, scale)  # host values: no extra sync
+        if message:
+            self._report_skip_pattern(message)
         limit = self.max_consecutive_skips
         if limit is not None and self.consecutive_skips >= limit:
             bad = self.nonfinite_params()
@@ -456,6 +473,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 scale,
                 self.scaler.scale,
             )
+
+    def _report_skip_pattern(self, message: str) -> None:
+        """Log the skip monitor's warm-up summary or rate warning once, on rank 0."""
+        if _is_rank_zero():
+            log.warning(message)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.lp_params:
@@ -513,5 +535,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.scaler.load_state_dict(state_dict["scaler"])
         self.steps = int(state_dict.get("steps", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.skip_monitor.resume(self.steps)
         self._found_inf = None
         self._grads_on_masters = False

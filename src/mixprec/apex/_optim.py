@@ -193,6 +193,10 @@ class AmpOptimizer(StashingOptimizer):
     def _report_skip(self, scale: float) -> None:
         self._log_overflows()
 
+    def _report_skip_pattern(self, message: str) -> None:
+        if self.verbosity > 0:  # Apex's verbosity=0 silences every amp message
+            super()._report_skip_pattern(message)
+
     def _log_overflows(self) -> None:
         if self.verbosity <= 0 or not is_rank_zero():
             return

@@ -25,6 +25,7 @@ from mixprec.booster.plugin.plugin_base import Plugin
 from mixprec.mixed_precision import MixedPrecision, to_mixed_precision
 from mixprec.module import FP32Criterion
 from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.skip_monitor import SkipStats
 
 
 class SkipAwareLRScheduler:
@@ -152,6 +153,10 @@ class Booster:
     def backward(self, loss: torch.Tensor, optimizer: MixedPrecisionOptimizer) -> None:
         """Backward of the loss times the current loss scale (accumulates until step())."""
         self._check_optimizer(optimizer).backward(loss)
+
+    def skip_stats(self, optimizer: MixedPrecisionOptimizer) -> SkipStats:
+        """The boosted optimizer's step and skip counts, for logging (no host sync)."""
+        return self._check_optimizer(optimizer).skip_stats
 
     def no_sync(
         self, model: nn.Module, optimizer: MixedPrecisionOptimizer | None = None
