@@ -50,6 +50,7 @@ from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepar
 from mixprec.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.policy import Policy
 from mixprec.skip_monitor import SkipStats
+from mixprec.validate import check_bool
 
 log = logging.getLogger("mixprec")
 
@@ -402,6 +403,7 @@ def initialize(
             f"optimizer must be a plain torch.optim.Optimizer over model's parameters, got "
             f"{type(optimizer)!r}; initialize wraps it once."
         )
+    check_bool("verbose", verbose)
     if config is None:
         config = gpc.config
         validate_config(config)

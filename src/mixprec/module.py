@@ -13,6 +13,7 @@ from mixprec.casting import cast_floating, cast_module
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import Policy
 from mixprec.scaling import ProcessGroup
+from mixprec.validate import check_callable, check_module_has_parameters
 
 
 def device_type_of(module: nn.Module) -> str:
@@ -74,6 +75,7 @@ class FP32Criterion(nn.Module):
 
     def __init__(self, criterion: Callable[..., torch.Tensor]) -> None:
         super().__init__()
+        check_callable("criterion", criterion, what="a loss (an nn.Module or a function)")
         self.criterion = criterion
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -98,6 +100,7 @@ def prepare_model(
     """
     if isinstance(model, PrecisionModule):
         raise TypeError("This model is already prepared by mixprec; prepare the original once.")
+    check_module_has_parameters("model", model)
     if policy.fp8:
         from mixprec.fp8 import convert_to_fp8
 

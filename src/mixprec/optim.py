@@ -9,6 +9,7 @@ is skipped on every rank: params, masters and optimizer state are left bit for b
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from mixprec.scaling import (
     unscale_and_check_,
 )
 from mixprec.skip_monitor import SkipMonitor, SkipStats
+from mixprec.validate import check_bool, check_int, check_real
 
 log = logging.getLogger("mixprec")
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -103,6 +105,17 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 "This optimizer is already wrapped by mixprec; wrap the inner one once."
             )
+        check_real("max_norm", max_norm)
+        check_int("max_consecutive_skips", max_consecutive_skips, optional=True)
+        check_bool("log_num_zeros_in_grad", log_num_zeros_in_grad)
+        for name, flag in (
+            ("master_weights", master_weights),
+            ("keep_master_grads", keep_master_grads),
+            ("fused_step", fused_step),
+        ):
+            check_bool(name, flag, optional=True)  # None: decided per device / per step
+        if not isinstance(loss_scale, ScalerConfig):
+            raise TypeError(f"loss_scale={loss_scale!r} must be a mixprec.ScalerConfig.")
         if max_consecutive_skips is not None and max_consecutive_skips < 1:
             raise ValueError(
                 f"max_consecutive_skips={max_consecutive_skips!r} must be >= 1 or None."
@@ -135,6 +148,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.steps = 0
         self.consecutive_skips = 0
         self.last_result: StepResult | None = None
+        self._warned_no_grads = False
         self.skip_monitor = SkipMonitor()  # says when a run starts by skipping, or skips too often
         # torch.optim.Optimizer's bookkeeping, for hooks and LR schedulers.
         self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
@@ -333,6 +347,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Unscale + check (if not done yet), then step or skip; copy masters back; update scale."""
         if closure is not None:
             raise RuntimeError("Closures are not supported with loss scaling (as in torch.amp).")
+        self._warn_once_if_no_grads()
         fused_grads = self._grads_if_fused()
         if fused_grads is not None:
             return self._fused_step(fused_grads)
@@ -344,6 +359,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         skipped, scale = self._decide(found_inf)
         self.scaler.update(found_inf)
         return self._commit(skipped, scale, grad_norm=grad_norm, num_zeros=num_zeros)
+
+    def _warn_once_if_no_grads(self) -> None:
+        """torch's optimizers step nothing, silently, when no param has a grad; we say it once.
+
+        Python attribute reads only (no host sync); any() stops at the first grad it finds.
+        """
+        if self._warned_no_grads:
+            return
+        held = (p for g in self.optim.param_groups for p in g["params"])
+        if any(p.grad is not None for p in (*self.lp_params, *held)):
+            return
+        self._warned_no_grads = True
+        warnings.warn(
+            "MixedPrecisionOptimizer.step(): no parameter has a gradient, so nothing is "
+            "updated (torch's optimizers do the same without a word). Call backward(loss) "
+            "before step(), and check the parameters passed to the optimizer are the model's.",
+            stacklevel=3,
+        )
 
     def _step_grads(self) -> list[torch.Tensor]:
         """This step's grads as backward left them: lp grads, and fp32 params' own."""

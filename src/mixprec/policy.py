@@ -15,6 +15,8 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from mixprec.validate import check_bool, check_real
+
 Mode = Literal["fp32", "fp16", "bf16", "fp16_naive", "fp16_apex", "fp8"]
 MODES: tuple[str, ...] = get_args(Mode)
 OptLevel = Literal["O0", "O1", "O2", "O3"]
@@ -94,6 +96,8 @@ class ScalerConfig:
     """DeepSpeed's variant: every clean step refills the hysteresis (not only growth)."""
 
     def __post_init__(self) -> None:
+        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            check_real(f"ScalerConfig.{name}", getattr(self, name))  # before any comparison
         checks = [
             ("init_scale", self.init_scale > 0, "> 0"),
             ("growth_factor", self.growth_factor > 1, "> 1"),
@@ -278,8 +282,10 @@ def naive_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
     extra: dict[str, Any] = {}
     for key in ("log_num_zeros_in_grad", "keep_norm_fp32"):
         if key in config:
-            extra[key] = bool(config.pop(key))
+            check_bool(key, config[key])  # bool('no') would be True
+            extra[key] = config.pop(key)
     if "initial_scale" in config:
+        check_real("initial_scale", config["initial_scale"])  # named as the user wrote it
         config["init_scale"] = config.pop("initial_scale")
     if config:
         extra["loss_scale"] = replace(NAIVE_SCALER, **config)

@@ -63,6 +63,7 @@ from mixprec.casting import cast_floating, cast_module
 from mixprec.module import autocast_context, device_type_of
 from mixprec.policy import Policy, describe
 from mixprec.scaling import LossScaler
+from mixprec.validate import check_module_has_parameters
 
 log = logging.getLogger("mixprec")
 PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
@@ -121,6 +122,7 @@ def _lp_state_to_fp32_hook(
 
 
 def _check_model(model: nn.Module, index: int) -> None:
+    check_module_has_parameters(f"models[{index}]", model)
     if isinstance(model, PARALLEL_WRAPPERS):
         raise TypeError(
             f"models[{index}] is a {type(model).__name__}: wrap models in parallel wrappers only "

@@ -95,7 +95,13 @@ class Booster:
         self.plugin = plugin or Plugin()
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"Booster device={device!r} is not a torch device; valid: 'cpu', 'cuda', "
+                "'cuda:N' or a torch.device."
+            ) from None
         # boosted model <-> its optimizer: checkpoints need the pair (masters, FSDP shards).
         self._optimizer_of: dict[int, MixedPrecisionOptimizer] = {}
         self._model_of: dict[int, nn.Module] = {}

@@ -12,6 +12,7 @@ from torch import nn
 from mixprec.fp8.config import GEMM_ALIGN, Float8Config
 from mixprec.fp8.kernels import resolve_emulate
 from mixprec.fp8.linear import Float8Conv1D, Float8Linear, is_hf_conv1d
+from mixprec.validate import check_callable
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,12 @@ def convert_to_fp8(
         config = Float8Config()
     elif not isinstance(config, Float8Config):
         raise TypeError(f"config must be a Float8Config or None, got {config!r}.")
+    check_callable(
+        "module_filter_fn",
+        module_filter_fn,
+        what="a function (module, fqn) -> True, False or a reason string",
+        optional=True,
+    )
     filter_fn = module_filter_fn if module_filter_fn is not None else default_fp8_filter
     converted: list[str] = []
     skipped: dict[str, str] = {}
