@@ -316,11 +316,15 @@ def test_bench_runs_on_the_base_install_without_tqdm_or_matplotlib(tmp_path) -> 
     assert NO_TQDM_NOTE in done.stderr.splitlines()  # one line, said once
     assert done.stderr.count("tqdm") == 1
     assert "| fp32 " in done.stdout and "| bf16 " in done.stdout
+    assert done.stdout.startswith("GEMM speed on cpu (512x512 matmul")  # the line above the table
     assert NO_MATPLOTLIB_NOTE in done.stdout
     # the default --out: one fresh directory under the current one, md + JSON, no PNG
     (out,) = tmp_path.glob(f"{OUT_PREFIX}*")
     assert sorted(p.name for p in out.iterdir()) == ["bench_mlp_cpu.json", "bench_mlp_cpu.md"]
-    rows = json.loads((out / "bench_mlp_cpu.json").read_text())["summary"]
+    data = json.loads((out / "bench_mlp_cpu.json").read_text())
+    assert data["gemm_speed"].startswith("GEMM speed on cpu")
+    assert data["gemm_speed"] in (out / "bench_mlp_cpu.md").read_text()
+    rows = data["summary"]
     assert [(r["mode"], r["status"]) for r in rows] == [("fp32", "ok"), ("bf16", "ok")]
 
 

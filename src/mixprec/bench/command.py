@@ -133,14 +133,19 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def bench_command(args: argparse.Namespace) -> int:
     """Run the bench, print the table, write md/json/png; 1 if a mode failed, 2 on bad input."""
     from mixprec.bench.report import render_table, write_report
-    from mixprec.bench.runner import run_bench
+    from mixprec.bench.runner import resolve_device, run_bench
+    from mixprec.debugging.gemm_speed import measure_gemm_speed
 
     try:
         config = config_from_args(args)
+        # ~1 s before the workers start: what a bf16/fp16 GEMM is worth here, vs fp32
+        gemm_speed = measure_gemm_speed(resolve_device(config.device)).line()
         report = run_bench(config, progress=not args.no_progress)
     except ValueError as err:
         print(f"mixprec bench: error: {err}", file=sys.stderr)
         return 2
+    report.gemm_speed = gemm_speed
+    print(gemm_speed)
     print(render_table(report))
     if report.busy:
         print(f"(busy machine: load average {report.load_start:.1f} on {report.cpus} cores)")

@@ -171,6 +171,7 @@ def render_markdown(report: BenchReport) -> str:
         f"# mixprec bench: {model['name']} on {report.device}",
         "",
         f"Machine: {report.machine}.",
+        *([f"{report.gemm_speed}."] if report.gemm_speed else []),
         f"Model: {model['name']} width {model['width']}, depth {model['depth']}, "
         f"batch {model['batch']}{_shape(model)}, SGD lr {model['lr']:g}; synthetic data, "
         f"seed {cfg['seed']}.",

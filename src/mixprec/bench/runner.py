@@ -111,6 +111,8 @@ class BenchReport:
     """1-minute load average after the last worker finished."""
     wall_s: float = 0.0
     """Seconds the whole run took, worker start-up included."""
+    gemm_speed: str = ""
+    """The device's bf16/fp16 GEMM speed vs fp32, measured just before (GemmSpeed.line())."""
 
     @property
     def busy(self) -> bool:
