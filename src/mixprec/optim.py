@@ -8,6 +8,7 @@ is skipped on every rank: params, masters and optimizer state are left bit for b
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
 from collections import OrderedDict
@@ -368,7 +369,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if self._warned_no_grads:
             return
         held = (p for g in self.optim.param_groups for p in g["params"])
-        if any(p.grad is not None for p in (*self.lp_params, *held)):
+        if any(p.grad is not None for p in itertools.chain(self.lp_params, held)):
             return
         self._warned_no_grads = True
         warnings.warn(
