@@ -82,3 +82,13 @@ def test_gpt2_converts_every_conv1d_and_the_tied_head() -> None:
     assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithCrossAttentions)
     out.loss.backward()
     assert model.transformer.h[0].attn.c_attn.weight.grad.shape == (32, 96)
+
+
+def test_summary_is_found_through_convert_to_amp_s_wrapper() -> None:
+    import mixprec
+
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped, _, _ = mixprec.convert_to_amp(model, optimizer, None, "fp8")
+    summary = fp8_summary(wrapped)  # the PrecisionModule holds the converted model
+    assert summary.converted == ("0",) and "out_features=10" in summary.skipped["2"]
