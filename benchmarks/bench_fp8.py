@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from mixprec.bench.runner import cpu_model
-from mixprec.fp8 import Float8Config, convert_to_fp8, fp8_kernel_problem
+from mixprec.fp8 import Float8Config, convert_to_fp8, fp8_kernel_problem, fp8_summary
 
 RESULTS = Path(__file__).parent / "results"
 MODES = ("bf16", "fp8", "fp8-emulated")
@@ -74,7 +74,8 @@ def build(width: int, depth: int, mode: str, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).to(device)
     if mode != "bf16":
-        model, summary = convert_to_fp8(model, config=Float8Config(emulate=mode == "fp8-emulated"))
+        model = convert_to_fp8(model, config=Float8Config(emulate=mode == "fp8-emulated"))
+        summary = fp8_summary(model)
         assert len(summary.converted) == depth, summary  # widths are multiples of 16
     return model
 

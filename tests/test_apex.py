@@ -499,9 +499,11 @@ def test_fp16_optimizer_dynamic_scale_backs_off_and_grows(caplog):
         opt.step()
         scales.append(opt.loss_scale)
     assert scales == [8.0, 8.0, 16.0, 16.0]  # halved by the overflow, doubled after 2 clean steps
-    assert [r.getMessage() for r in caplog.records] == [
-        "Gradient overflow.  Skipping step, reducing loss scale to 8.0"
-    ]
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0] == "Gradient overflow.  Skipping step, reducing loss scale to 8.0"
+    # then, once, the skip monitor's summary of a run that started by skipping
+    assert len(messages) == 2 and "the first 1 step(s) were skipped" in messages[1]
+    assert "fell from 2**4 to 2**3" in messages[1]
     torch.testing.assert_close(model.weight.float(), torch.tensor(W0) - 3 * LR0 * A0.T @ X, **EXACT)
     # state_dict carries the masters and the scaler: a fresh FP16_Optimizer resumes exactly
     twin = half_linear(W1)

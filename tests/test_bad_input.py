@@ -11,6 +11,7 @@ from conftest import tiny_mlp
 
 import mixprec
 from mixprec import AMP_TYPE
+from mixprec.skip_monitor import SkipMonitor
 
 
 def model_opt():
@@ -242,6 +243,256 @@ CASES = [
 ]
 
 
+class NoParams(torch.nn.Module):
+    """A model without parameters: nothing to train, refused by every face."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def stray_opt():
+    return torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
+def optimizer(**kw):
+    return mixprec.MixedPrecisionOptimizer(model_opt()[1], **kw)
+
+
+def paddle_scaler(**kw):
+    from mixprec.paddle import GradScaler
+
+    return GradScaler(**kw)
+
+
+def boost(model=None, opt=None, criterion=None):
+    return mixprec.Booster(device="cpu", mixed_precision="bf16").boost(
+        model if model is not None else tiny_mlp(), opt, criterion
+    )
+
+
+CASES += [
+    # values of the wrong type reach no comparison: the message names the argument
+    (
+        "naive initial_scale str",
+        lambda: convert(AMP_TYPE.NAIVE, {"initial_scale": "65536"}),
+        TypeError,
+        r"initial_scale='65536' must be a real number \(int or float\), got a str",
+    ),
+    (
+        "torch init_scale str",
+        lambda: convert(AMP_TYPE.TORCH, {"init_scale": "65536"}),
+        TypeError,
+        r"init_scale='65536' must be a real number",
+    ),
+    (
+        "torch growth_factor str",
+        lambda: convert(AMP_TYPE.TORCH, {"growth_factor": "2"}),
+        TypeError,
+        r"growth_factor='2' must be a real number",
+    ),
+    (
+        "naive bool key str",
+        lambda: convert(AMP_TYPE.NAIVE, {"log_num_zeros_in_grad": "no"}),
+        TypeError,
+        r"log_num_zeros_in_grad='no' must be True or False",
+    ),
+    (
+        "naive keep_norm_fp32 str",
+        lambda: convert(AMP_TYPE.NAIVE, {"keep_norm_fp32": "no"}),
+        TypeError,
+        r"keep_norm_fp32='no' must be True or False",
+    ),
+    (
+        "grad scaler init_scale str",
+        lambda: mixprec.GradScaler("cpu", init_scale="1024"),
+        TypeError,
+        r"init_scale='1024' must be a real number",
+    ),
+    (
+        "grad scaler enabled str",
+        lambda: mixprec.GradScaler("cpu", enabled="yes"),
+        TypeError,
+        r"enabled='yes' must be True or False",
+    ),
+    (
+        "paddle grad scaler str",
+        lambda: paddle_scaler(init_loss_scaling="1024"),
+        TypeError,
+        r"'1024' must be a real number",
+    ),
+    (
+        "naive mixed precision str",
+        lambda: mixprec.FP16NaiveMixedPrecision(initial_scale="65536"),
+        TypeError,
+        r"initial_scale='65536' must be a real number",
+    ),
+    (
+        "torch mixed precision str",
+        lambda: mixprec.FP16TorchMixedPrecision(init_scale="65536"),
+        TypeError,
+        r"init_scale='65536' must be a real number",
+    ),
+    # modules, optimizers, criteria
+    (
+        "convert optimizer None",
+        lambda: mixprec.convert_to_amp(tiny_mlp(), None, None, "bf16"),
+        TypeError,
+        r"optimizer must be a torch.optim.Optimizer, got <class 'NoneType'>",
+    ),
+    (
+        "convert model None",
+        lambda: mixprec.convert_to_amp(None, model_opt()[1], None, "bf16"),
+        TypeError,
+        r"model must be an nn.Module, got <class 'NoneType'>",
+    ),
+    (
+        "convert no parameters",
+        lambda: mixprec.convert_to_amp(NoParams(), stray_opt(), None, AMP_TYPE.NAIVE),
+        ValueError,
+        r"model=NoParams has no parameters",
+    ),
+    (
+        "convert criterion str",
+        lambda: mixprec.convert_to_amp(*model_opt(), "mse", "bf16"),
+        TypeError,
+        r"criterion='mse' must be a loss \(an nn.Module or a function\), got a str",
+    ),
+    (
+        "booster no parameters",
+        lambda: boost(NoParams()),
+        ValueError,
+        r"model=NoParams has no parameters",
+    ),
+    (
+        "booster criterion str",
+        lambda: boost(criterion="mse"),
+        TypeError,
+        r"criterion='mse' must be a loss",
+    ),
+    (
+        "booster device",
+        lambda: mixprec.Booster(device="tpu"),
+        ValueError,
+        r"device='tpu' is not a torch device; valid: 'cpu', 'cuda'",
+    ),
+    (
+        "initialize no parameters",
+        lambda: mixprec.initialize(NoParams(), stray_opt(), config={}, verbose=False),
+        ValueError,
+        r"model=NoParams has no parameters",
+    ),
+    (
+        "initialize verbose str",
+        lambda: mixprec.initialize(*model_opt(), config={}, verbose="yes"),
+        TypeError,
+        r"verbose='yes' must be True or False",
+    ),
+    (
+        "apex no parameters",
+        lambda: apex_init_model(NoParams()),
+        ValueError,
+        r"models\[0\]=NoParams has no parameters",
+    ),
+    (
+        "paddle decorate no parameters",
+        lambda: paddle_decorate_model(NoParams()),
+        ValueError,
+        r"models=NoParams has no parameters",
+    ),
+    (
+        "optimizer max_norm str",
+        lambda: optimizer(max_norm="1.0"),
+        TypeError,
+        r"max_norm='1.0' must be a real number",
+    ),
+    (
+        "optimizer max_consecutive_skips str",
+        lambda: optimizer(max_consecutive_skips="5"),
+        TypeError,
+        r"max_consecutive_skips='5' must be an int or None",
+    ),
+    (
+        "optimizer master_weights str",
+        lambda: optimizer(master_weights="no"),
+        TypeError,
+        r"master_weights='no' must be True, False or None",
+    ),
+    (
+        "optimizer fused_step str",
+        lambda: optimizer(fused_step="yes"),
+        TypeError,
+        r"fused_step='yes' must be True, False or None",
+    ),
+    (
+        "optimizer log zeros str",
+        lambda: optimizer(log_num_zeros_in_grad="yes"),
+        TypeError,
+        r"log_num_zeros_in_grad='yes' must be True or False",
+    ),
+    (
+        "optimizer loss_scale str",
+        lambda: optimizer(loss_scale="dynamic"),
+        TypeError,
+        r"loss_scale='dynamic' must be a mixprec.ScalerConfig",
+    ),
+    (
+        "loss scaler cfg str",
+        lambda: mixprec.LossScaler("dynamic"),
+        TypeError,
+        r"cfg='dynamic' must be a mixprec.ScalerConfig or None",
+    ),
+    # dtypes and callables
+    (
+        "cast_module int8",
+        lambda: mixprec.cast_module(tiny_mlp(), torch.int8),
+        ValueError,
+        r"dtype=torch.int8 must be a floating torch.dtype",
+    ),
+    (
+        "cast_module not a module",
+        lambda: mixprec.cast_module("model", torch.float16),
+        TypeError,
+        r"needs an nn.Module, got 'model'",
+    ),
+    (
+        "fp8 filter not callable",
+        lambda: mixprec.fp8.convert_to_fp8(tiny_mlp(), module_filter_fn="all"),
+        TypeError,
+        r"module_filter_fn='all' must be a function \(module, fqn\)",
+    ),
+    (
+        "fp8 summary unconverted",
+        lambda: mixprec.fp8.fp8_summary(tiny_mlp()),
+        ValueError,
+        r"Sequential was not converted by convert_to_fp8",
+    ),
+    (
+        "register mode parser",
+        lambda: mixprec.policy.register_mode_parser("fp17", dict),
+        ValueError,
+        r"unknown mode 'fp17'.*Valid: 'fp32'",
+    ),
+    (
+        "skip monitor window",
+        lambda: SkipMonitor(window=0),
+        ValueError,
+        r"window=0 must be an int >= 1",
+    ),
+]
+
+
+def apex_init_model(model):
+    from mixprec.apex import amp
+
+    return amp.initialize(model, stray_opt(), opt_level="O2")
+
+
+def paddle_decorate_model(model):
+    from mixprec.paddle import decorate
+
+    return decorate(model, level="O2")
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_named(case, monkeypatch) -> None:
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -252,4 +503,14 @@ def test_bad_input_is_named(case, monkeypatch) -> None:
 
 
 def test_table_is_large() -> None:
-    assert len(CASES) >= 30
+    assert len(CASES) >= 60
+
+
+def test_a_step_without_any_gradient_warns_once() -> None:
+    # torch's optimizers skip params without a grad silently; a step with none at all is a bug
+    model, opt = model_opt()
+    _, optimizer, _ = mixprec.convert_to_amp(model, opt, None, "bf16")
+    with pytest.warns(UserWarning, match=r"step\(\): no parameter has a gradient") as record:
+        optimizer.step()
+        optimizer.step()  # said once per optimizer
+    assert len(record) == 1

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+import mixprec
 from mixprec import convert_to_amp
 from mixprec.bench import (
     BENCH_MODES,
@@ -30,6 +35,9 @@ from mixprec.bench import (
     summary_rows,
     write_report,
 )
+from mixprec.bench import report as bench_report
+from mixprec.bench.command import NO_MATPLOTLIB_NOTE, OUT_PREFIX, fresh_out_dir
+from mixprec.bench.progress import NO_TQDM_NOTE, progress_bar
 from mixprec.cli import main
 
 TINY = {
@@ -276,3 +284,74 @@ def test_cli_bench_help_and_errors(capsys) -> None:
     if not torch.cuda.is_available():
         assert main(["bench", "--device", "cuda"]) == 2
         assert "no CUDA device is visible" in capsys.readouterr().err
+
+
+# None in sys.modules reads as "not installed": import raises ModuleNotFoundError and
+# importlib.util.find_spec (which torch._dynamo calls for tqdm) returns None
+HIDE_BENCH_EXTRAS = """
+import sys
+
+sys.modules.update(tqdm=None, matplotlib=None)  # a base install (`pip install mixprec`)
+"""
+
+
+@pytest.mark.slow
+def test_bench_runs_on_the_base_install_without_tqdm_or_matplotlib(tmp_path) -> None:
+    # sitecustomize runs at start-up in the CLI process and, through PYTHONPATH, in its workers
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(HIDE_BENCH_EXTRAS)
+    src = Path(mixprec.__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hide), str(src)])}
+    argv = "bench --model mlp --width 16 --depth 2 --batch 4 --steps 1 --warmup 0 --modes bf16"
+    done = subprocess.run(
+        [sys.executable, "-m", "mixprec.cli", *argv.split()],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    assert NO_TQDM_NOTE in done.stderr.splitlines()  # one line, said once
+    assert done.stderr.count("tqdm") == 1
+    assert "| fp32 " in done.stdout and "| bf16 " in done.stdout
+    assert done.stdout.startswith("GEMM speed on cpu (512x512 matmul")  # the line above the table
+    assert NO_MATPLOTLIB_NOTE in done.stdout
+    # the default --out: one fresh directory under the current one, md + JSON, no PNG
+    (out,) = tmp_path.glob(f"{OUT_PREFIX}*")
+    assert sorted(p.name for p in out.iterdir()) == ["bench_mlp_cpu.json", "bench_mlp_cpu.md"]
+    data = json.loads((out / "bench_mlp_cpu.json").read_text())
+    assert data["gemm_speed"].startswith("GEMM speed on cpu")
+    assert data["gemm_speed"] in (out / "bench_mlp_cpu.md").read_text()
+    rows = data["summary"]
+    assert [(r["mode"], r["status"]) for r in rows] == [("fp32", "ok"), ("bf16", "ok")]
+
+
+def test_default_out_is_fresh_and_a_stale_chart_is_removed(tmp_path, monkeypatch) -> None:
+    first = fresh_out_dir(tmp_path)
+    first.mkdir()
+    second = fresh_out_dir(tmp_path)  # same second: a -N suffix, never the same directory
+    assert second != first and not second.exists() and second.name.startswith(OUT_PREFIX)
+    model = {"name": "mlp", "width": 2, "depth": 1, "batch": 1, "lr": 0.1}
+    config = {"model": model, "seed": 0, "warmup": 0, "steps": 1}
+    report = BenchReport(config=config, device="cpu", machine="t", command="c")
+    (tmp_path / "bench_mlp_cpu.png").write_bytes(b"old chart")
+
+    def no_matplotlib(report, path):
+        raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+
+    monkeypatch.setattr(bench_report, "plot", no_matplotlib)
+    paths = write_report(report, tmp_path)
+    assert set(paths) == {"md", "json"} and not (tmp_path / "bench_mlp_cpu.png").exists()
+
+
+def test_progress_bar_without_tqdm_is_a_silent_no_op(capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # None in sys.modules: import raises
+    with progress_bar(total=3, enabled=True) as bar:
+        bar.update(2)
+        bar.set_postfix_str("bf16")
+    assert capsys.readouterr().err == NO_TQDM_NOTE + "\n"
+    with progress_bar(total=3, enabled=False) as bar:  # --no-progress: no bar and no note
+        bar.update(1)
+    assert capsys.readouterr().err == ""

@@ -25,7 +25,7 @@ DELAYED = Float8Config(scaling="delayed", amax_history_len=4)
 def model(config: Float8Config = DELAYED, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
-    return convert_to_fp8(mlp, config=config)[0]
+    return convert_to_fp8(mlp, config=config)
 
 
 def histories(module: nn.Module) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.fp8 import Float8Config, Float8Linear, convert_to_fp8
+from mixprec.fp8 import Float8Config, Float8Linear, convert_to_fp8, fp8_summary
 from mixprec.fp8.linear import HISTORY_NAMES
 
 WORLD, ROWS, STEPS = 2, 8, 3  # rows per rank; dims below are multiples of 16 (GEMM alignment)
@@ -33,7 +33,8 @@ def make_model(config: Float8Config) -> nn.Module:
     mlp = nn.Sequential(
         nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16)
     )
-    model, summary = convert_to_fp8(mlp, config=config)
+    model = convert_to_fp8(mlp, config=config)
+    summary = fp8_summary(model)
     assert summary.converted == ("0", "2", "4")
     return model
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.fp8 import Float8Config, Float8Linear, convert_to_fp8
+from mixprec.fp8 import Float8Config, Float8Linear, convert_to_fp8, fp8_summary
 from mixprec.fp8 import kernels as fp8_kernels
 
 torchao_float8 = pytest.importorskip("torchao.float8")
@@ -38,7 +38,8 @@ def pair(k: int, n: int, *, emulate: bool) -> tuple[nn.Module, nn.Module]:
     """(mixprec, torchao) one-layer models with identical weights."""
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(k, n))
-    ours, summary = convert_to_fp8(copy.deepcopy(base), config=Float8Config(emulate=emulate))
+    ours = convert_to_fp8(copy.deepcopy(base), config=Float8Config(emulate=emulate))
+    summary = fp8_summary(ours)
     assert summary.converted == ("0",) and isinstance(ours[0], Float8Linear)
     if emulate:
         ao_config = torchao_float8.Float8LinearConfig(emulate=True)

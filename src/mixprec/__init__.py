@@ -4,6 +4,7 @@ One core (Policy, loss scaling, casting, the master-weight optimizer) and severa
 Colossal-AI's `convert_to_amp`/`AMP_TYPE`, Apex's `mixprec.apex.amp`, Paddle's names.
 """
 
+from mixprec import fp8  # `import mixprec` gives mixprec.fp8.convert_to_fp8
 from mixprec.amp import AMPOptimizer, convert_to_amp
 from mixprec.autocast import (
     autocast,
@@ -81,6 +82,7 @@ __all__ = [
     "StepResult",
     "cast_floating",
     "cast_module",
+    "fp8",
     "convert_to_amp",
     "preset",
     "prepare_model",

@@ -95,6 +95,13 @@ def cast_module(
     """
     from mixprec.autocast import is_fp32_module  # modules the user marked @mixprec.fp32
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"cast_module needs an nn.Module, got {model!r} ({type(model).__name__}).")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"cast_module dtype={dtype!r} must be a floating torch.dtype "
+            "(torch.float16, torch.bfloat16, torch.float32)."
+        )
     kept: list[nn.Module] = []
     for name, module in model.named_modules():
         if (

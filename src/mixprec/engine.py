@@ -49,6 +49,8 @@ from mixprec.data import EpochShuffledDistributedSampler
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.policy import Policy
+from mixprec.skip_monitor import SkipStats
+from mixprec.validate import check_bool
 from mixprec.zero import check_cpu_offload, prepare_zero_optimizer, to_zero_config
 
 log = logging.getLogger("mixprec")
@@ -263,6 +265,11 @@ class Engine:
         return self.optimizer.skipped_steps
 
     @property
+    def skip_stats(self) -> SkipStats:
+        """The optimizer's step and skip counts, for logging (no host sync)."""
+        return self.optimizer.skip_stats
+
+    @property
     def last_result(self) -> StepResult | None:
         """What the last real optimizer step did (None before the first)."""
         return self.optimizer.last_result
@@ -398,6 +405,7 @@ def initialize(
             f"optimizer must be a plain torch.optim.Optimizer over model's parameters, got "
             f"{type(optimizer)!r}; initialize wraps it once."
         )
+    check_bool("verbose", verbose)
     if config is None:
         config = gpc.config
         validate_config(config)

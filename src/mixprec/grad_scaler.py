@@ -18,6 +18,7 @@ from torch.amp.grad_scaler import _refresh_per_optimizer_state
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import ScalerConfig, did_you_mean
 from mixprec.scaling import ProcessGroup, all_reduce_found_inf_, default_group, update_scale_
+from mixprec.validate import check_bool
 
 
 def default_device() -> str:
@@ -82,6 +83,7 @@ class GradScaler(torch.amp.GradScaler):
     ) -> None:
         given = paddle_to_torch_names(paddle_names)
         enabled = given.pop("enabled", enabled)
+        check_bool("enabled", enabled)  # bool('no') would be True
         init_scale = given.pop("init_scale", init_scale)
         growth_factor = given.pop("growth_factor", growth_factor)
         backoff_factor = given.pop("backoff_factor", backoff_factor)

@@ -13,6 +13,7 @@ from mixprec.casting import cast_floating, cast_module
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import Policy
 from mixprec.scaling import ProcessGroup
+from mixprec.validate import check_callable, check_module_has_parameters
 
 
 def device_type_of(module: nn.Module) -> str:
@@ -74,6 +75,7 @@ class FP32Criterion(nn.Module):
 
     def __init__(self, criterion: Callable[..., torch.Tensor]) -> None:
         super().__init__()
+        check_callable("criterion", criterion, what="a loss (an nn.Module or a function)")
         self.criterion = criterion
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -98,10 +100,11 @@ def prepare_model(
     """
     if isinstance(model, PrecisionModule):
         raise TypeError("This model is already prepared by mixprec; prepare the original once.")
+    check_module_has_parameters("model", model)
     if policy.fp8:
         from mixprec.fp8 import convert_to_fp8
 
-        model, _ = convert_to_fp8(model, fp8_filter, fp8_config)  # a bare Linear is replaced
+        model = convert_to_fp8(model, fp8_filter, fp8_config)  # a bare Linear is replaced
     elif fp8_filter is not None or fp8_config is not None:
         raise ValueError(f"fp8_filter/fp8_config given, but mode {policy.name!r} is not fp8.")
     if policy.casts_params:

@@ -8,7 +8,9 @@ is skipped on every rank: params, masters and optimizer state are left bit for b
 
 from __future__ import annotations
 
+import itertools
 import logging
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,8 @@ from mixprec.scaling import (
     default_group,
     unscale_and_check_,
 )
+from mixprec.skip_monitor import SkipMonitor, SkipStats
+from mixprec.validate import check_bool, check_int, check_real
 
 log = logging.getLogger("mixprec")
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -103,6 +107,17 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 "This optimizer is already wrapped by mixprec; wrap the inner one once."
             )
+        check_real("max_norm", max_norm)
+        check_int("max_consecutive_skips", max_consecutive_skips, optional=True)
+        check_bool("log_num_zeros_in_grad", log_num_zeros_in_grad)
+        for name, flag in (
+            ("master_weights", master_weights),
+            ("keep_master_grads", keep_master_grads),
+            ("fused_step", fused_step),
+        ):
+            check_bool(name, flag, optional=True)  # None: decided per device / per step
+        if not isinstance(loss_scale, ScalerConfig):
+            raise TypeError(f"loss_scale={loss_scale!r} must be a mixprec.ScalerConfig.")
         if max_consecutive_skips is not None and max_consecutive_skips < 1:
             raise ValueError(
                 f"max_consecutive_skips={max_consecutive_skips!r} must be >= 1 or None."
@@ -135,6 +150,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.steps = 0
         self.consecutive_skips = 0
         self.last_result: StepResult | None = None
+        self._warned_no_grads = False
+        self.skip_monitor = SkipMonitor()  # says when a run starts by skipping, or skips too often
         # torch.optim.Optimizer's bookkeeping, for hooks and LR schedulers.
         self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Any] = OrderedDict()
@@ -242,6 +259,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return self.scaler.scale
 
+    @property
+    def skip_stats(self) -> SkipStats:
+        """Steps, skipped steps (in a row, in the warm-up) and the last scale: no host sync."""
+        last = self.last_result
+        return SkipStats(
+            steps=self.steps,
+            skipped_steps=self.skipped_steps,
+            consecutive_skips=self.consecutive_skips,
+            warmup_skips=self.skip_monitor.warmup_skips,
+            last_scale=None if last is None else last.scale,
+        )
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss (as fp32) times the current scale; call .backward() on the result."""
         return loss.float() * self.scaler.scale_tensor
@@ -320,6 +349,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Unscale + check (if not done yet), then step or skip; copy masters back; update scale."""
         if closure is not None:
             raise RuntimeError("Closures are not supported with loss scaling (as in torch.amp).")
+        self._warn_once_if_no_grads()
         fused_grads = self._grads_if_fused()
         if fused_grads is not None:
             return self._fused_step(fused_grads)
@@ -331,6 +361,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         skipped, scale = self._decide(found_inf)
         self.scaler.update(found_inf)
         return self._commit(skipped, scale, grad_norm=grad_norm, num_zeros=num_zeros)
+
+    def _warn_once_if_no_grads(self) -> None:
+        """torch's optimizers step nothing, silently, when no param has a grad; we say it once.
+
+        Python attribute reads only (no host sync); any() stops at the first grad it finds.
+        """
+        if self._warned_no_grads:
+            return
+        held = (p for g in self.optim.param_groups for p in g["params"])
+        if any(p.grad is not None for p in itertools.chain(self.lp_params, held)):
+            return
+        self._warned_no_grads = True
+        warnings.warn(
+            "MixedPrecisionOptimizer.step(): no parameter has a gradient, so nothing is "
+            "updated (torch's optimizers do the same without a word). Call backward(loss) "
+            "before step(), and check the parameters passed to the optimizer are the model's.",
+            stacklevel=3,
+        )
 
     def _step_grads(self) -> list[torch.Tensor]:
         """This step's grads as backward left them: lp grads, and fp32 params' own."""
@@ -433,6 +481,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.last_result = StepResult(
             skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=num_zeros
         )
+        message = self.skip_monitor.record(skipped, scale)  # host values: no extra sync
+        if message:
+            self._report_skip_pattern(message)
         limit = self.max_consecutive_skips
         if limit is not None and self.consecutive_skips >= limit:
             bad = self.nonfinite_params()
@@ -457,6 +508,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 scale,
                 self.scaler.scale,
             )
+
+    def _report_skip_pattern(self, message: str) -> None:
+        """Log the skip monitor's warm-up summary or rate warning once, on rank 0."""
+        if _is_rank_zero():
+            log.warning(message)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.lp_params:
@@ -518,5 +574,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self.scaler.load_state_dict(state_dict["scaler"])
         self.steps = int(state_dict.get("steps", self.steps))
         self.skipped_steps = int(state_dict.get("skipped_steps", self.skipped_steps))
+        self.skip_monitor.resume(self.steps)
         self._found_inf = None
         self._grads_on_masters = False

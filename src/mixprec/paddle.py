@@ -67,6 +67,7 @@ from mixprec.casting import NORM_TYPES, cast_module
 from mixprec.grad_scaler import GradScaler as _CoreGradScaler
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import UNIT_SCALE, did_you_mean, to_low_dtype
+from mixprec.validate import check_module_has_parameters
 
 log = logging.getLogger("mixprec")
 
@@ -497,6 +498,8 @@ def decorate(
     _check_bool("master_grad", master_grad)
     hp_save_dtype = _check_save_dtype(save_dtype)
     model_list, models_seq = _as_list(models, nn.Module, "models")
+    for index, model in enumerate(model_list):
+        check_module_has_parameters(f"models[{index}]" if models_seq else "models", model)
     opt_list, opts_seq = (
         ([], False)
         if optimizers is None

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 import torch
+
+from mixprec.validate import check_bool, check_real
 
 Mode = Literal["fp32", "fp16", "bf16", "fp16_naive", "fp16_apex", "fp8"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -94,6 +96,8 @@ class ScalerConfig:
     """DeepSpeed's variant: every clean step refills the hysteresis (not only growth)."""
 
     def __post_init__(self) -> None:
+        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            check_real(f"ScalerConfig.{name}", getattr(self, name))  # before any comparison
         checks = [
             ("init_scale", self.init_scale > 0, "> 0"),
             ("growth_factor", self.growth_factor > 1, "> 1"),
@@ -278,25 +282,33 @@ def naive_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
     extra: dict[str, Any] = {}
     for key in ("log_num_zeros_in_grad", "keep_norm_fp32"):
         if key in config:
-            extra[key] = bool(config.pop(key))
+            check_bool(key, config[key])  # bool('no') would be True
+            extra[key] = config.pop(key)
     if "initial_scale" in config:
+        check_real("initial_scale", config["initial_scale"])  # named as the user wrote it
         config["init_scale"] = config.pop("initial_scale")
     if config:
         extra["loss_scale"] = replace(NAIVE_SCALER, **config)
     return replace(policy, **extra)
 
 
-def _apex_policy(config: Mapping[str, Any]) -> Policy:
-    from mixprec.apex.policy import apex_policy  # the Apex face owns its override rules
-
-    return apex_policy(**config)
-
-
-MODE_PARSERS = {
+MODE_PARSERS: dict[str, Callable[[Mapping[str, Any]], Policy]] = {
     "fp16": torch_amp_policy,
     "fp16_naive": naive_amp_policy,
-    "fp16_apex": _apex_policy,
 }
+"""Mode -> parser of its config keys; a face that owns a mode's keys registers it here."""
+
+
+def register_mode_parser(mode: str, parser: Callable[[Mapping[str, Any]], Policy]) -> None:
+    """A face hands the core its mode's config parser (the Apex face: 'fp16_apex').
+
+    The core imports no face: mixprec/__init__ imports the faces, so they register first.
+    """
+    if mode not in MODES:
+        raise ValueError(
+            f"register_mode_parser: unknown mode {mode!r}." + did_you_mean(mode, MODES)
+        )
+    MODE_PARSERS[mode] = parser
 
 
 def to_policy(

@@ -91,6 +91,11 @@ class LossScaler:
     """
 
     def __init__(self, cfg: ScalerConfig | None = None, device: torch.device | str = "cpu"):
+        if cfg is not None and not isinstance(cfg, ScalerConfig):
+            raise TypeError(
+                f"LossScaler cfg={cfg!r} must be a mixprec.ScalerConfig or None, "
+                f"got a {type(cfg).__name__}."
+            )
         self.cfg = cfg or ScalerConfig()
         device = torch.device(device)
         self._scale = torch.full(

@@ -11,6 +11,8 @@ the core's (lp param, fp32 master) pairs; `AmpOptimizer` is what `amp.initialize
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,6 +167,7 @@ class AmpOptimizer(StashingOptimizer):
         verbosity: int = 1,
         master_weights: bool | None = None,
         max_consecutive_skips: int | None = 100,
+        amp_scale_loss: Callable[..., AbstractContextManager[torch.Tensor]] | None = None,
     ) -> None:
         super().__init__(
             optimizer,
@@ -172,6 +175,7 @@ class AmpOptimizer(StashingOptimizer):
             master_weights=master_weights,
             max_consecutive_skips=max_consecutive_skips,
         )
+        self.amp_scale_loss = amp_scale_loss  # from amp.initialize: this module does not import amp
         self.scaler = scalers[0]  # shared with amp: no private scale that could drift from it
         self.scalers = scalers
         self.verbosity = verbosity
@@ -179,13 +183,20 @@ class AmpOptimizer(StashingOptimizer):
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **kwargs: Any) -> None:
         """Same as `with amp.scale_loss(loss, self, loss_id) as s: s.backward(**kwargs)`."""
-        from mixprec.apex.amp import scale_loss  # amp imports this module
-
-        with scale_loss(loss, self, loss_id=loss_id) as scaled_loss:
+        if self.amp_scale_loss is None:
+            raise RuntimeError(
+                "AmpOptimizer.backward needs the scale_loss of the amp that built it: "
+                "get this optimizer from amp.initialize."
+            )
+        with self.amp_scale_loss(loss, self, loss_id=loss_id) as scaled_loss:
             scaled_loss.backward(**kwargs)
 
     def _report_skip(self, scale: float) -> None:
         self._log_overflows()
+
+    def _report_skip_pattern(self, message: str) -> None:
+        if self.verbosity > 0:  # Apex's verbosity=0 silences every amp message
+            super()._report_skip_pattern(message)
 
     def _log_overflows(self) -> None:
         if self.verbosity <= 0 or not is_rank_zero():

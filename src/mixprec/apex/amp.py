@@ -78,6 +78,7 @@ from mixprec.casting import cast_floating, cast_module
 from mixprec.module import autocast_context, device_type_of
 from mixprec.policy import Policy, describe
 from mixprec.scaling import LossScaler
+from mixprec.validate import check_module_has_parameters
 
 log = logging.getLogger("mixprec")
 PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
@@ -140,6 +141,7 @@ def _lp_state_to_fp32_hook(
 
 
 def _check_model(model: nn.Module, index: int) -> None:
+    check_module_has_parameters(f"models[{index}]", model)
     if isinstance(model, PARALLEL_WRAPPERS):
         raise TypeError(
             f"models[{index}] is a {type(model).__name__}: wrap models in parallel wrappers only "
@@ -192,7 +194,11 @@ def _wrap_optimizer(
 ) -> AmpOptimizer:
     inner = opt if isinstance(opt, torch.optim.Optimizer) else OptimizerLike(opt)
     amp_opt = AmpOptimizer(
-        inner, scalers=scalers, verbosity=verbosity, master_weights=master_weights
+        inner,
+        scalers=scalers,
+        verbosity=verbosity,
+        master_weights=master_weights,
+        amp_scale_loss=scale_loss,  # handed in: _optim does not import this module
     )
     with contextlib.suppress(TypeError):  # an object without weakref support: no re-wrap check
         _wrapped_optimizers.add(opt)

@@ -148,6 +148,10 @@ class FP16_Optimizer(StashingOptimizer):  # noqa: N801 - Apex's name, which scri
                 "Gradient overflow.  Skipping step, reducing loss scale to %s", self.scaler.scale
             )
 
+    def _report_skip_pattern(self, message: str) -> None:
+        if self.verbose:  # verbose=False silences every message, as in Apex
+            super()._report_skip_pattern(message)
+
     def __repr__(self) -> str:
         return f"FP16_Optimizer({self.optim!r}, scaler={self.scaler.cfg})"
 

@@ -36,6 +36,7 @@ from mixprec.policy import (
     check_keys,
     did_you_mean,
     preset,
+    register_mode_parser,
 )
 
 APEX_KEYS = (
@@ -211,3 +212,7 @@ def uncast_master_weights(opt_level: str, master_weights: bool | str | None) -> 
     if asked is None:
         asked = preset(opt_level).master_weights
     return None if asked else False
+
+
+# the core's to_policy('fp16_apex', {...}) parses Apex's keys here: the face hands it the rules
+register_mode_parser("fp16_apex", lambda config: apex_policy(**config))

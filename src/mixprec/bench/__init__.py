@@ -6,7 +6,7 @@ with synthetic data. The result is the seeds' table, written as markdown, JSON a
 
     from mixprec.bench import BenchConfig, PRESETS, run_bench, write_report
     report = run_bench(BenchConfig(model=PRESETS["mlp"], modes=("fp32", "bf16")))
-    write_report(report, "benchmarks/results")
+    write_report(report, "my-bench-results")
 """
 
 from mixprec.bench.command import add_bench_arguments, bench_command, config_from_args

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +12,23 @@ from mixprec.bench.models import MODEL_NAMES, PRESETS
 from mixprec.bench.modes import ALIASES, BENCH_MODES, DTYPE_KEYS, dtype_name, parse_modes
 from mixprec.bench.runner import DEVICES, BenchConfig
 
-DEFAULT_OUT = Path("benchmarks/results")
+OUT_PREFIX = "mixprec-bench-"
+"""Default --out: a fresh ./mixprec-bench-<UTC time> directory, so no run overwrites earlier
+results or the repository's committed reference results (benchmarks/results/)."""
+NO_MATPLOTLIB_NOTE = (
+    "(no PNG chart: matplotlib is not installed; `pip install 'mixprec[bench]'` adds it)"
+)
+
+
+def fresh_out_dir(parent: Path | str = ".") -> Path:
+    """A directory name under `parent` that does not exist yet: mixprec-bench-<UTC time>[-N]."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path = Path(parent) / f"{OUT_PREFIX}{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = Path(parent) / f"{OUT_PREFIX}{stamp}-{n}"
+    return path
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -88,8 +105,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         type=Path,
-        default=DEFAULT_OUT,
-        help=f"directory for bench_<model>_<device>.md/.json/.png (default: {DEFAULT_OUT})",
+        default=None,
+        help=f"directory for bench_<model>_<device>.md/.json/.png (default: a new "
+        f"./{OUT_PREFIX}<UTC time> directory; the PNG needs matplotlib)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -115,17 +133,24 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def bench_command(args: argparse.Namespace) -> int:
     """Run the bench, print the table, write md/json/png; 1 if a mode failed, 2 on bad input."""
     from mixprec.bench.report import render_table, write_report
-    from mixprec.bench.runner import run_bench
+    from mixprec.bench.runner import resolve_device, run_bench
+    from mixprec.debugging.gemm_speed import measure_gemm_speed
 
     try:
         config = config_from_args(args)
+        # ~1 s before the workers start: what a bf16/fp16 GEMM is worth here, vs fp32
+        gemm_speed = measure_gemm_speed(resolve_device(config.device)).line()
         report = run_bench(config, progress=not args.no_progress)
     except ValueError as err:
         print(f"mixprec bench: error: {err}", file=sys.stderr)
         return 2
+    report.gemm_speed = gemm_speed
+    print(gemm_speed)
     print(render_table(report))
     if report.busy:
         print(f"(busy machine: load average {report.load_start:.1f} on {report.cpus} cores)")
-    paths = write_report(report, args.out)
+    paths = write_report(report, args.out if args.out is not None else fresh_out_dir())
     print(f"wrote {', '.join(str(p) for p in paths.values())} ({report.wall_s:.0f} s)")
+    if "png" not in paths:
+        print(NO_MATPLOTLIB_NOTE)
     return 1 if any(r.status == "failed" for r in report.results) else 0

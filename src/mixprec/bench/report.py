@@ -171,6 +171,7 @@ def render_markdown(report: BenchReport) -> str:
         f"# mixprec bench: {model['name']} on {report.device}",
         "",
         f"Machine: {report.machine}.",
+        *([f"{report.gemm_speed}."] if report.gemm_speed else []),
         f"Model: {model['name']} width {model['width']}, depth {model['depth']}, "
         f"batch {model['batch']}{_shape(model)}, SGD lr {model['lr']:g}; synthetic data, "
         f"seed {cfg['seed']}.",
@@ -235,15 +236,24 @@ def result_stem(report: BenchReport) -> str:
 
 
 def write_report(report: BenchReport, out_dir: Path | str) -> dict[str, Path]:
-    """Write <stem>.md, .json (report + summary rows) and .png under out_dir; return the paths."""
+    """Write <stem>.md, .json (report + summary rows) and, with matplotlib, .png under out_dir.
+
+    Returns the paths written, by extension: no "png" key when matplotlib is not installed.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / result_stem(report)
-    paths = {ext: stem.with_suffix(f".{ext}") for ext in ("md", "json", "png")}
+    paths = {ext: stem.with_suffix(f".{ext}") for ext in ("md", "json")}
     paths["md"].write_text(render_markdown(report))
     data = {**report.to_json(), "summary": summary_rows(report)}
     paths["json"].write_text(json.dumps(data, indent=2) + "\n")
-    plot(report, paths["png"])
+    png = stem.with_suffix(".png")
+    png.unlink(missing_ok=True)  # a chart left from an earlier run would not match these numbers
+    try:
+        plot(report, png)
+    except ImportError:  # the base install has no matplotlib: the md and JSON hold every number
+        return paths
+    paths["png"] = png
     return paths
 
 

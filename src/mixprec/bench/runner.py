@@ -20,6 +20,7 @@ import torch
 import mixprec
 from mixprec.bench.models import ModelSpec
 from mixprec.bench.modes import BASELINE, BENCH_MODES, dtype_name, mode_policy
+from mixprec.bench.progress import progress_bar
 from mixprec.bench.worker import PROGRESS_LINE, ModeResult, WorkerJob
 from mixprec.policy import did_you_mean
 
@@ -110,6 +111,8 @@ class BenchReport:
     """1-minute load average after the last worker finished."""
     wall_s: float = 0.0
     """Seconds the whole run took, worker start-up included."""
+    gemm_speed: str = ""
+    """The device's bf16/fp16 GEMM speed vs fp32, measured just before (GemmSpeed.line())."""
 
     @property
     def busy(self) -> bool:
@@ -328,8 +331,6 @@ def run_bench(
     config: BenchConfig, *, progress: bool = True, command: str | None = None
 ) -> BenchReport:
     """Run every planned mode, each in its own process, and collect the report."""
-    from tqdm import tqdm
-
     device = resolve_device(config.device)
     plans = plan_modes(config, device)
     report = BenchReport(
@@ -344,9 +345,7 @@ def run_bench(
     total = sum(p.warmup + p.steps for p in plans if not p.skip_reason)
     with (
         tempfile.TemporaryDirectory(prefix="mixprec-bench-") as tmp,
-        tqdm(
-            total=total, desc="mixprec bench", unit="step", disable=not progress, file=sys.stderr
-        ) as bar,
+        progress_bar(total=total, enabled=progress) as bar,
     ):
         for plan in plans:
             if plan.skip_reason:

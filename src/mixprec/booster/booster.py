@@ -25,6 +25,7 @@ from mixprec.booster.plugin.plugin_base import Plugin
 from mixprec.mixed_precision import MixedPrecision, to_mixed_precision
 from mixprec.module import FP32Criterion
 from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.skip_monitor import SkipStats
 
 
 class SkipAwareLRScheduler:
@@ -94,7 +95,13 @@ class Booster:
         self.plugin = plugin or Plugin()
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"Booster device={device!r} is not a torch device; valid: 'cpu', 'cuda', "
+                "'cuda:N' or a torch.device."
+            ) from None
         # boosted model <-> its optimizer: checkpoints need the pair (masters, FSDP shards).
         self._optimizer_of: dict[int, MixedPrecisionOptimizer] = {}
         self._model_of: dict[int, nn.Module] = {}
@@ -152,6 +159,10 @@ class Booster:
     def backward(self, loss: torch.Tensor, optimizer: MixedPrecisionOptimizer) -> None:
         """Backward of the loss times the current loss scale (accumulates until step())."""
         self._check_optimizer(optimizer).backward(loss)
+
+    def skip_stats(self, optimizer: MixedPrecisionOptimizer) -> SkipStats:
+        """The boosted optimizer's step and skip counts, for logging (no host sync)."""
+        return self._check_optimizer(optimizer).skip_stats
 
     def no_sync(
         self, model: nn.Module, optimizer: MixedPrecisionOptimizer | None = None

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.debugging.gemm_speed import default_gemm_device, measure_gemm_speed
 from mixprec.debugging.hardware import findings_table, hardware_report
 from mixprec.debugging.model_report import model_report
 from mixprec.policy import LOW_DTYPES, PRESETS, preset
@@ -90,6 +91,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     """
     if args.model is None:
         print(findings_table(hardware_report()))
+        print(measure_gemm_speed(default_gemm_device()).line())  # flags alone do not tell
         return 0
     try:
         policy = preset(args.mode, dtype=args.dtype)

@@ -1,6 +1,8 @@
 """Float8 linear layers: e4m3 forward, e5m2 backward, per-tensor scaling over torch._scaled_mm.
 
-`convert_to_fp8(model)` swaps eligible `nn.Linear` layers for `Float8Linear`. Each call casts
+`convert_to_fp8(model)` swaps eligible `nn.Linear` layers for `Float8Linear` (and Hugging Face's
+`Conv1D` for `Float8Conv1D`) in place and returns the model; `fp8_summary(model)` says which
+Linear-like layers stayed in high precision and why. Each call casts
 input and weight to float8_e4m3fn and the incoming gradient to float8_e5m2 with one fp32 scale
 per tensor, then runs the three GEMMs of a linear layer in float8:
 
@@ -31,9 +33,15 @@ from mixprec.fp8.config import (
     SCALINGS,
     Float8Config,
 )
-from mixprec.fp8.convert import Float8Filter, Float8Summary, convert_to_fp8, default_fp8_filter
+from mixprec.fp8.convert import (
+    Float8Filter,
+    Float8Summary,
+    convert_to_fp8,
+    default_fp8_filter,
+    fp8_summary,
+)
 from mixprec.fp8.kernels import cpu_has_scaled_mm, fp8_kernel_problem, lp_gemm, resolve_emulate
-from mixprec.fp8.linear import Float8Linear
+from mixprec.fp8.linear import Float8Conv1D, Float8Linear, is_hf_conv1d
 
 __all__ = [
     "AMAX_EPS",
@@ -42,6 +50,7 @@ __all__ = [
     "LP_GRAD_DTYPES",
     "SCALINGS",
     "Float8Config",
+    "Float8Conv1D",
     "Float8Filter",
     "Float8Linear",
     "Float8Summary",
@@ -52,7 +61,9 @@ __all__ = [
     "default_fp8_filter",
     "delayed_amax",
     "fp8_kernel_problem",
+    "fp8_summary",
     "fp8_to_tensor",
+    "is_hf_conv1d",
     "lp_gemm",
     "resolve_emulate",
     "tensor_to_amax",

@@ -1,4 +1,4 @@
-"""convert_to_fp8: swap eligible nn.Linear layers for Float8Linear, saying which stay and why."""
+"""convert_to_fp8: swap eligible nn.Linear / HF Conv1D layers for float8 ones, saying which stay."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from torch import nn
 
 from mixprec.fp8.config import GEMM_ALIGN, Float8Config
 from mixprec.fp8.kernels import resolve_emulate
-from mixprec.fp8.linear import Float8Linear
+from mixprec.fp8.linear import Float8Conv1D, Float8Linear, is_hf_conv1d
+from mixprec.validate import check_callable
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +35,25 @@ def default_fp8_filter(module: nn.Linear, fqn: str) -> bool | str:
     return True
 
 
+LINEAR_LIKE_KEPT: dict[type[nn.Module], str] = {
+    nn.MultiheadAttention: "its in_proj and out_proj GEMMs run inside "
+    "F.multi_head_attention_forward, which reads the weights, not Linear.forward",
+    nn.Bilinear: "a bilinear form x1^T W x2: no float8 kernel",
+}
+"""Modules that run Linear-shaped GEMMs convert_to_fp8 cannot swap -> why (named in the summary)."""
+
+SUMMARY_ATTR = "_mixprec_fp8_summary"
+"""The converted model's attribute holding its Float8Summary (read it with fp8_summary)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Float8Summary:
-    """What convert_to_fp8 did: the layers converted and the ones left in high precision."""
+    """What convert_to_fp8 did: the layers converted and the Linear-like ones left high precision."""
 
     converted: tuple[str, ...] = ()
-    """Fully qualified names of the layers now Float8Linear."""
+    """Fully qualified names of the layers now Float8Linear (or Float8Conv1D)."""
     skipped: dict[str, str] = field(default_factory=dict)
-    """Linear layers left as they were -> why."""
+    """Linear-like layers left as they were -> why."""
 
     def __str__(self) -> str:
         lines = [
@@ -51,17 +63,62 @@ class Float8Summary:
         return "\n".join(lines)
 
 
+def fp8_summary(model: nn.Module) -> Float8Summary:
+    """The Float8Summary of the last convert_to_fp8 on `model` or on a module inside it.
+
+    Works through wrappers that hold the converted model as a submodule (DDP, torch.compile,
+    convert_to_amp's PrecisionModule).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fp8_summary needs an nn.Module, got {type(model).__name__}: {model!r}.")
+    for module in model.modules():
+        summary = getattr(module, SUMMARY_ATTR, None)
+        if summary is not None:
+            return summary
+    raise ValueError(
+        f"fp8_summary: {type(model).__name__} was not converted by convert_to_fp8 "
+        "(nor is any module inside it)."
+    )
+
+
+def _unswappable_reason(module: nn.Module) -> str | None:
+    """Why a Linear-like module stays high precision, or None if it is a candidate."""
+    if isinstance(module, Float8Linear):
+        return "already a Float8Linear"
+    if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
+        return f"{type(module).__name__} subclasses nn.Linear; its users may bypass forward"
+    return next((why for cls, why in LINEAR_LIKE_KEPT.items() if isinstance(module, cls)), None)
+
+
+def _to_float8(module: nn.Module, config: Float8Config) -> Float8Linear:
+    if is_hf_conv1d(module):
+        return Float8Conv1D.from_conv1d(module, config)
+    return Float8Linear.from_float(module, config)
+
+
+def _filter_view(module: nn.Module) -> nn.Module:
+    """What module_filter_fn sees: an nn.Linear, or for a Conv1D one with its in/out features."""
+    if not is_hf_conv1d(module):
+        return module
+    in_features, out_features = module.weight.shape
+    with torch.device("meta"):  # shapes only: the filter reads in_features / out_features
+        return nn.Linear(in_features, out_features, bias=module.bias is not None)
+
+
 def convert_to_fp8(
     model: nn.Module,
     module_filter_fn: Float8Filter | None = None,
     config: Float8Config | None = None,
-) -> tuple[nn.Module, Float8Summary]:
-    """Swap eligible nn.Linear layers of `model` for Float8Linear, in place.
+) -> nn.Module:
+    """Swap eligible nn.Linear and HF Conv1D layers of `model` for float8 ones, in place.
 
-    module_filter_fn(module, fqn) returns True to convert, False or a reason string to keep the
-    layer (default: default_fp8_filter). Returns the model (a new object only when the model
-    itself is a Linear) and a summary, which is also logged. Raises RuntimeError now if a
-    converted layer sits on a device without float8 kernels and emulation was not chosen.
+    As torchao's convert_to_float8_training: returns the model (a new object only when the
+    model itself is a Linear). module_filter_fn(module, fqn) returns True to convert, False or
+    a reason string to keep the layer (default: default_fp8_filter; a Conv1D is shown to it as
+    an nn.Linear of its in/out features). What was converted and every Linear-like layer left
+    in high precision, with the reason, is logged and kept: read it with fp8_summary(model).
+    Raises RuntimeError now if a converted layer sits on a device without float8 kernels and
+    emulation was not chosen.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -71,26 +128,33 @@ def convert_to_fp8(
         config = Float8Config()
     elif not isinstance(config, Float8Config):
         raise TypeError(f"config must be a Float8Config or None, got {config!r}.")
+    check_callable(
+        "module_filter_fn",
+        module_filter_fn,
+        what="a function (module, fqn) -> True, False or a reason string",
+        optional=True,
+    )
     filter_fn = module_filter_fn if module_filter_fn is not None else default_fp8_filter
     converted: list[str] = []
     skipped: dict[str, str] = {}
     swaps: dict[int, nn.Module] = {}  # id(old) -> new: a Linear shared by two parents swaps once
     targets: list[tuple[str, nn.Module]] = []
+    inside_kept: list[str] = []  # a kept module's own Linears (MHA's out_proj) are named already
     for fqn, module in model.named_modules(remove_duplicate=False):
-        if not isinstance(module, nn.Linear):
+        if any(fqn.startswith(prefix + ".") for prefix in inside_kept):
             continue
-        if isinstance(module, Float8Linear):
-            skipped[fqn] = "already a Float8Linear"
+        if not (isinstance(module, (nn.Linear, *LINEAR_LIKE_KEPT)) or is_hf_conv1d(module)):
             continue
-        if type(module) is not nn.Linear:
-            skipped[fqn] = (
-                f"{type(module).__name__} subclasses nn.Linear; its users may bypass forward"
-            )
+        why = _unswappable_reason(module)
+        if why is not None:
+            skipped[fqn] = why
+            if not isinstance(module, nn.Linear):
+                inside_kept.append(fqn)
             continue
         if id(module) not in swaps:
-            verdict = filter_fn(module, fqn)
+            verdict = filter_fn(_filter_view(module), fqn)
             if verdict is True:
-                swaps[id(module)] = Float8Linear.from_float(module, config)
+                swaps[id(module)] = _to_float8(module, config)
             elif verdict is False or isinstance(verdict, str):
                 skipped[fqn] = verdict or "module_filter_fn returned False"
                 continue
@@ -113,8 +177,9 @@ def convert_to_fp8(
     logger.info("float8: converted %s", ", ".join(converted) or "no Linear layer")
     if skipped:
         logger.warning(
-            "float8: %d Linear layer(s) left in high precision: %s",
+            "float8: %d Linear-like layer(s) left in high precision: %s",
             len(skipped),
             "; ".join(f"{fqn or '<root>'} ({why})" for fqn, why in skipped.items()),
         )
-    return model, summary
+    object.__setattr__(model, SUMMARY_ATTR, summary)  # plain attribute: no state_dict entry
+    return model

@@ -138,6 +138,10 @@ class Float8Linear(nn.Linear):
         new.train(linear.training)
         return new
 
+    def hp_weight_out_in(self) -> torch.Tensor:
+        """The weight as the GEMM takes it, (out_features, in_features): nn.Linear's layout."""
+        return self.weight
+
     def forward(self, hp_input: torch.Tensor) -> torch.Tensor:
         device_type = hp_input.device.type
         out_dtype = _autocast_dtype_or(device_type, hp_input.dtype)
@@ -147,7 +151,7 @@ class Float8Linear(nn.Linear):
         record = self.training and torch.is_grad_enabled()
         out = _Float8LinearFn.apply(
             hp_2d,
-            self.weight,
+            self.hp_weight_out_in(),
             self.input_amax_history,
             self.weight_amax_history,
             self.grad_amax_history,
@@ -198,3 +202,38 @@ class Float8Linear(nn.Linear):
         return (
             f"{super().extra_repr()}, scaling={scaling}, grad={c.grad_dtype}, emulate={c.emulate}"
         )
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """Whether `module` is Hugging Face's transformers.pytorch_utils.Conv1D (GPT-2's Linears).
+
+    Checked by name so that mixprec never imports transformers.
+    """
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
+
+
+class Float8Conv1D(Float8Linear):
+    """Hugging Face's Conv1D (GPT-2's attention and MLP layers) with its GEMMs in float8.
+
+    Conv1D is a Linear whose weight is stored transposed, (in_features, out_features), and whose
+    forward is x @ weight + bias. This layer keeps that Parameter object as it is (same
+    state_dict key and shape, so HF checkpoints load and optimizers keep pointing at it) and
+    hands the GEMM `weight.t()`, a view, so the gradient lands on the original layout.
+    """
+
+    @classmethod
+    def from_conv1d(cls, conv1d: nn.Module, config: Float8Config | None = None) -> Float8Conv1D:
+        """A Float8Conv1D sharing `conv1d`'s weight (in, out) and bias Parameter objects."""
+        in_features, out_features = conv1d.weight.shape
+        with torch.device("meta"):  # no throwaway init of a weight we replace right away
+            new = cls(in_features, out_features, bias=False, config=config)
+        new.weight = conv1d.weight
+        new.bias = conv1d.bias
+        new.nf = out_features  # Conv1D's own attribute name, read by HF's pruning helpers
+        new._register_histories(conv1d.weight.device)
+        new.train(conv1d.training)
+        return new
+
+    def hp_weight_out_in(self) -> torch.Tensor:
+        return self.weight.t()  # a view: (in, out) storage seen as (out, in), no copy

@@ -1,0 +1,109 @@
+"""Skipped steps made visible: one summary after a run that starts by skipping (the loss scale's
+warm-up), a warning when skips exceed a rate later, and the counts for a user's own logging.
+
+Fed only host values every step already has (the skip flag and the scale read in the step's one
+host sync), so watching adds no synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DEFAULT_WINDOW = 100
+"""Steps per window over which the later skip rate is measured."""
+DEFAULT_WARN_RATE = 0.05
+"""A healthy dynamic scale skips ~1-2 steps per growth interval (1000-2000 steps); 5 in 100 is not."""
+
+
+def scale_text(scale: float) -> str:
+    """2**15 for a power of two (how scales are set and read), else the number."""
+    if scale > 0 and math.isfinite(scale):
+        exponent = math.log2(scale)
+        if exponent == int(exponent):
+            return f"2**{int(exponent)}"
+    return f"{scale:g}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SkipStats:
+    """Step counts of one optimizer, for logging (reading them costs no host sync)."""
+
+    steps: int
+    """Optimizer steps taken, skipped ones included."""
+    skipped_steps: int
+    """Steps skipped because some rank's gradients held inf/nan."""
+    consecutive_skips: int
+    """Skipped steps in a row, up to the last one."""
+    warmup_skips: int
+    """Steps skipped before the first applied one (the scale's warm-up from its initial value)."""
+    last_scale: float | None
+    """The loss scale the last step ran under (None before the first)."""
+
+
+class SkipMonitor:
+    """Watches each step's (skipped, scale) and returns the one-line message to log, if any.
+
+    Args:
+        window: steps per window for the later skip rate (after the first applied step).
+        warn_rate: warn when more than this fraction of a window's steps were skipped.
+    """
+
+    def __init__(self, *, window: int = DEFAULT_WINDOW, warn_rate: float = DEFAULT_WARN_RATE):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"SkipMonitor window={window!r} must be an int >= 1.")
+        if isinstance(warn_rate, bool) or not isinstance(warn_rate, (int, float)):
+            raise TypeError(f"SkipMonitor warn_rate={warn_rate!r} must be a number in [0, 1).")
+        if not 0 <= warn_rate < 1:
+            raise ValueError(f"SkipMonitor warn_rate={warn_rate!r} must be in [0, 1).")
+        self.window = window
+        self.warn_rate = float(warn_rate)
+        self.warmup_skips = 0
+        self.warming_up = True  # until the first applied step
+        self._first_scale: float | None = None
+        self._window_steps = 0
+        self._window_skips = 0
+
+    def resume(self, steps: int) -> None:
+        """After loading a checkpoint of a run that had stepped: its warm-up is behind it."""
+        self.warming_up = steps == 0
+        self._window_steps = self._window_skips = 0
+
+    def record(self, skipped: bool, scale: float) -> str | None:
+        """Count one step; the message to log now, or None."""
+        if self.warming_up:
+            if self._first_scale is None:
+                self._first_scale = scale
+            if skipped:
+                self.warmup_skips += 1
+                return None
+            self.warming_up = False
+            if self.warmup_skips == 0:
+                return None
+            if scale >= self._first_scale:  # no scale fell: these skips were not a warm-up
+                return (
+                    f"mixprec: the first {self.warmup_skips} step(s) were skipped for inf/nan "
+                    f"gradients at a loss scale of {scale_text(scale)} that did not fall: not a "
+                    "scale warm-up; look at the data and the loss."
+                )
+            return (
+                f"mixprec: the first {self.warmup_skips} step(s) were skipped (inf/nan gradients) "
+                f"while the loss scale fell from {scale_text(self._first_scale)} to "
+                f"{scale_text(scale)}: normal warm-up for this initial scale; a lower initial "
+                "scale skips fewer. Later skips are warned about when they exceed "
+                f"{self.warn_rate:.0%} of {self.window} steps."
+            )
+        self._window_steps += 1
+        self._window_skips += skipped
+        if self._window_steps < self.window:
+            return None
+        skips, steps = self._window_skips, self._window_steps
+        self._window_steps = self._window_skips = 0
+        if skips <= self.warn_rate * steps:
+            return None
+        return (
+            f"mixprec: {skips} of the last {steps} steps were skipped for inf/nan gradients "
+            f"(last loss scale {scale_text(scale)}), more than the {self.warn_rate:.0%} a healthy "
+            "dynamic loss scale skips: the loss or some gradients overflow at any scale "
+            "(mixprec.debugging.NonFiniteLocator names the first module), or try bf16."
+        )
