@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.apex.multi_loss import prepare_loss_optimizer
 from mixprec.apex.policy import apex_policy
-from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
+from mixprec.module import FP32Criterion, PrecisionModule, prepare_model
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import (
     MODES,
@@ -60,7 +61,7 @@ class MixedPrecision:
         policy: Policy | None = None,
     ) -> MixedPrecisionOptimizer:
         """Wrap optimizer (after convert_module: masters copy the cast params)."""
-        return prepare_optimizer(
+        return prepare_loss_optimizer(
             optimizer, policy or self.policy, max_norm=max_norm, process_group=process_group
         )
 
