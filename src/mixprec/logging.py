@@ -63,8 +63,10 @@ class DistributedLogger:
 
     def _log(self, level: int, message: str, ranks: Sequence[int] | None) -> None:
         if ranks is not None:
-            if isinstance(ranks, str | bytes) or not all(
-                isinstance(r, int) and not isinstance(r, bool) for r in ranks
+            if (
+                not isinstance(ranks, Sequence)
+                or isinstance(ranks, str | bytes)
+                or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)
             ):
                 raise TypeError(f"ranks={ranks!r} must be None or a list of int ranks.")
             if _rank() not in ranks:
