@@ -57,7 +57,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.apex import functions
 from mixprec.apex._optim import AmpOptimizer, UnscaleEvent, is_rank_zero, reduce_found_inf_
+from mixprec.apex.functions import (  # Apex's amp namespace holds these too
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
 from mixprec.apex.policy import _as_bool, apex_policy
 from mixprec.casting import cast_floating, cast_module
 from mixprec.module import autocast_context, device_type_of
@@ -210,6 +219,7 @@ def initialize(
             optimizers, torch.optim.Optimizer, "optimizers"
         )
     if not _as_bool("enabled", enabled):  # Apex: every amp call becomes a no-op
+        functions.apply_to(False)  # registered functions run as they were
         _state = _AmpState(policy, False, verbosity, [])
         return models if optimizers is None else (models, optimizers)
     for index, model in enumerate(model_list):
@@ -232,6 +242,7 @@ def initialize(
                 {id(held): prefix + name for name, held in _held_by(opt, model.named_parameters())}
             )
     _state = _AmpState(policy, True, verbosity, scalers)
+    functions.apply_to(policy.compute_dtype is not None)  # O1: patch the registered functions
     if verbosity > 0 and is_rank_zero():
         log.info("amp.initialize: opt_level %s -> %s", opt_level, describe(policy))
     out_models = model_list if models_was_list else model_list[0]
@@ -367,4 +378,16 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
         state.overflows[index].fill_(float(entry.get("overflows", 0)))
 
 
-__all__ = ["initialize", "load_state_dict", "master_params", "scale_loss", "state_dict"]
+__all__ = [
+    "float_function",
+    "half_function",
+    "initialize",
+    "load_state_dict",
+    "master_params",
+    "promote_function",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
+    "scale_loss",
+    "state_dict",
+]
