@@ -16,9 +16,13 @@ from mixprec.scaling import ProcessGroup
 
 
 def device_type_of(module: nn.Module) -> str:
+    return device_of(module).type
+
+
+def device_of(module: nn.Module) -> torch.device:
     for p in module.parameters():
-        return p.device.type
-    return "cpu"
+        return p.device
+    return torch.device("cpu")
 
 
 def autocast_context(policy: Policy, device_type: str) -> contextlib.AbstractContextManager:
@@ -106,6 +110,9 @@ def prepare_model(
         raise ValueError(f"fp8_filter/fp8_config given, but mode {policy.name!r} is not fp8.")
     if policy.casts_params:
         cast_module(model, policy.param_dtype, keep_norm_fp32=policy.keep_norm_fp32)
+    from mixprec.debugging.amp_warning import warn_if_amp_cannot_help  # imports the doctor
+
+    warn_if_amp_cannot_help(policy, device_of(model), f"mixed precision {policy.name!r}")
     return PrecisionModule(model, policy)
 
 

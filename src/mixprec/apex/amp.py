@@ -69,6 +69,7 @@ from mixprec.apex.functions import (  # Apex's amp namespace holds these too
 )
 from mixprec.apex.policy import _as_bool, apex_policy
 from mixprec.casting import cast_floating, cast_module
+from mixprec.debugging.amp_warning import warn_if_amp_cannot_help
 from mixprec.module import autocast_context, device_type_of
 from mixprec.policy import Policy, describe
 from mixprec.scaling import LossScaler
@@ -225,6 +226,7 @@ def initialize(
     for index, model in enumerate(model_list):
         _check_model(model, index)
     device = next((p.device for m in model_list for p in m.parameters()), torch.device("cpu"))
+    warn_if_amp_cannot_help(policy, device, "amp.initialize")  # once per device and dtype
     scalers = [LossScaler(policy.loss_scale, device) for _ in range(num_losses)]
     for model in model_list:
         _cast_and_patch(model, policy)
