@@ -205,3 +205,25 @@ def test_naive_verbose_through_the_config_dict() -> None:
     assert opt.verbosity == 2
     with pytest.raises(TypeError, match=r"verbose='yes' must be True, False or None"):
         convert_to_amp(model, opt.optim, None, AMP_TYPE.NAIVE, {"verbose": "yes"})
+
+
+def test_naive_keeps_norms_fp32_unless_asked_for_the_seeds_all_fp16() -> None:
+    x, _ = _batch()
+    ref = tiny_mlp(WIDTH)  # Linear, LayerNorm, ReLU, Linear
+    default = Booster(mixed_precision=FP16NaiveMixedPrecision())
+    model, *_ = default.boost(copy.deepcopy(ref))
+    assert model.module[1].weight.dtype == torch.float32
+    seed = Booster(mixed_precision=FP16NaiveMixedPrecision(keep_norm_fp32=False))
+    model = copy.deepcopy(ref)
+    model, opt, *_ = seed.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert {m.dtype for m in opt.hp_masters} == {torch.float32}
+    # every op in fp16, as raw torch runs a .half() model: exact
+    expected = copy.deepcopy(ref).half()(x.half()).float()
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    cfg = {"mode": AMP_TYPE.NAIVE, "keep_norm_fp32": False}
+    model = copy.deepcopy(ref)
+    model, _, _ = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1), None, cfg)
+    assert model.module[1].weight.dtype == torch.float16
+    with pytest.raises(TypeError, match=r"keep_norm_fp32='no' must be a bool"):
+        FP16NaiveMixedPrecision(keep_norm_fp32="no")

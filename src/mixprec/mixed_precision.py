@@ -151,7 +151,11 @@ class FP16ApexMixedPrecision(MixedPrecision):
 
 
 class FP16NaiveMixedPrecision(MixedPrecision):
-    """'fp16_naive': fp16 weights and compute, fp32 masters, Megatron's hysteresis scaler."""
+    """'fp16_naive': fp16 weights and compute, fp32 masters, Megatron's hysteresis scaler.
+
+    Norm layers stay fp32 (their statistics overflow or lose precision in fp16);
+    keep_norm_fp32=False casts them too: the seeds' "all operations into fp16".
+    """
 
     def __init__(
         self,
@@ -163,6 +167,7 @@ class FP16NaiveMixedPrecision(MixedPrecision):
         max_scale: float = NAIVE_SCALER.max_scale,
         verbose: bool | None = None,
         min_scale: float = NAIVE_SCALER.min_scale,
+        keep_norm_fp32: bool = True,
     ) -> None:
         super().__init__(
             naive_amp_policy(
@@ -175,6 +180,7 @@ class FP16NaiveMixedPrecision(MixedPrecision):
                     "max_scale": max_scale,
                     "verbose": verbose,
                     "min_scale": min_scale,
+                    "keep_norm_fp32": keep_norm_fp32,
                 }
             )
         )

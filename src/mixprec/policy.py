@@ -288,7 +288,9 @@ def naive_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
     extra: dict[str, Any] = {"verbosity": 2} if verbose else {}  # seed 000: prints debug info
     for key in ("log_num_zeros_in_grad", "keep_norm_fp32"):
         if key in config:
-            extra[key] = bool(config.pop(key))
+            if not isinstance(config[key], bool):
+                raise TypeError(f"{key}={config[key]!r} must be a bool.")
+            extra[key] = config.pop(key)
     if "initial_scale" in config:
         config["init_scale"] = config.pop("initial_scale")
     if config:
