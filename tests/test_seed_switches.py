@@ -227,3 +227,22 @@ def test_naive_keeps_norms_fp32_unless_asked_for_the_seeds_all_fp16() -> None:
     assert model.module[1].weight.dtype == torch.float16
     with pytest.raises(TypeError, match=r"keep_norm_fp32='no' must be a bool"):
         FP16NaiveMixedPrecision(keep_norm_fp32="no")
+
+
+def test_fsdp_refuses_several_losses_rather_than_ignoring_them() -> None:
+    from dist_utils import free_port
+
+    from mixprec.booster.plugin import TorchFSDPPlugin
+    from mixprec.launch import destroy, launch
+
+    launch({}, rank=0, world_size=1, host="127.0.0.1", port=free_port(), verbose=False)
+    try:
+        booster = Booster(
+            mixed_precision=FP16ApexMixedPrecision(opt_level="O2", num_losses=2),
+            plugin=TorchFSDPPlugin(),
+        )
+        model = tiny_mlp(WIDTH)
+        with pytest.raises(ValueError, match=r"num_losses=2 is not supported with TorchFSDP"):
+            booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    finally:
+        destroy()
