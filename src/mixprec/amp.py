@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.apex.multi_loss import prepare_loss_optimizer
+from mixprec.apex.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import AMP_TYPE, Policy, to_policy
@@ -33,7 +33,7 @@ def convert_to_amp(
     criterion: Callable[..., torch.Tensor] | None,
     mode: AMP_TYPE | str | Policy,
     amp_config: Mapping[str, Any] | None = None,
-) -> tuple[PrecisionModule, AMPOptimizer, FP32Criterion | None]:
+) -> tuple[PrecisionModule, AMPOptimizer | MultiLossOptimizer, FP32Criterion | None]:
     """Convert model, optimizer and criterion to mixed precision.
 
     mode: AMP_TYPE.TORCH / APEX / NAIVE, or a mixprec mode name ('bf16', 'fp16', ...).
