@@ -60,3 +60,19 @@ def test_faces_warn_once_per_device_and_dtype(slow_fp16_device) -> None:
 def test_apex_initialize_warns(slow_fp16_device) -> None:
     with pytest.warns(AmpHardwareWarning, match=r"amp.initialize: AMP only support"):
         amp.initialize(tiny_mlp(), opt_level="O1", verbosity=0)
+
+
+def test_autocast_and_paddles_auto_cast_warn_once(slow_fp16_device) -> None:
+    import mixprec
+    from mixprec import paddle
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AmpHardwareWarning)
+        paddle.auto_cast(enable=False)  # AMP off: nothing to say
+        mixprec.autocast(dtype=torch.float16, enabled=False)
+    with pytest.warns(AmpHardwareWarning, match=r"auto_cast: AMP only support NVIDIA GPU"):
+        paddle.auto_cast(level="O1", device_type="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AmpHardwareWarning)
+        with mixprec.autocast(dtype=torch.float16, device_type="cpu"):
+            pass

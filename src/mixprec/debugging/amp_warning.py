@@ -51,11 +51,17 @@ def policy_dtypes(policy: Policy) -> list[str]:
 
 
 def amp_hardware_warnings(
-    policy: Policy, device: torch.device, findings: list[Finding] | None = None
+    policy: Policy | torch.dtype, device: torch.device, findings: list[Finding] | None = None
 ) -> list[str]:
-    """The 'warn' findings for the dtypes policy uses on device (findings: for tests)."""
+    """The 'warn' findings for the dtypes policy (or one low dtype) uses on device.
+
+    findings: the hardware findings to read (default: this machine's; tests pass their own).
+    """
     findings = _findings(device) if findings is None else findings
-    wanted = policy_dtypes(policy)
+    if isinstance(policy, torch.dtype):
+        wanted = {torch.float16: ["float16"], torch.bfloat16: ["bfloat16"]}.get(policy, [])
+    else:
+        wanted = policy_dtypes(policy)
     messages: dict[str, str] = {}
     for finding in findings:
         if finding.level == "warn" and finding.dtype in wanted:
@@ -63,12 +69,16 @@ def amp_hardware_warnings(
     return [messages[d] for d in wanted if d in messages]
 
 
-def warn_if_amp_cannot_help(policy: Policy, device: torch.device | str, face: str) -> None:
-    """Warn once per (device, dtype) that AMP in `policy` cannot be fast on device.
+def warn_if_amp_cannot_help(
+    policy: Policy | torch.dtype, device: torch.device | str, face: str
+) -> None:
+    """Warn once per (device, dtype) that AMP in `policy` (or a low dtype) cannot be fast there.
 
     face: who switched AMP on, for the message ('amp.initialize', "mode 'fp16'", ...).
     """
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())  # one key per real device
     for message in amp_hardware_warnings(policy, device):
         key = (str(device), message)
         if key in _warned:
