@@ -41,6 +41,7 @@ from mixprec.mixed_precision import (
     FP16TorchMixedPrecision,
     MixedPrecision,
 )
+from mixprec.nn.lr_scheduler import LinearWarmupLR
 
 logger = logging.getLogger("booster_example")
 
@@ -101,17 +102,6 @@ def build_datasets() -> tuple[TensorDataset, TensorDataset]:
     n_test = int(len(y) * TEST_FRACTION)
     test, train = order[:n_test], order[n_test:]
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
-
-
-def linear_warmup(warmup_epochs: int, total_epochs: int) -> Callable[[int], float]:
-    """LR factor per epoch, as Colossal-AI's LinearWarmupLR: up linearly, then down to 0."""
-
-    def factor(epoch: int) -> float:
-        if epoch < warmup_epochs:
-            return (epoch + 1) / (warmup_epochs + 1)
-        return max(0.0, (total_epochs - epoch) / max(1, total_epochs - warmup_epochs))
-
-    return factor
 
 
 def free_port() -> int:
@@ -188,9 +178,7 @@ def train(args: argparse.Namespace) -> float:
     # AdamW, not the seed's SGD(lr=1e-2): SGD needs many epochs to move this small ViT
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     criterion = nn.CrossEntropyLoss()
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, linear_warmup(WARMUP_EPOCHS, args.epochs)
-    )
+    lr_scheduler = LinearWarmupLR(optimizer, warmup_steps=WARMUP_EPOCHS, total_steps=args.epochs)
 
     # inject AMP: the plugin shards the data, the booster applies the precision
     plugin = TorchDDPPlugin()

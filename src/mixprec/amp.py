@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.apex.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import AMP_TYPE, Policy, to_policy
@@ -32,7 +33,7 @@ def convert_to_amp(
     criterion: Callable[..., torch.Tensor] | None,
     mode: AMP_TYPE | str | Policy,
     amp_config: Mapping[str, Any] | None = None,
-) -> tuple[PrecisionModule, AMPOptimizer, FP32Criterion | None]:
+) -> tuple[PrecisionModule, AMPOptimizer | MultiLossOptimizer, FP32Criterion | None]:
     """Convert model, optimizer and criterion to mixed precision.
 
     mode: AMP_TYPE.TORCH / APEX / NAIVE, or a mixprec mode name ('bf16', 'fp16', ...).
@@ -41,19 +42,10 @@ def convert_to_amp(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
-    if amp_config and amp_config.get("num_losses", 1) != 1:
-        raise ValueError(
-            f"num_losses={amp_config['num_losses']!r}: convert_to_amp scales one loss; for "
-            "per-loss scalers use mixprec.apex.amp.initialize(..., num_losses=N)."
-        )
     policy = to_policy(mode, amp_config)
     model = prepare_model(model, policy)
-    optimizer = AMPOptimizer(
-        optimizer,
-        loss_scale=policy.loss_scale,
-        master_weights=policy.master_weights,
-        log_num_zeros_in_grad=policy.log_num_zeros_in_grad,
-    )
+    # APEX with num_losses=N: N scalers, optimizer.backward(loss, loss_id=i)
+    optimizer = prepare_loss_optimizer(optimizer, policy, single=AMPOptimizer)
     return model, optimizer, (None if criterion is None else FP32Criterion(criterion))
 
 

@@ -444,6 +444,12 @@ class autocast(_RegionContext):  # noqa: N801 - mirrors torch.autocast
         _check_lists(self.custom_white_list, self.custom_black_list)
         self.enabled = enabled
         self.device_type = _check_device_type(device_type)
+        # warn once per device and dtype where it cannot be fast (as Paddle does); not while
+        # torch.compile traces a forward that builds this context
+        if enabled and not torch.compiler.is_compiling():
+            from mixprec.debugging.amp_warning import warn_if_amp_cannot_help
+
+            warn_if_amp_cannot_help(self.dtype, self.device_type, type(self).__name__)
 
     def _region(self) -> _Region:
         outer = _outer_region(None)

@@ -44,9 +44,11 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from mixprec.apex import multi_loss
+from mixprec.apex.multi_loss import prepare_loss_optimizer
 from mixprec.config import ConfigLike, config_to_policy, gpc, load_config, validate_config
 from mixprec.data import EpochShuffledDistributedSampler
-from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
+from mixprec.module import FP32Criterion, PrecisionModule, prepare_model
 from mixprec.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.policy import Policy
 from mixprec.skip_monitor import SkipStats
@@ -232,11 +234,13 @@ class Engine:
         if self._accumulated_steps == 0:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Scaled backward of loss / gradient_accumulation (gradients add up over a window)."""
+    def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
+        """Scaled backward of loss / gradient_accumulation (gradients add up over a window).
+
+        loss_id picks the loss scaler under fp16=dict(mode=AMP_TYPE.APEX, num_losses=N)."""
         if self.gradient_accumulation > 1:
             loss = loss / self.gradient_accumulation
-        self.optimizer.backward(loss)
+        multi_loss.backward(self.optimizer, loss, loss_id)
 
     def step(self) -> StepResult | None:
         """Step on the window's last micro-batch: unscale, clip, step or skip, then the schedule.
@@ -438,7 +442,7 @@ def initialize(
             for loader in (train_dataloader, test_dataloader)
         )
     if zero is None:
-        mp_optimizer = prepare_optimizer(optimizer, policy, max_norm=max_norm)
+        mp_optimizer = prepare_loss_optimizer(optimizer, policy, max_norm=max_norm)  # num_losses
     elif zero.level < 3:
         mp_optimizer = prepare_zero_optimizer(
             optimizer, policy, stage=zero.level, max_norm=max_norm

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.apex.multi_loss import prepare_loss_optimizer
 from mixprec.apex.policy import apex_policy
-from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
+from mixprec.module import FP32Criterion, PrecisionModule, prepare_model
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import (
     MODES,
@@ -60,7 +61,7 @@ class MixedPrecision:
         policy: Policy | None = None,
     ) -> MixedPrecisionOptimizer:
         """Wrap optimizer (after convert_module: masters copy the cast params)."""
-        return prepare_optimizer(
+        return prepare_loss_optimizer(
             optimizer, policy or self.policy, max_norm=max_norm, process_group=process_group
         )
 
@@ -150,7 +151,11 @@ class FP16ApexMixedPrecision(MixedPrecision):
 
 
 class FP16NaiveMixedPrecision(MixedPrecision):
-    """'fp16_naive': fp16 weights and compute, fp32 masters, Megatron's hysteresis scaler."""
+    """'fp16_naive': fp16 weights and compute, fp32 masters, Megatron's hysteresis scaler.
+
+    Norm layers stay fp32 (their statistics overflow or lose precision in fp16);
+    keep_norm_fp32=False casts them too: the seeds' "all operations into fp16".
+    """
 
     def __init__(
         self,
@@ -162,6 +167,7 @@ class FP16NaiveMixedPrecision(MixedPrecision):
         max_scale: float = NAIVE_SCALER.max_scale,
         verbose: bool | None = None,
         min_scale: float = NAIVE_SCALER.min_scale,
+        keep_norm_fp32: bool = True,
     ) -> None:
         super().__init__(
             naive_amp_policy(
@@ -174,6 +180,7 @@ class FP16NaiveMixedPrecision(MixedPrecision):
                     "max_scale": max_scale,
                     "verbose": verbose,
                     "min_scale": min_scale,
+                    "keep_norm_fp32": keep_norm_fp32,
                 }
             )
         )

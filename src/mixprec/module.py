@@ -17,9 +17,13 @@ from mixprec.validate import check_callable, check_module_has_parameters
 
 
 def device_type_of(module: nn.Module) -> str:
+    return device_of(module).type
+
+
+def device_of(module: nn.Module) -> torch.device:
     for p in module.parameters():
-        return p.device.type
-    return "cpu"
+        return p.device
+    return torch.device("cpu")
 
 
 def autocast_context(policy: Policy, device_type: str) -> contextlib.AbstractContextManager:
@@ -109,6 +113,9 @@ def prepare_model(
         raise ValueError(f"fp8_filter/fp8_config given, but mode {policy.name!r} is not fp8.")
     if policy.casts_params:
         cast_module(model, policy.param_dtype, keep_norm_fp32=policy.keep_norm_fp32)
+    from mixprec.debugging.amp_warning import warn_if_amp_cannot_help  # imports the doctor
+
+    warn_if_amp_cannot_help(policy, device_of(model), f"mixed precision {policy.name!r}")
     return PrecisionModule(model, policy)
 
 
@@ -119,8 +126,18 @@ def prepare_optimizer(
     max_norm: float = 0.0,
     process_group: ProcessGroup | None = None,
 ) -> MixedPrecisionOptimizer:
-    """Wrap optimizer for policy (call after prepare_model: masters copy the cast params)."""
-    return MixedPrecisionOptimizer(
+    """Wrap optimizer for policy (call after prepare_model: masters copy the cast params).
+
+    A policy with num_losses > 1 needs per-loss unscaling: the faces build that optimizer
+    (mixprec.apex.multi_loss), so here it is refused rather than run with one scaler.
+    """
+    if policy.num_losses != 1:
+        raise ValueError(
+            f"num_losses={policy.num_losses} needs one loss scaler per loss: build the optimizer "
+            "with mixprec.apex.multi_loss.prepare_loss_optimizer (the Booster, initialize and "
+            "convert_to_amp do), not prepare_optimizer."
+        )
+    mp_optimizer = MixedPrecisionOptimizer(
         optimizer,
         loss_scale=policy.loss_scale,
         master_weights=policy.master_weights,
@@ -128,3 +145,14 @@ def prepare_optimizer(
         process_group=process_group,
         log_num_zeros_in_grad=policy.log_num_zeros_in_grad,
     )
+    set_verbosity(mp_optimizer, policy.verbosity)
+    return mp_optimizer
+
+
+def set_verbosity(optimizer: MixedPrecisionOptimizer, verbosity: int) -> None:
+    """Set what the optimizer logs; debug output (2) also makes sure it reaches stdout."""
+    optimizer.verbosity = verbosity
+    if verbosity >= 2:
+        from mixprec.logging import get_dist_logger
+
+        get_dist_logger()  # the "mixprec" logger then writes INFO to stdout

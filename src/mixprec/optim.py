@@ -136,6 +136,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.max_consecutive_skips = max_consecutive_skips
         self.keep_master_grads = keep_master_grads
         self.param_names: dict[int, str] = {}  # id(param as the optimizer holds it) -> name
+        self.verbosity = 1
+        """0: silent; 1: log skipped steps; 2: also log every loss-scale change (a host sync)."""
         # (lp param, fp32 master) pairs; the master sits in param_groups where lp was.
         self.lp_params: list[torch.Tensor] = []
         self.hp_masters: list[torch.Tensor] = []
@@ -495,9 +497,20 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 "nan/inf in the data or loss (mixprec.debugging.NonFiniteLocator names the first "
                 "module), lower the learning rate, or train in bf16, which has fp32's range."
             )
-        if skipped:
+        if skipped and self.verbosity > 0:
             self._report_skip(scale)
+        if self.verbosity >= 2:
+            self._report_scale_change(scale, skipped)
         return self.last_result
+
+    def _report_scale_change(self, scale: float, skipped: bool) -> None:
+        """verbosity 2 (Colossal's NAIVE verbose=True): say when the scale moved and why."""
+        new_scale = self.scaler.scale  # a host sync, paid only when asked for debug output
+        if new_scale != scale and _is_rank_zero():
+            why = "overflow" if skipped else f"{self.scaler.cfg.growth_interval} clean steps"
+            log.info(
+                "mixprec: loss scale %g -> %g after step %d (%s)", scale, new_scale, self.steps, why
+            )
 
     def _report_skip(self, scale: float) -> None:
         """Log a skipped step once, on rank 0 (faces override this with their own words)."""

@@ -56,11 +56,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from mixprec.autocast import autocast, fp16_guard, fp32, is_fp32_module, resolve_ops
 from mixprec.casting import NORM_TYPES, cast_module
@@ -319,7 +321,62 @@ class GradScaler(_CoreGradScaler):
     directly (torch's GradScaler refuses any float16 gradient). Arguments: those of
     mixprec.GradScaler, Paddle's names included (init_loss_scaling, incr_ratio, decr_ratio,
     incr_every_n_steps, decr_every_n_nan_or_inf, use_dynamic_loss_scaling, enable).
+
+    The scale follows Paddle's update_loss_scaling rule, not Megatron's hysteresis: the scale
+    backs off after decr_every_n_nan_or_inf (= hysteresis) bad steps in a row, a clean step
+    resets that count, and the count restarts after each back-off; it grows after
+    incr_every_n_steps clean steps in a row (only to a finite value). Floor min_scale (1).
     """
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        bad = getattr(self, "_loaded_bad_steps", 0)  # from load_state_dict before first use
+        self._bad_steps = torch.full((), bad, dtype=torch.int32, device=dev)  # Paddle's decr_count
+
+    def _update_scale_(self, found_inf: torch.Tensor) -> None:
+        """Paddle's rule on the device (no host sync): good/bad counts, each reset by the other."""
+        scale, good = self._scale, self._growth_tracker
+        cfg = self.cfg
+        bad_step = found_inf > 0
+        bad = torch.where(bad_step, self._bad_steps + 1, torch.zeros_like(self._bad_steps))
+        good_now = torch.where(bad_step, torch.zeros_like(good), good + 1)
+        backoff = bad >= cfg.hysteresis
+        grow = good_now >= cfg.growth_interval
+        backed = torch.clamp(scale * cfg.backoff_factor, min=cfg.min_scale)
+        grown = torch.clamp(scale * cfg.growth_factor, max=cfg.max_scale)
+        grown = torch.where(torch.isfinite(grown), grown, scale)  # Paddle keeps a finite scale
+        scale.copy_(torch.where(backoff, backed, torch.where(grow, grown, scale)))
+        self._bad_steps.copy_(torch.where(backoff, torch.zeros_like(bad), bad))
+        good.copy_(torch.where(grow, torch.zeros_like(good_now), good_now))
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if not self._enabled or new_scale is not None or not self.cfg.dynamic:
+            super().update(new_scale)
+            return
+        self._check_scale_growth_tracker("update")
+        found_infs = [
+            found_inf.to(device=self._scale.device, non_blocking=True)
+            for state in self._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        if not found_infs:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        self._update_scale_(torch.stack(found_infs).amax())
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self._enabled:
+            bad = getattr(self, "_bad_steps", None)
+            state["decr_count"] = 0 if bad is None else int(bad)  # Paddle's name for it
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        self._loaded_bad_steps = int(state.pop("decr_count", 0))
+        super().load_state_dict(state)
+        if self._scale is not None:
+            self._bad_steps.fill_(self._loaded_bad_steps)
 
     def _unscale_grads_(
         self,

@@ -152,6 +152,10 @@ class Policy:
     """Swap eligible nn.Linear layers for float8 linears (e4m3 forward, e5m2 backward)."""
     log_num_zeros_in_grad: bool = False
     """Count zero gradient entries at each step (a host sync; off by default)."""
+    num_losses: int = 1
+    """Loss scalers, one per loss_id (Apex's num_losses); > 1 unscales after each backward."""
+    verbosity: int = 1
+    """0: no skip/overflow messages; 1: skipped steps; 2: also every scale change (a sync)."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype",):
@@ -167,6 +171,10 @@ class Policy:
                 f"Policy {self.name!r}: master_weights=True needs low-precision params "
                 "(param_dtype float16/bfloat16); fp32 params are their own masters."
             )
+        for name, least in (("num_losses", 1), ("verbosity", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"Policy.{name}={value!r} must be an int >= {least}.")
         overlap = self.custom_white_list & self.custom_black_list
         if overlap:
             raise ValueError(f"Ops {sorted(overlap)} are in both the white and the black list.")
@@ -277,9 +285,11 @@ def naive_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
     """AMP_TYPE.NAIVE / 'fp16_naive' from its seed-000 keys (Megatron-style scaler)."""
     config = dict(config or {})
     check_keys("AMP_TYPE.NAIVE config", config, NAIVE_KEYS)
-    config.pop("verbose", None)  # overflow messages go through logging at every verbosity
+    verbose = config.pop("verbose", None)
+    if verbose not in (None, True, False):
+        raise TypeError(f"verbose={verbose!r} must be True, False or None.")
     policy = preset("fp16_naive", dtype=config.pop("dtype", None))
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"verbosity": 2} if verbose else {}  # seed 000: prints debug info
     for key in ("log_num_zeros_in_grad", "keep_norm_fp32"):
         if key in config:
             check_bool(key, config[key])  # bool('no') would be True

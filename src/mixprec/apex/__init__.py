@@ -1,7 +1,9 @@
 """Apex's face on mixprec: `from mixprec.apex import amp` (pure PyTorch, no CUDA extension).
 
-`amp.initialize` / `amp.scale_loss` / `amp.master_params` / `amp.state_dict` follow Apex's
-amp; `FP16_Optimizer` follows apex.fp16_utils. Both run on the core (Policy, LossScaler,
+`amp.initialize` / `amp.scale_loss` / `amp.master_params` / `amp.state_dict` and the cast
+registry (`amp.register_half_function`, `@amp.half_function`, ...) follow Apex's amp;
+`FP16_Optimizer` follows apex.fp16_utils; `mixprec.apex.parallel.DistributedDataParallel`
+follows apex.parallel. Both run on the core (Policy, LossScaler,
 MixedPrecisionOptimizer); see mixprec.apex.amp for the differences from Apex.
 """
 

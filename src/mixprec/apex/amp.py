@@ -70,11 +70,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.apex import functions
 from mixprec.apex._optim import AmpOptimizer, UnscaleEvent, is_rank_zero, reduce_found_inf_
 from mixprec.apex._optimizer_like import REQUIRED, OptimizerLike, missing_members
 from mixprec.apex.amp_state import AmpStateHandle
+from mixprec.apex.functions import (  # Apex's amp namespace holds these too
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
 from mixprec.apex.policy import _as_bool, apex_policy, uncast_master_weights
 from mixprec.casting import cast_floating, cast_module
+from mixprec.debugging.amp_warning import warn_if_amp_cannot_help
 from mixprec.module import autocast_context, device_type_of
 from mixprec.policy import Policy, describe
 from mixprec.scaling import LossScaler
@@ -284,12 +294,14 @@ def initialize(
     else:
         optimizer_list, optimizers_was_list = _optimizer_list(optimizers)
     if not _as_bool("enabled", enabled):  # Apex: every amp call becomes a no-op
+        functions.apply_to(False)  # registered functions run as they were
         _state = _AmpState(policy, False, verbosity, [])
         _amp_state.bind([])
         return models if optimizers is None else (models, optimizers)
     for index, model in enumerate(model_list):
         _check_model(model, index)
     device = next((p.device for m in model_list for p in m.parameters()), torch.device("cpu"))
+    warn_if_amp_cannot_help(policy, device, "amp.initialize")  # once per device and dtype
     scalers = [LossScaler(policy.loss_scale, device) for _ in range(num_losses)]
     for model in model_list:
         _cast_and_patch(model, policy)
@@ -308,6 +320,7 @@ def initialize(
     _amp_state.bind(scalers)
     for opt in amp_optimizers:  # an earlier call's optimizers keep their own scalers
         opt.amp_state = _state
+    functions.apply_to(policy.compute_dtype is not None)  # O1: patch the registered functions
     if verbosity > 0 and is_rank_zero():
         log.info("amp.initialize: opt_level %s -> %s", opt_level, describe(policy))
     out_models = model_list if models_was_list else model_list[0]
@@ -446,4 +459,16 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
         state.overflows[index].fill_(float(entry.get("overflows", 0)))
 
 
-__all__ = ["initialize", "load_state_dict", "master_params", "scale_loss", "state_dict"]
+__all__ = [
+    "float_function",
+    "half_function",
+    "initialize",
+    "load_state_dict",
+    "master_params",
+    "promote_function",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
+    "scale_loss",
+    "state_dict",
+]

@@ -140,7 +140,7 @@ def apex_policy(
     max_loss_scale: float = 2.0**24,
     **unknown: Any,
 ) -> Policy:
-    """Apex's `amp.initialize` keywords -> Policy (num_losses/verbosity are validated only).
+    """Apex's `amp.initialize` keywords -> Policy (num_losses and verbosity travel in it).
 
     Like Apex, a cast model (O2/O3 or cast_model_type) returns fp32 outputs unless
     cast_model_outputs says otherwise. Unknown keywords raise, naming the closest valid one.
@@ -202,6 +202,8 @@ def apex_policy(
         keep_norm_fp32=base.keep_norm_fp32 if keep_bn is None else keep_bn,
         cast_outputs_to=cast_model_outputs,
         loss_scale=_scaler_config(loss_scale, min_loss_scale, max_loss_scale),
+        num_losses=num_losses,
+        verbosity=min(max(verbosity, 0), 1),  # Apex's verbosity only switches messages on/off
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.apex import multi_loss
 from mixprec.booster.plugin.plugin_base import Plugin
 from mixprec.mixed_precision import MixedPrecision, to_mixed_precision
 from mixprec.module import FP32Criterion
@@ -156,9 +157,13 @@ class Booster:
             )
         return optimizer
 
-    def backward(self, loss: torch.Tensor, optimizer: MixedPrecisionOptimizer) -> None:
-        """Backward of the loss times the current loss scale (accumulates until step())."""
-        self._check_optimizer(optimizer).backward(loss)
+    def backward(
+        self, loss: torch.Tensor, optimizer: MixedPrecisionOptimizer, loss_id: int = 0
+    ) -> None:
+        """Backward of the loss times the current loss scale (accumulates until step()).
+
+        loss_id picks the loss scaler under FP16ApexMixedPrecision(num_losses=N)."""
+        multi_loss.backward(self._check_optimizer(optimizer), loss, loss_id)
 
     def skip_stats(self, optimizer: MixedPrecisionOptimizer) -> SkipStats:
         """The boosted optimizer's step and skip counts, for logging (no host sync)."""

@@ -109,5 +109,6 @@ def run_doctor(args: argparse.Namespace) -> int:
         )
         return 2
     example = None if shape is None else torch.randn(shape)
-    print(model_report(model, policy, example).table())
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    print(model_report(model, policy, example, gpu_capability=capability).table())
     return 0

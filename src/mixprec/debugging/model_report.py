@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 from mixprec.casting import NORM_TYPES, cast_floating, cast_module
 from mixprec.debugging._markdown import markdown_table
+from mixprec.debugging.conv_layout import ConvNote, conv_notes, gemm_multiple
 from mixprec.fp8.config import GEMM_ALIGN, LP_FORWARD_DTYPE
 from mixprec.fp8.convert import default_fp8_filter
 from mixprec.policy import Policy
@@ -85,6 +86,8 @@ class ModelReport:
     """Alignment checked (8, or 16 for fp8); None for an fp32 policy (no low-precision GEMM)."""
     observed: bool
     """True when the dtypes come from a forward on an example input."""
+    conv: tuple[ConvNote, ...] = ()
+    """Convolution layout findings (channels-last, first-layer channels; seed 002 3.2)."""
 
     def table(self) -> str:
         """Two markdown sections: precision by layer, then tensor-core alignment."""
@@ -115,6 +118,9 @@ class ModelReport:
                 f"{self.multiple}\n\n"
                 + markdown_table(["layer", "type", "dimension", "value", "multiple of"], rows)
             )
+        if self.multiple is not None and self.conv:
+            rows = [[note.name or "<model>", note.finding] for note in self.conv]
+            parts.append("## Convolution layout\n\n" + markdown_table(["layer", "finding"], rows))
         return "\n\n".join(parts)
 
 
@@ -221,13 +227,20 @@ def _observe(
     return {name: ", ".join(sorted(dtypes)) for name, dtypes in seen.items() if dtypes}
 
 
-def model_report(model: nn.Module, policy: Policy, example_input: Any = None) -> ModelReport:
+def model_report(
+    model: nn.Module,
+    policy: Policy,
+    example_input: Any = None,
+    *,
+    gpu_capability: tuple[int, int] | None = None,
+) -> ModelReport:
     """Which layers run in which dtype under `policy`, and Linear/Conv dims off the tensor-core grid.
 
     Without example_input: the static view from the policy's rules. With it (a tensor or a
     tuple of positional arguments): one no-grad forward under torch.autocast(compute_dtype)
     (on a cast copy when the policy casts parameters) reports each layer's real output dtype.
     Float8 linears are not swapped in for that forward; their row shows the static view.
+    gpu_capability: the CUDA compute capability to check alignment for (8.0+: 16-wide tiles).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_report needs an nn.Module, got {type(model).__name__}.")
@@ -237,7 +250,9 @@ def model_report(model: nn.Module, policy: Policy, example_input: Any = None) ->
             f"got {policy!r}."
         )
     multiple = (
-        None if policy.low_dtype is None else FP8_MULTIPLE if policy.fp8 else TENSOR_CORE_MULTIPLE
+        None
+        if policy.low_dtype is None
+        else gemm_multiple(gpu_capability, FP8_MULTIPLE if policy.fp8 else TENSOR_CORE_MULTIPLE)
     )
     misaligned = misaligned_dims(model, multiple) if multiple is not None else []
     layers = _reported_layers(model)
@@ -264,4 +279,5 @@ def model_report(model: nn.Module, policy: Policy, example_input: Any = None) ->
         misaligned=tuple(misaligned),
         multiple=multiple,
         observed=example_input is not None,
+        conv=tuple(conv_notes(model)),
     )

@@ -42,6 +42,7 @@ from mixprec.booster.plugin.plugin_base import (
 from mixprec.casting import NORM_TYPES, keep_module_fp32
 from mixprec.checkpoint import load_checkpoint
 from mixprec.mixed_precision import MixedPrecision
+from mixprec.module import set_verbosity
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.scaling import ProcessGroup
 
@@ -124,6 +125,11 @@ class TorchFSDPPlugin(Plugin):
                 "mixprec.launch.launch_from_torch() (or launch) before boosting."
             )
         policy = mixed_precision.policy
+        if policy.num_losses != 1:  # per-loss unscaling is not written for sharded grads
+            raise ValueError(
+                f"num_losses={policy.num_losses} is not supported with TorchFSDPPlugin; use "
+                "TorchDDPPlugin (or one loss scaler) for several losses."
+            )
         lp_dtype = policy.param_dtype if policy.casts_params else None
         # FSDP casts the gathered params; the fp32 shards are the masters (no second copy).
         hp_policy = replace(policy, param_dtype=torch.float32, master_weights=False)
@@ -135,13 +141,15 @@ class TorchFSDPPlugin(Plugin):
         if optimizer is None:
             return boosted, None
         _point_optimizer_at_shards(optimizer, names_before, boosted.module)
-        return boosted, MixedPrecisionOptimizer(
+        mp_optimizer = MixedPrecisionOptimizer(
             optimizer,
             loss_scale=hp_policy.loss_scale,
             master_weights=False,
             process_group=self.process_group,
             log_num_zeros_in_grad=hp_policy.log_num_zeros_in_grad,
         )
+        set_verbosity(mp_optimizer, policy.verbosity)  # Apex verbosity / NAIVE verbose
+        return boosted, mp_optimizer
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return _no_gradient_sync(unwrap_model(model))

@@ -1,0 +1,161 @@
+"""Apex's num_losses for the Colossal faces: one loss scaler per loss_id, no global amp state.
+
+`FP16ApexMixedPrecision(num_losses=N)`, `fp16=dict(mode=AMP_TYPE.APEX, num_losses=N)` and
+`convert_to_amp(..., AMP_TYPE.APEX, {"num_losses": N})` build a `MultiLossOptimizer`: the
+optimizer `amp.initialize` returns (the per-backward unscale of mixprec.apex._optim), owning
+its N scalers instead of sharing amp's. `optimizer.backward(loss, loss_id=i)` (and
+`booster.backward(loss, optimizer, loss_id=i)`, `engine.backward(loss, loss_id=i)`) scales
+by scaler i, unscales and checks the new grads at once, and updates scaler i alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.apex._optim import AmpOptimizer, UnscaleEvent
+from mixprec.module import prepare_optimizer, set_verbosity
+from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.policy import Policy
+from mixprec.scaling import LossScaler, ProcessGroup, all_reduce_found_inf_, default_group
+
+
+def _first_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            return p.device
+    return torch.device("cpu")
+
+
+class MultiLossOptimizer(AmpOptimizer):
+    """An AmpOptimizer with its own `num_losses` scalers; `backward(loss, loss_id)` does the rest.
+
+    state_dict() adds every scaler under 'loss_scalers' (the core's 'scaler' is scaler 0).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        policy: Policy,
+        max_norm: float = 0.0,
+        process_group: ProcessGroup | None = None,
+    ) -> None:
+        if max_norm < 0:
+            raise ValueError(f"max_norm={max_norm!r} must be >= 0 (0 turns clipping off).")
+        device = _first_device(optimizer)
+        scalers = [LossScaler(policy.loss_scale, device) for _ in range(policy.num_losses)]
+        super().__init__(
+            optimizer,
+            scalers=scalers,
+            verbosity=policy.verbosity,
+            master_weights=policy.master_weights,
+        )
+        self.max_norm = float(max_norm)
+        self.process_group = process_group
+
+    def backward(self, loss: torch.Tensor, loss_id: int = 0, **kwargs: Any) -> None:
+        """Backward of loss times scale `loss_id`; the new grads are unscaled and checked now."""
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int):
+            raise TypeError(f"loss_id={loss_id!r} must be an int.")
+        if not 0 <= loss_id < len(self.scalers):
+            raise ValueError(
+                f"loss_id={loss_id!r} but num_losses={len(self.scalers)}: valid loss ids are "
+                f"0..{len(self.scalers) - 1}."
+            )
+        scaler = self.scalers[loss_id]
+        self.begin_backward()
+        (loss.float() * scaler.scale_tensor).backward(**kwargs)
+        found_inf = torch.zeros(1, dtype=torch.float32, device=scaler.scale_tensor.device)
+        scale_used = scaler.scale_tensor.clone()
+        self.unscale_new_grads(scaler.inv_scale(), found_inf)
+        all_reduce_found_inf_(found_inf, self.process_group or default_group())
+        scaler.update(found_inf)  # this loss's scaler alone follows this loss's overflows
+        self.events.append(
+            UnscaleEvent(loss_id, found_inf, scale_used, scaler.scale_tensor.clone())
+        )
+
+    def clip_grad_norm(
+        self, model: nn.Module | float, max_norm: float | None = None
+    ) -> torch.Tensor:
+        """clip_grad_norm(max_norm), or Colossal's clip_grad_norm(model, max_norm)."""
+        if max_norm is None:
+            if isinstance(model, nn.Module):
+                raise TypeError("clip_grad_norm(model, max_norm): max_norm is missing.")
+            max_norm = float(model)
+        return super().clip_grad_norm(max_norm)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if self.max_norm > 0 and closure is None:
+            self.clip_grad_norm(self.max_norm)
+        return super().step(closure)
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out["loss_scalers"] = [s.state_dict() for s in self.scalers]
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("loss_scalers")
+        if saved is None or len(saved) != len(self.scalers):
+            raise ValueError(
+                f"This optimizer has num_losses={len(self.scalers)}; the checkpoint holds "
+                f"{'no' if saved is None else len(saved)} per-loss scalers ('loss_scalers')."
+            )
+        super().load_state_dict(state_dict)
+        for scaler, scaler_state in zip(self.scalers, saved, strict=True):
+            scaler.load_state_dict(scaler_state)
+
+    def __repr__(self) -> str:
+        return f"MultiLossOptimizer({self.optim!r}, num_losses={len(self.scalers)})"
+
+
+def prepare_loss_optimizer(
+    optimizer: torch.optim.Optimizer,
+    policy: Policy,
+    *,
+    max_norm: float = 0.0,
+    process_group: ProcessGroup | None = None,
+    single: type[MixedPrecisionOptimizer] | None = None,
+) -> MixedPrecisionOptimizer:
+    """The optimizer wrapper for policy: per-loss scalers when num_losses > 1, else the core's.
+
+    single: the class to build for one loss (a face's subclass of MixedPrecisionOptimizer).
+    """
+    if policy.num_losses > 1:
+        if policy.log_num_zeros_in_grad:
+            raise ValueError("log_num_zeros_in_grad=True is not supported with num_losses > 1.")
+        return MultiLossOptimizer(
+            optimizer, policy=policy, max_norm=max_norm, process_group=process_group
+        )
+    if single is None:
+        return prepare_optimizer(optimizer, policy, max_norm=max_norm, process_group=process_group)
+    mp_optimizer = single(
+        optimizer,
+        loss_scale=policy.loss_scale,
+        master_weights=policy.master_weights,
+        max_norm=max_norm,
+        process_group=process_group,
+        log_num_zeros_in_grad=policy.log_num_zeros_in_grad,
+    )
+    set_verbosity(mp_optimizer, policy.verbosity)
+    return mp_optimizer
+
+
+def backward(optimizer: Any, loss: torch.Tensor, loss_id: int = 0) -> None:
+    """optimizer.backward(loss, loss_id) where it has per-loss scalers; else loss_id must be 0."""
+    if isinstance(optimizer, MultiLossOptimizer):
+        optimizer.backward(loss, loss_id=loss_id)
+        return
+    if loss_id != 0:
+        raise ValueError(
+            f"loss_id={loss_id!r} but this optimizer has one loss scaler: pass num_losses=N to "
+            "FP16ApexMixedPrecision or fp16=dict(mode=AMP_TYPE.APEX, num_losses=N) for N scalers."
+        )
+    optimizer.backward(loss)
+
+
+__all__ = ["MultiLossOptimizer", "backward", "prepare_loss_optimizer"]
