@@ -159,6 +159,28 @@ class Booster:
         """Gradient accumulation: backward passes inside skip the cross-rank reduction."""
         return self.plugin.no_sync(model)
 
+    def execute_pipeline(
+        self,
+        data_iter: Any,
+        model: nn.Module,
+        criterion: Callable[..., torch.Tensor],
+        optimizer: MixedPrecisionOptimizer,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]:
+        """Forward and backward of the next batch of data_iter through the pipeline schedule;
+        {'loss': ..., 'outputs': ...} on the last stage's ranks, None elsewhere."""
+        from mixprec.booster.plugin.hybrid_parallel import HybridParallelPlugin
+
+        if not isinstance(self.plugin, HybridParallelPlugin):
+            raise TypeError(
+                f"execute_pipeline needs Booster(plugin=HybridParallelPlugin(pp_size=...)), "
+                f"this Booster's plugin is {type(self.plugin).__name__}."
+            )
+        return self.plugin.execute_pipeline(
+            data_iter, model, criterion, optimizer, return_loss, return_outputs
+        )
+
     # ----- checkpoints -----
     def save_model(self, model: nn.Module, path: str | os.PathLike) -> None:
         """Save the model's weights in fp32 (the optimizer's masters where it keeps them)."""

@@ -5,7 +5,7 @@ from typing import Any
 from mixprec.booster.plugin.plugin_base import Plugin
 from mixprec.booster.plugin.torch_ddp import TorchDDPPlugin
 
-__all__ = ["Plugin", "TorchDDPPlugin", "TorchFSDPPlugin"]
+__all__ = ["HybridParallelPlugin", "Plugin", "TorchDDPPlugin", "TorchFSDPPlugin"]
 
 
 def __getattr__(name: str) -> Any:
@@ -14,4 +14,8 @@ def __getattr__(name: str) -> Any:
         from mixprec.booster.plugin.torch_fsdp import TorchFSDPPlugin
 
         return TorchFSDPPlugin
+    if name == "HybridParallelPlugin":  # torch.distributed.pipelining loads on first use
+        from mixprec.booster.plugin.hybrid_parallel import HybridParallelPlugin
+
+        return HybridParallelPlugin
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,135 @@
+"""HybridParallelPlugin: Colossal-AI's pipeline (x data) parallel plugin over mixprec.pipeline.
+
+    plugin = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=4, precision="fp16")
+    booster = Booster(plugin=plugin)
+    model, optimizer, criterion, _, _ = booster.boost(model, optimizer, criterion)
+    out = booster.execute_pipeline(iter(loader), model, criterion, optimizer)
+    optimizer.step(); optimizer.zero_grad()
+
+The world is split into pp_size pipeline ranks times world / pp_size data-parallel replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mixprec.booster.plugin.plugin_base import Plugin
+from mixprec.mixed_precision import FP32Precision, MixedPrecision, to_mixed_precision
+from mixprec.pipeline import PipelineConfig, PipelinedModel, next_batch, prepare_pipeline
+from mixprec.pipeline_optim import PipelineOptimizer
+
+
+class HybridParallelPlugin(Plugin):
+    """Pipeline parallelism (torch.distributed.pipelining) under any mixprec precision.
+
+    Args:
+        tp_size: tensor-parallel size; only 1 composes with the pipeline so far.
+        pp_size: pipeline ranks; must divide the world size (the rest is data parallel).
+        num_microbatches: micro-batches per batch (>= pp_size for '1f1b' and 'interleaved').
+        precision: a mode name (mixprec.policy.MODES) or None for the Booster's
+            mixed_precision (fp32 when it has none).
+        pp_schedule: '1f1b', 'gpipe' or 'interleaved' (torch's schedules of those names).
+        num_model_chunks: stages per rank for 'interleaved' (default 2).
+        split_points: nn.Sequential layer names where stages 1.. begin (default: balanced
+            by parameter count).
+        max_norm: clip gradients to this norm over all stages (0: off).
+    """
+
+    def __init__(
+        self,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        num_microbatches: int | None = None,
+        precision: str | None = None,
+        pp_schedule: str = "1f1b",
+        num_model_chunks: int | None = None,
+        split_points: list[str] | tuple[str, ...] | None = None,
+        max_norm: float = 0.0,
+    ) -> None:
+        if tp_size != 1:
+            raise ValueError(
+                f"tp_size={tp_size!r}: HybridParallelPlugin composes pipeline and data "
+                "parallelism only; valid: 1 (tensor parallelism: mixprec's DTensor path)."
+            )
+        if num_microbatches is None and pp_size == 1:
+            num_microbatches = 1  # one stage: the whole batch at once, as without a pipeline
+        if num_microbatches is None:
+            raise ValueError(
+                f"num_microbatches=None: pp_size={pp_size} needs it set (>= pp_size, "
+                "dividing the batch size)."
+            )
+        if max_norm < 0:
+            raise ValueError(f"max_norm={max_norm!r} must be >= 0 (0 turns clipping off).")
+        self.config = PipelineConfig(
+            pp_size=pp_size,
+            num_microbatches=num_microbatches,
+            schedule=pp_schedule,
+            num_model_chunks=num_model_chunks,
+            split_points=None if split_points is None else tuple(split_points),
+        )
+        self.precision = None if precision is None else to_mixed_precision(precision)
+        self.max_norm = float(max_norm)
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+            if world % pp_size:  # every rank sees the same sizes: all raise, none hangs
+                raise ValueError(
+                    f"pp_size={pp_size} does not divide the world size {world}; valid "
+                    f"pp_size: {[d for d in range(1, world + 1) if world % d == 0]}."
+                )
+
+    def _precision(self, booster_precision: MixedPrecision) -> MixedPrecision:
+        if self.precision is None:
+            return booster_precision
+        if not isinstance(booster_precision, FP32Precision) and (
+            booster_precision.policy.name != self.precision.policy.name
+        ):
+            raise ValueError(
+                f"Booster(mixed_precision={booster_precision.policy.name!r}) and "
+                f"HybridParallelPlugin(precision={self.precision.policy.name!r}) disagree; "
+                "set the precision in one place."
+            )
+        return self.precision
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        mixed_precision: MixedPrecision,
+        device: torch.device,
+    ) -> tuple[nn.Module, PipelineOptimizer | None]:
+        precision = self._precision(mixed_precision)
+        return prepare_pipeline(
+            model,
+            optimizer,
+            precision.policy,
+            self.config,
+            device=device,
+            max_norm=self.max_norm,
+            convert=precision.convert_module,
+        )
+
+    def execute_pipeline(
+        self,
+        data_iter: Any,
+        model: nn.Module,
+        criterion: Callable[..., torch.Tensor],
+        optimizer: PipelineOptimizer,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]:
+        if not isinstance(model, PipelinedModel):
+            raise TypeError(
+                f"execute_pipeline needs the model boost() returned, got {type(model).__name__}."
+            )
+        return model.run(
+            next_batch(data_iter),
+            criterion,
+            optimizer,
+            return_loss=return_loss,
+            return_outputs=return_outputs,
+        )

@@ -1,0 +1,377 @@
+"""Pipeline parallelism (HybridParallelPlugin, torch.distributed.pipelining) under every mode.
+
+Two gloo ranks hold two stages of an nn.Sequential (four with the interleaved schedule). The
+reference is one process running the same micro-batches with a hand-written loop: loss / m
+times the scale, gradients summed in fp32, unscaled, stepped by a raw torch optimizer over fp32
+masters. The micro-batches, their order and every op are the same, so the pipelined weights
+must equal the reference's bit for bit (rtol=0, atol=0); only clipping, whose norm is summed
+over the stages in another order, gets a tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import assert_same_on_every_rank, scaler_state, spawn
+from torch import nn
+
+from mixprec.booster import Booster
+from mixprec.booster.plugin import HybridParallelPlugin, TorchDDPPlugin
+from mixprec.module import FP32Criterion, prepare_model
+from mixprec.pipeline import PipelineConfig, stage_modules
+from mixprec.pipeline_split import balanced_boundaries
+from mixprec.policy import to_policy
+from mixprec.scaling import LossScaler
+
+WORLD = 2
+WIDTH = 8  # tiny: fp16 matmuls on CPU are very slow
+M = 4  # micro-batches per batch
+BATCH = 8
+STEPS = 10
+LR = 0.05
+# fp16 scales start low enough that O(1) gradients times the scale stay far below fp16's max
+# (no skip in the equality runs), and grow never within STEPS (intervals >= 1000).
+MODES: dict[str, Any] = {
+    "fp32": "fp32",
+    "bf16": "bf16",
+    "fp16": {"mode": "fp16", "init_scale": 2.0**10},
+    "fp16_naive": {"mode": "fp16_naive", "initial_scale": 2.0**8},
+}
+PRECISIONS: dict[str, Any] = {  # the same modes as the Booster's precision objects take them
+    "fp32": "fp32",
+    "bf16": "bf16",
+    "fp16": ("fp16", {"init_scale": 2.0**10}),
+    "fp16_naive": ("fp16_naive", {"initial_scale": 2.0**8}),
+}
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(WIDTH, 2 * WIDTH),
+        nn.ReLU(),
+        nn.Linear(2 * WIDTH, 2 * WIDTH),
+        nn.ReLU(),
+        nn.Linear(2 * WIDTH, 2 * WIDTH),
+        nn.ReLU(),
+        nn.Linear(2 * WIDTH, WIDTH),
+    )
+
+
+def _batches(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)  # the same batches on every rank
+    return [
+        (torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g))
+        for _ in range(n)
+    ]
+
+
+def _precision(mode: str) -> Any:
+    from mixprec.mixed_precision import MODE_TO_PRECISION
+
+    spec = PRECISIONS[mode]
+    if isinstance(spec, str):
+        return spec
+    name, kwargs = spec
+    return MODE_TO_PRECISION[name](**kwargs)
+
+
+def _reference(mode: str, batches: list, max_norm: float = 0.0) -> dict[str, torch.Tensor]:
+    """One process, plain torch: the pipelined run must land on these weights (fp32 view)."""
+    policy = to_policy(MODES[mode])
+    ref = prepare_model(_model(), policy)
+    names, params = zip(*ref.module.named_parameters(), strict=True)
+    masters = [p.detach().float().clone() if policy.master_weights else p for p in params]
+    opt = torch.optim.SGD(masters, lr=LR, momentum=0.9)
+    criterion = FP32Criterion(nn.MSELoss())
+    scale = policy.loss_scale.init_scale
+    for x, y in batches:
+        acc: list[torch.Tensor | None] = [None] * len(params)
+        for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
+            ((criterion(ref(xb), yb) / M).float() * scale).backward()
+            for i, p in enumerate(params):
+                g = p.grad.float()
+                acc[i] = g if acc[i] is None else acc[i].add_(g)  # summed in fp32
+                p.grad = None
+        for master, a in zip(masters, acc, strict=True):
+            master.grad = a * (1.0 / scale)  # a power of two: the unscale is exact
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_(masters, max_norm)
+        opt.step()
+        opt.zero_grad()  # fp32 modes: the masters are the params, whose next grads start fresh
+        with torch.no_grad():
+            for p, master in zip(params, masters, strict=True):
+                p.copy_(master)
+    return {n: m.detach().clone() for n, m in zip(names, masters, strict=True)}
+
+
+def _boost(mode: str, schedule: str = "1f1b", max_norm: float = 0.0, optim: Any = None) -> tuple:
+    spec = _precision(mode)  # a name goes to the plugin, a configured object to the Booster
+    plugin = HybridParallelPlugin(
+        pp_size=WORLD,
+        num_microbatches=M,
+        precision=spec if isinstance(spec, str) else None,
+        pp_schedule=schedule,
+        max_norm=max_norm,
+    )
+    booster = Booster(plugin=plugin, mixed_precision=None if isinstance(spec, str) else spec)
+    model = _model()
+    optimizer = (optim or (lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9)))(model.parameters())
+    model, optimizer, criterion, _, _ = booster.boost(model, optimizer, nn.MSELoss())
+    return booster, model, optimizer, criterion
+
+
+def _local_weights(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+    """This rank's params by their name in the unsplit model, as fp32 (masters if any)."""
+    master_of = dict(zip(map(id, optimizer.lp_params), optimizer.hp_masters, strict=True))
+    return {
+        name: master_of.get(id(p), p).detach()
+        for stage in model.stages
+        for name, p in stage.module.named_parameters()
+    }
+
+
+def _train(mode: str, schedule: str, batches: list, max_norm: float = 0.0) -> tuple:
+    booster, model, optimizer, criterion = _boost(mode, schedule, max_norm)
+    losses = []
+    for batch in batches:
+        out = booster.execute_pipeline(iter([batch]), model, criterion, optimizer)
+        losses.append(out["loss"])
+        assert not optimizer.step().skipped
+        optimizer.zero_grad()
+    return model, optimizer, losses
+
+
+def _check_equal_to_reference(rank: int, modes: tuple[str, ...]) -> None:
+    batches = _batches()
+    for mode in modes:
+        expected = _reference(mode, batches)
+        for schedule in ("1f1b", "gpipe", "interleaved"):
+            model, optimizer, losses = _train(mode, schedule, batches)
+            got = _local_weights(model, optimizer)
+            assert got, f"rank {rank} holds no params"
+            for name, w in got.items():
+                torch.testing.assert_close(
+                    w, expected[name], rtol=0, atol=0, msg=f"{mode} {schedule}: {name}"
+                )
+            if model.has_last_stage:  # the loss is the mean of the micro-batch losses
+                assert all(loss is not None and torch.isfinite(loss) for loss in losses)
+            else:
+                assert all(loss is None for loss in losses)
+            assert_same_on_every_rank(scaler_state(optimizer), f"{mode} {schedule} scaler")
+
+
+def _check_global_clipping(rank: int) -> None:
+    """max_norm clips by the norm over both stages: the single-process clip within rounding."""
+    batches = _batches(3)
+    max_norm = 0.05  # far below these gradients' norm: every step clips
+    expected = _reference("fp16_naive", batches, max_norm=max_norm)
+    model, optimizer, _ = _train("fp16_naive", "1f1b", batches, max_norm=max_norm)
+    assert optimizer.last_result.grad_norm > max_norm
+    for name, w in _local_weights(model, optimizer).items():
+        # The norm is summed per stage then across stages (another order than torch's): a few
+        # fp32 ulps in the clip coefficient, times LR-sized updates, 3 steps with momentum.
+        torch.testing.assert_close(w, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _equality_worker(rank: int, world: int, modes: tuple[str, ...]) -> None:
+    _check_equal_to_reference(rank, modes)
+    if "fp16_naive" in modes:
+        _check_global_clipping(rank)
+
+
+@pytest.mark.distributed
+def test_pipeline_equals_single_process_fp32_bf16() -> None:
+    spawn(_equality_worker, WORLD, ("fp32", "bf16"))
+
+
+@pytest.mark.distributed
+def test_pipeline_equals_single_process_fp16_modes() -> None:
+    spawn(_equality_worker, WORLD, ("fp16", "fp16_naive"))
+
+
+def _snapshot(model: Any, optimizer: Any) -> list[torch.Tensor]:
+    tensors = [p.detach().clone() for s in model.stages for p in s.parameters()]
+    tensors += [m.detach().clone() for m in optimizer.hp_masters]
+    for state in optimizer.state.values():
+        tensors += [v.detach().clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def _check_skip_together(rank: int, mode: str) -> None:
+    """An inf in one micro-batch's gradient on stage 0 only: every rank skips, bit for bit."""
+    booster, model, optimizer, criterion = _boost(
+        mode, optim=lambda ps: torch.optim.AdamW(ps, lr=LR)
+    )
+    batches = _batches(2)
+    booster.execute_pipeline(iter([batches[0]]), model, criterion, optimizer)
+    assert not optimizer.step().skipped  # a clean step first: AdamW has state and a count
+    optimizer.zero_grad()
+    before = _snapshot(model, optimizer)
+    scale_before = optimizer.loss_scale
+    handles = []
+    if model.has_first_stage:
+        calls = []
+
+        def poison(grad: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            if len(calls) == 3:  # the third micro-batch only
+                grad = grad.clone()
+                grad.view(-1)[0] = float("inf")
+            return grad
+
+        first = next(model.stages[0].parameters())
+        handles.append(first.register_hook(poison))
+    booster.execute_pipeline(iter([batches[1]]), model, criterion, optimizer)
+    result = optimizer.step()
+    optimizer.zero_grad()
+    for h in handles:
+        h.remove()
+    assert result.skipped, f"rank {rank} stepped although stage 0 overflowed"
+    for i, (a, b) in enumerate(zip(_snapshot(model, optimizer), before, strict=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{mode}: tensor {i} moved")
+    expected = LossScaler(to_policy(MODES[mode]).loss_scale)
+    expected.update(torch.zeros(1))
+    expected.update(torch.ones(1))
+    assert expected.scale == optimizer.loss_scale, (mode, expected.scale, optimizer.loss_scale)
+    if mode == "fp16":  # torch's rule: the one overflow halves the scale
+        assert optimizer.loss_scale == scale_before / 2
+    assert_same_on_every_rank(
+        [torch.tensor([float(result.skipped), float(optimizer.steps)]), *scaler_state(optimizer)],
+        f"{mode}: skip flag, step count and scaler",
+    )
+
+
+def _skip_worker(rank: int, world: int) -> None:
+    for mode in MODES:
+        _check_skip_together(rank, mode)
+
+
+@pytest.mark.distributed
+def test_inf_on_one_stage_skips_every_rank_bitwise() -> None:
+    spawn(_skip_worker, WORLD)
+
+
+def _raises_everywhere(fn: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        fn()
+    dist.barrier()  # every rank got here: none is left waiting in a collective
+
+
+def _bad_input_worker(rank: int, world: int) -> None:
+    _raises_everywhere(
+        lambda: HybridParallelPlugin(pp_size=3, num_microbatches=4), ValueError, "pp_size=3"
+    )
+    _raises_everywhere(lambda: _boost_with(nn.Sequential(nn.Linear(2, 2))), ValueError, "1 layers")
+    _raises_everywhere(
+        lambda: _boost_with(_model(), split_points=["9"]), ValueError, "Split point '9'"
+    )
+    booster, model, optimizer, criterion = _boost("fp32")
+    odd = (torch.randn(6, WIDTH), torch.randn(6, WIDTH))
+    _raises_everywhere(
+        lambda: booster.execute_pipeline(iter([odd]), model, criterion, optimizer),
+        ValueError,
+        "6 samples",
+    )
+    # The pipeline still runs after the refusal.
+    booster.execute_pipeline(iter(_batches(1)), model, criterion, optimizer)
+    assert not optimizer.step().skipped
+    _raises_everywhere(
+        lambda: Booster(plugin=TorchDDPPlugin()).execute_pipeline(
+            iter([]), model, criterion, optimizer
+        ),
+        TypeError,
+        "HybridParallelPlugin",
+    )
+
+
+def _boost_with(model: nn.Module, **kwargs: Any) -> None:
+    plugin = HybridParallelPlugin(pp_size=WORLD, num_microbatches=M, **kwargs)
+    Booster(plugin=plugin).boost(model, torch.optim.SGD(model.parameters(), lr=LR))
+
+
+@pytest.mark.distributed
+def test_bad_input_raises_on_every_rank() -> None:
+    spawn(_bad_input_worker, WORLD)
+
+
+# ----- single process: the plugin's arguments and the stage split -----
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"pp_size": 2, "num_microbatches": 1}, "num_microbatches=1 < pp_size=2"),
+        ({"pp_size": 2, "num_microbatches": 4, "pp_schedule": "zb"}, "Unknown pp_schedule 'zb'"),
+        ({"pp_size": 2, "num_microbatches": 4, "precision": "fp17"}, "Unknown mixed_precision"),
+        ({"pp_size": 2, "num_microbatches": 4, "tp_size": 2}, "tp_size=2"),
+        ({"pp_size": 2}, "num_microbatches=None"),
+        ({"pp_size": 0, "num_microbatches": 4}, "pp_size=0"),
+        ({"pp_size": 2, "num_microbatches": 4, "max_norm": -1.0}, "max_norm=-1.0"),
+        (
+            {
+                "pp_size": 2,
+                "num_microbatches": 4,
+                "pp_schedule": "interleaved",
+                "num_model_chunks": 1,
+            },
+            "num_model_chunks=1",
+        ),
+        ({"pp_size": 2, "num_microbatches": 5, "pp_schedule": "interleaved"}, "multiple of"),
+    ],
+)
+def test_plugin_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        HybridParallelPlugin(**kwargs)
+
+
+def test_gpipe_takes_fewer_microbatches_than_stages() -> None:
+    HybridParallelPlugin(pp_size=4, num_microbatches=2, pp_schedule="gpipe")
+
+
+def test_execute_pipeline_without_pipeline_plugin() -> None:
+    with pytest.raises(TypeError, match="HybridParallelPlugin"):
+        Booster().execute_pipeline(iter([]), nn.Linear(2, 2), nn.MSELoss(), None)
+
+
+def test_boost_without_process_group_raises() -> None:
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=2)
+    with pytest.raises(RuntimeError, match="torch.distributed initialised"):
+        Booster(plugin=plugin).boost(_model())
+
+
+@pytest.mark.parametrize(
+    ("sizes", "parts", "starts"),
+    [
+        ([144, 0, 272, 0, 272, 0, 136], 2, [0, 3]),  # 416 | 408
+        ([5, 5, 5, 5], 4, [0, 1, 2, 3]),
+        ([1, 1, 1, 9], 2, [0, 3]),
+        ([9, 1, 1, 1], 2, [0, 1]),
+        ([0, 0, 0], 3, [0, 1, 2]),  # parameter-free layers still give every stage one
+    ],
+)
+def test_balanced_boundaries(sizes: list[int], parts: int, starts: list[int]) -> None:
+    assert balanced_boundaries(sizes, parts) == starts
+
+
+def test_stages_split_by_params_and_at_named_points() -> None:
+    model = _model()
+    stages = stage_modules(model, PipelineConfig(pp_size=2, num_microbatches=2))
+    assert [list(dict(s.named_children())) for s in stages] == [
+        ["0", "1", "2"],
+        ["3", "4", "5", "6"],
+    ]
+    config = PipelineConfig(pp_size=2, num_microbatches=2, split_points=("5",))
+    stages = stage_modules(model, config)
+    assert [len(s) for s in stages] == [5, 2]
+    assert stages[1][0] is model[5]  # shared, not copied: the optimizer's params stay valid
+    with pytest.raises(ValueError, match="Did you mean '5'"):
+        stage_modules(model, PipelineConfig(pp_size=2, num_microbatches=2, split_points=("55",)))
+    with pytest.raises(ValueError, match="fewer than the 4"):
+        interleaved = PipelineConfig(pp_size=2, num_microbatches=2, schedule="interleaved")
+        stage_modules(_model()[:3], interleaved)
+    custom = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    assert stage_modules(custom, PipelineConfig(pp_size=2, num_microbatches=2)) == custom
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        stage_modules(nn.Linear(2, 2), PipelineConfig(pp_size=2, num_microbatches=2))
