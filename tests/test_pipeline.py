@@ -79,8 +79,15 @@ def _precision(mode: str) -> Any:
     return MODE_TO_PRECISION[name](**kwargs)
 
 
-def _reference(mode: str, batches: list, max_norm: float = 0.0) -> dict[str, torch.Tensor]:
-    """One process, plain torch: the pipelined run must land on these weights (fp32 view)."""
+def _reference(
+    mode: str, batches: list, max_norm: float = 0.0, replicas: int = 1
+) -> dict[str, torch.Tensor]:
+    """One process, plain torch: the pipelined run must land on these weights (fp32 view).
+
+    With replicas > 1, each step's batch is `replicas` consecutive entries of batches, one per
+    data-parallel replica; their fp32 gradient sums are added and divided by replicas (what
+    an all-reduce of 2 then a halving computes, bit for bit).
+    """
     policy = to_policy(MODES[mode])
     ref = prepare_model(_model(), policy)
     names, params = zip(*ref.module.named_parameters(), strict=True)
@@ -88,16 +95,19 @@ def _reference(mode: str, batches: list, max_norm: float = 0.0) -> dict[str, tor
     opt = torch.optim.SGD(masters, lr=LR, momentum=0.9)
     criterion = FP32Criterion(nn.MSELoss())
     scale = policy.loss_scale.init_scale
-    for x, y in batches:
-        acc: list[torch.Tensor | None] = [None] * len(params)
-        for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-            ((criterion(ref(xb), yb) / M).float() * scale).backward()
-            for i, p in enumerate(params):
-                g = p.grad.float()
-                acc[i] = g if acc[i] is None else acc[i].add_(g)  # summed in fp32
-                p.grad = None
-        for master, a in zip(masters, acc, strict=True):
-            master.grad = a * (1.0 / scale)  # a power of two: the unscale is exact
+    for step in range(len(batches) // replicas):
+        total: list[torch.Tensor] = []
+        for x, y in batches[step * replicas : (step + 1) * replicas]:
+            acc: list[torch.Tensor | None] = [None] * len(params)
+            for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
+                ((criterion(ref(xb), yb) / M).float() * scale).backward()
+                for i, p in enumerate(params):
+                    g = p.grad.float()
+                    acc[i] = g if acc[i] is None else acc[i].add_(g)  # summed in fp32
+                    p.grad = None
+            total = list(acc) if not total else [t + a for t, a in zip(total, acc, strict=True)]
+        for master, t in zip(masters, total, strict=True):
+            master.grad = t / replicas * (1.0 / scale)  # powers of two: both exact
         if max_norm:
             torch.nn.utils.clip_grad_norm_(masters, max_norm)
         opt.step()
@@ -213,7 +223,7 @@ def _check_skip_together(rank: int, mode: str) -> None:
     before = _snapshot(model, optimizer)
     scale_before = optimizer.loss_scale
     handles = []
-    if model.has_first_stage:
+    if rank == 0:  # stage 0 of the first replica only
         calls = []
 
         def poison(grad: torch.Tensor) -> torch.Tensor:
@@ -253,6 +263,35 @@ def _skip_worker(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_inf_on_one_stage_skips_every_rank_bitwise() -> None:
     spawn(_skip_worker, WORLD)
+
+
+def _dp_worker(rank: int, world: int) -> None:
+    """pp=2 x dp=2: each replica trains on its own batches; all equal the one-process loop."""
+    replica = rank // WORLD  # the (dp, pp) mesh puts a replica's stages on adjacent ranks
+    batches = _batches(2 * 4)  # 4 steps, alternating replica 0's and replica 1's batch
+    for mode in ("fp32", "fp16_naive"):
+        expected = _reference(mode, batches, replicas=2)
+        booster, model, optimizer, criterion = _boost(mode)
+        for step in range(4):
+            mine = batches[2 * step + replica]
+            booster.execute_pipeline(iter([mine]), model, criterion, optimizer)
+            assert not optimizer.step().skipped
+            optimizer.zero_grad()
+        got = _local_weights(model, optimizer)
+        for name, w in got.items():
+            torch.testing.assert_close(w, expected[name], rtol=0, atol=0, msg=f"{mode}: {name}")
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, got)
+        twin = everyone[(rank + WORLD) % world]  # the same stage in the other replica
+        for name, w in got.items():
+            torch.testing.assert_close(twin[name], w, rtol=0, atol=0, msg=f"replicas: {name}")
+    _check_skip_together(rank, "fp16")  # an inf on replica 0's stage 0 skips all four ranks
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pipeline_times_data_parallel_on_four_processes() -> None:
+    spawn(_dp_worker, 2 * WORLD)
 
 
 def _raises_everywhere(fn: Any, error: type[Exception], match: str) -> None:
