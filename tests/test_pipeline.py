@@ -332,9 +332,78 @@ def _boost_with(model: nn.Module, **kwargs: Any) -> None:
     Booster(plugin=plugin).boost(model, torch.optim.SGD(model.parameters(), lr=LR))
 
 
+def _config_face(rank: int) -> None:
+    """initialize + parallel=dict(pipeline=2): execute_schedule equals the one-process loop."""
+    from mixprec.engine import initialize
+    from mixprec.policy import AMP_TYPE
+
+    batches = _batches(3)
+    data = torch.utils.data.TensorDataset(
+        torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
+    config = {
+        "fp16": {"mode": AMP_TYPE.NAIVE, "initial_scale": 2.0**8},
+        "parallel": {"pipeline": WORLD},
+        "NUM_MICRO_BATCHES": M,
+    }
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    engine, loader, _, _ = initialize(model, optimizer, nn.MSELoss(), loader, config=config)
+    engine.train()
+    seen = []
+    for batch in loader:
+        seen.append(batch)
+        engine.zero_grad()
+        output, label, loss = engine.execute_schedule(iter([batch]))
+        if engine.model.has_last_stage:
+            assert output.shape == label.shape == (BATCH, WIDTH)
+            torch.testing.assert_close(label, batch[1], rtol=0, atol=0)
+            assert torch.isfinite(loss)
+        else:
+            assert output is label is loss is None
+        assert not engine.step().skipped
+    assert len(seen) == len(batches)
+    # Both stages read the same shuffled batches (else inputs and labels would not match).
+    assert_same_on_every_rank([t for batch in seen for t in batch], "batches each stage read")
+    expected = _reference("fp16_naive", seen)
+    for name, w in _local_weights(engine.model, engine.optimizer).items():
+        torch.testing.assert_close(w, expected[name], rtol=0, atol=0, msg=f"engine: {name}")
+    before = _snapshot(engine.model, engine.optimizer)
+    engine.eval()
+    _, _, loss = engine.execute_schedule(iter(batches), forward_only=True)
+    assert (loss is not None) == engine.model.has_last_stage
+    assert engine.optimizer.lp_params[0].grad is None  # forward only: no gradient
+    for a, b in zip(_snapshot(engine.model, engine.optimizer), before, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _faces_worker(rank: int, world: int) -> None:
+    _bad_input_worker(rank, world)
+    _config_face(rank)
+
+
 @pytest.mark.distributed
-def test_bad_input_raises_on_every_rank() -> None:
-    spawn(_bad_input_worker, WORLD)
+def test_bad_input_raises_on_every_rank_and_config_face() -> None:
+    spawn(_faces_worker, WORLD)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "extra", "match"),
+    [
+        ({"pipeline": 2}, {}, "needs NUM_MICRO_BATCHES"),
+        ({"pipe": 2}, {"NUM_MICRO_BATCHES": 4}, "Unknown parallel key 'pipe'"),
+        ({"pipeline": 2, "tensor": {"size": 2}}, {"NUM_MICRO_BATCHES": 4}, "tensor size 1"),
+        ({"pipeline": 0}, {}, "parallel.pipeline=0"),
+    ],
+)
+def test_config_parallel_section_is_checked(
+    parallel: dict[str, Any], extra: dict[str, Any], match: str
+) -> None:
+    from mixprec.config import validate_config
+
+    with pytest.raises(ValueError, match=match):
+        validate_config({"parallel": parallel, **extra})
 
 
 # ----- single process: the plugin's arguments and the stage split -----

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mixprec.policy import AMP_TYPE, Policy, did_you_mean, to_policy
+from mixprec.policy import AMP_TYPE, Policy, check_keys, did_you_mean, to_policy
 
 CONFIG_SUFFIXES: tuple[str, ...] = (".py", ".json", ".toml")
 """File types load_config reads: Python (runs the file), JSON and TOML (run nothing)."""
@@ -193,9 +193,48 @@ def config_to_policy(config: Mapping[str, Any]) -> Policy:
     return to_policy(config.get("fp16"))
 
 
+PARALLEL_KEYS: tuple[str, ...] = ("pipeline", "tensor")
+"""Keys of a config's `parallel` section (Colossal's legacy names; data = world / pipeline)."""
+
+
+def _parallel_size(section: str, value: Any) -> int:
+    size = value.get("size", 1) if isinstance(value, Mapping) else value
+    if isinstance(value, Mapping):
+        check_keys(f"parallel.{section}", value, ("size", "mode"))
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"parallel.{section}={value!r}: the size must be an int >= 1.")
+    return size
+
+
+def config_to_pipeline(config: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(pipeline size, NUM_MICRO_BATCHES) of a config's `parallel=dict(pipeline=N)`, or None
+    without a pipeline (absent or size 1)."""
+    parallel = config.get("parallel") or {}
+    if not isinstance(parallel, Mapping):
+        raise TypeError(f"parallel must be a dict like dict(pipeline=2), got {parallel!r}.")
+    check_keys("parallel", parallel, PARALLEL_KEYS)
+    tensor = _parallel_size("tensor", parallel.get("tensor", 1))
+    if tensor != 1:
+        raise ValueError(
+            f"parallel.tensor={parallel['tensor']!r}: configs run tensor size 1 only "
+            "(tensor parallelism: mixprec's DTensor path)."
+        )
+    pp_size = _parallel_size("pipeline", parallel.get("pipeline", 1))
+    if pp_size == 1:
+        return None
+    micro = config.get("NUM_MICRO_BATCHES")
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+        raise ValueError(
+            f"parallel.pipeline={pp_size} needs NUM_MICRO_BATCHES, an int >= {pp_size}; "
+            f"got {micro!r}."
+        )
+    return pp_size, micro
+
+
 def validate_config(config: Mapping[str, Any]) -> None:
     """Fail early on a bad fp16 section, clip_grad_norm or gradient_accumulation."""
     config_to_policy(config)
+    config_to_pipeline(config)
     clip = config.get("clip_grad_norm")
     if clip is not None and (
         isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not clip >= 0

@@ -192,8 +192,10 @@ class PipelinedModel(nn.Module):
         *,
         return_loss: bool = True,
         return_outputs: bool = False,
+        forward_only: bool = False,
     ) -> dict[str, Any]:
-        """One batch through the schedule (forward and backward of every micro-batch).
+        """One batch through the schedule (forward and backward of every micro-batch; only
+        forward with forward_only, which leaves the gradients alone).
 
         batch: (inputs, targets) with the same batch size on every rank. Returns 'loss' (the
         mean of the micro-batch losses) and 'outputs' (concatenated) on the rank holding the
@@ -218,7 +220,8 @@ class PipelinedModel(nn.Module):
         args = (inputs,) if self.has_first_stage else ()
         target = targets if self.has_last_stage else None
         try:
-            output = self._schedule.step(*args, target=target, return_outputs=return_outputs)
+            run = self._schedule.eval if forward_only else self._schedule.step
+            output = run(*args, target=target, return_outputs=return_outputs)
         finally:
             self._run = None
         loss = outputs = None
