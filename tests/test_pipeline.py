@@ -378,14 +378,54 @@ def _config_face(rank: int) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def _faces_worker(rank: int, world: int) -> None:
+def _checkpoint_resume(rank: int, path: str) -> None:
+    """Each stage saves its part; a fresh run loaded from it continues bit for bit, and the
+    whole model loads the directory in one piece."""
+    from mixprec.booster.plugin import Plugin
+
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=LR)  # noqa: E731 - state with a step count
+    batches = _batches(5)
+
+    def train(booster: Any, model: Any, optimizer: Any, criterion: Any, part: list) -> None:
+        for batch in part:
+            booster.execute_pipeline(iter([batch]), model, criterion, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    booster, model, optimizer, criterion = _boost("fp16_naive", optim=adamw)
+    train(booster, model, optimizer, criterion, batches[:3])
+    booster.save_model(model, f"{path}/model")
+    booster.save_optimizer(optimizer, f"{path}/optim")
+    saved = {k: v.clone() for k, v in _local_weights(model, optimizer).items()}
+    train(booster, model, optimizer, criterion, batches[3:])
+
+    booster2, model2, optimizer2, criterion2 = _boost("fp16_naive", optim=adamw)
+    booster2.load_model(model2, f"{path}/model")
+    booster2.load_optimizer(optimizer2, f"{path}/optim")
+    assert optimizer2.steps == 3 and optimizer2.state
+    train(booster2, model2, optimizer2, criterion2, batches[3:])
+    resumed = _snapshot(model2, optimizer2) + scaler_state(optimizer2)
+    for i, (a, b) in enumerate(
+        zip(resumed, _snapshot(model, optimizer) + scaler_state(optimizer), strict=True)
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"resumed tensor {i}")
+
+    whole = _model()  # the unsplit model, as one process would build it
+    Plugin().load_model(whole, f"{path}/model", None)
+    params = dict(whole.named_parameters())
+    for name, w in saved.items():
+        torch.testing.assert_close(params[name], w, rtol=0, atol=0, msg=f"whole model: {name}")
+
+
+def _faces_worker(rank: int, world: int, path: str) -> None:
     _bad_input_worker(rank, world)
     _config_face(rank)
+    _checkpoint_resume(rank, path)
 
 
 @pytest.mark.distributed
-def test_bad_input_raises_on_every_rank_and_config_face() -> None:
-    spawn(_faces_worker, WORLD)
+def test_bad_input_config_face_and_checkpoints(tmp_path: Any) -> None:
+    spawn(_faces_worker, WORLD, str(tmp_path))
 
 
 @pytest.mark.parametrize(

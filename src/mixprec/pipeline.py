@@ -131,12 +131,15 @@ class PipelinedModel(nn.Module):
         config: PipelineConfig,
         pp_group: dist.ProcessGroup,
         device: torch.device,
+        stage_prefixes: list[str],
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.stage_ids = stage_ids
+        self.stage_prefixes = stage_prefixes
+        """Each local stage's key prefix in the unsplit model's state_dict."""
         self.config = config
         self.pipeline_stages = [
             PipelineStage(stage, i, config.num_stages, device, group=pp_group)
@@ -305,7 +308,10 @@ def prepare_pipeline(
         # the dtype they were computed in (an fp32 cast there would double the bytes sent).
         stage_policy = policy if i == last else replace(policy, cast_outputs_to=None)
         wrapped.append(convert(stage.to(device), stage_policy))
-    piped = PipelinedModel(wrapped, stage_ids, config, pp_group, device)
+    # A cut nn.Sequential keeps its layer names; a list of stages is keyed by list index.
+    cut = isinstance(model, nn.Sequential)
+    prefixes = ["" if cut else f"{i}." for i in stage_ids]
+    piped = PipelinedModel(wrapped, stage_ids, config, pp_group, device, prefixes)
     if optimizer is None:
         return piped, None
     mp_optimizer = PipelineOptimizer(

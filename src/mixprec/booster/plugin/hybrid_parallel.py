@@ -11,7 +11,9 @@ The world is split into pp_size pipeline ranks times world / pp_size data-parall
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,8 +21,17 @@ import torch.distributed as dist
 from torch import nn
 
 from mixprec.booster.plugin.plugin_base import Plugin
+from mixprec.checkpoint import load_checkpoint
 from mixprec.mixed_precision import FP32Precision, MixedPrecision, to_mixed_precision
 from mixprec.pipeline import PipelineConfig, PipelinedModel, next_batch, prepare_pipeline
+from mixprec.pipeline_checkpoint import (
+    load_pipeline_model_state,
+    load_pipeline_optimizer_state,
+    owns_key,
+    pipeline_model_state,
+    pipeline_optimizer_state,
+    template_from_metadata,
+)
 from mixprec.pipeline_optim import PipelineOptimizer
 
 
@@ -122,14 +133,63 @@ class HybridParallelPlugin(Plugin):
         return_loss: bool = True,
         return_outputs: bool = False,
     ) -> dict[str, Any]:
-        if not isinstance(model, PipelinedModel):
-            raise TypeError(
-                f"execute_pipeline needs the model boost() returned, got {type(model).__name__}."
-            )
-        return model.run(
+        return _pipelined(model).run(
             next_batch(data_iter),
             criterion,
             optimizer,
             return_loss=return_loss,
             return_outputs=return_outputs,
         )
+
+    # ----- checkpoints: torch.distributed.checkpoint directories, each stage writes its part -----
+    def save_model(
+        self, model: nn.Module, path: str | os.PathLike, optimizer: PipelineOptimizer | None
+    ) -> None:
+        from mixprec.booster.plugin.torch_fsdp import _dcp_save_atomic
+
+        _dcp_save_atomic(pipeline_model_state(_pipelined(model), optimizer), path)
+
+    def load_model(
+        self,
+        model: nn.Module,
+        path: str | os.PathLike,
+        optimizer: PipelineOptimizer | None,
+        strict: bool = True,
+    ) -> None:
+        """A pipelined checkpoint directory, or a whole-model file (single process, DDP)."""
+        import torch.distributed.checkpoint as dcp
+
+        piped = _pipelined(model)
+        if Path(path).is_file():
+            state = load_checkpoint(path)
+        else:
+            state = {k: v.clone() for k, v in pipeline_model_state(piped, optimizer).items()}
+            dcp.load(state, checkpoint_id=os.fspath(path))
+        load_pipeline_model_state(piped, state, optimizer, strict=strict)
+
+    def save_optimizer(
+        self, optimizer: PipelineOptimizer, path: str | os.PathLike, model: nn.Module | None
+    ) -> None:
+        from mixprec.booster.plugin.torch_fsdp import _dcp_save_atomic
+
+        _dcp_save_atomic(pipeline_optimizer_state(_pipelined(model), optimizer), path)
+
+    def load_optimizer(
+        self, optimizer: PipelineOptimizer, path: str | os.PathLike, model: nn.Module | None
+    ) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        piped = _pipelined(model)
+        metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
+        state = template_from_metadata(metadata, lambda key: owns_key(piped, optimizer, key))
+        dcp.load(state, checkpoint_id=os.fspath(path))
+        load_pipeline_optimizer_state(piped, optimizer, state)
+
+
+def _pipelined(model: nn.Module | None) -> PipelinedModel:
+    if not isinstance(model, PipelinedModel):
+        raise TypeError(
+            "HybridParallelPlugin checkpoints need the model boost() returned (a "
+            f"PipelinedModel), got {type(model).__name__}."
+        )
+    return model
