@@ -10,6 +10,9 @@ over the stages in another order, gets a tolerance.
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -426,6 +429,54 @@ def _faces_worker(rank: int, world: int, path: str) -> None:
 @pytest.mark.distributed
 def test_bad_input_config_face_and_checkpoints(tmp_path: Any) -> None:
     spawn(_faces_worker, WORLD, str(tmp_path))
+
+
+def _dying_rank(rank: int, rendezvous: str, out: str) -> None:
+    from datetime import timedelta
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=DEATH_TIMEOUT_S),
+    )
+    booster, model, optimizer, criterion = _boost("fp32")
+    if rank == 1:  # the last stage's process dies inside its first forward
+        model.stages[0].register_forward_hook(lambda *args: os._exit(3))
+    try:
+        booster.execute_pipeline(iter(_batches(1)), model, criterion, optimizer)
+        optimizer.step()
+        Path(out).write_text("no error")
+    except Exception as exc:  # what a surviving rank sees: an error, not a hang
+        Path(out).write_text(f"{type(exc).__name__}: {exc}")
+
+
+DEATH_TIMEOUT_S = 10
+
+
+@pytest.mark.distributed
+def test_a_dead_rank_makes_the_others_raise_within_the_timeout(tmp_path: Path) -> None:
+    """The process group's timeout bounds how long a survivor waits on a dead peer."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = tmp_path / "rank0.txt"
+    procs = [
+        ctx.Process(target=_dying_rank, args=(r, str(tmp_path / "rdzv"), str(out)))
+        for r in range(WORLD)
+    ]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    procs[1].join(120)
+    procs[0].join(120)
+    waited = time.monotonic() - t0
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert procs[1].exitcode == 3
+    assert procs[0].exitcode == 0, "the surviving rank hung or crashed"
+    assert out.read_text() != "no error"
+    assert waited < 60 + DEATH_TIMEOUT_S, waited
 
 
 @pytest.mark.parametrize(
