@@ -12,8 +12,9 @@ precision rules a pipeline needs:
 - fp32 accumulation of micro-batch gradients, dp averaging, global-norm clipping and the skip
   agreed over every rank: see mixprec.pipeline_optim.PipelineOptimizer.
 
-A rank that dies mid-step leaves its peers blocked in a send/recv until the process group's
-timeout (init_process_group(timeout=...), torch's default 30 min for gloo); they then raise.
+A rank whose process dies mid-step resets its gloo connections: its peers' sends/receives
+raise at once. A rank that hangs holds its peers until the process group's timeout
+(init_process_group(timeout=...), torch's default 30 min), after which they raise.
 """
 
 from __future__ import annotations
@@ -258,6 +259,22 @@ def next_batch(data_iter: Iterator[Any] | Any) -> Any:
     return next(data_iter)
 
 
+def check_pp_size(pp_size: int, world: int) -> None:
+    """pp_size must divide the world (the rest is data parallel); every rank raises alike."""
+    if world % pp_size:
+        raise ValueError(
+            f"pp_size={pp_size} does not divide the world size {world}; valid pp_size: "
+            f"{[d for d in range(1, world + 1) if world % d == 0]}."
+        )
+
+
+def data_shard(pp_size: int) -> tuple[int, int]:
+    """(this rank's replica, replicas) of the (dp, pp) mesh: a replica's pp_size stages sit on
+    adjacent ranks and must all read the same batches."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return rank // pp_size, world // pp_size
+
+
 def prepare_pipeline(
     model: nn.Module | Sequence[nn.Module],
     optimizer: torch.optim.Optimizer | None,
@@ -282,11 +299,7 @@ def prepare_pipeline(
             "mixprec.launch.launch_from_torch() (or launch) before boosting."
         )
     world = dist.get_world_size()
-    if world % config.pp_size:
-        raise ValueError(
-            f"pp_size={config.pp_size} does not divide the world size {world}; valid pp_size: "
-            f"{[d for d in range(1, world + 1) if world % d == 0]}."
-        )
+    check_pp_size(config.pp_size, world)
     all_stages = stage_modules(model, config)  # bad models raise here, before any collective
     dp_size = world // config.pp_size
     mesh = init_device_mesh(device.type, (dp_size, config.pp_size), mesh_dim_names=("dp", "pp"))

@@ -20,13 +20,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
 from mixprec.module import FP32Criterion
 from mixprec.optim import StepResult
-from mixprec.pipeline import PipelineConfig, PipelinedModel, next_batch, prepare_pipeline
+from mixprec.pipeline import (
+    PipelineConfig,
+    PipelinedModel,
+    data_shard,
+    next_batch,
+    prepare_pipeline,
+)
 from mixprec.pipeline_optim import PipelineOptimizer
 from mixprec.policy import Policy
 
@@ -151,7 +156,7 @@ def initialize_pipeline(
     )
     assert mp_optimizer is not None
     # A replica's stages must read the same batches in the same order: shard over dp only.
-    dp_size, dp_rank = dist.get_world_size() // pp_size, dist.get_rank() // pp_size
+    dp_rank, dp_size = data_shard(pp_size)
     train, test = (
         None if loader is None else dataloader_to_distributed(loader, dp_rank, dp_size)
         for loader in loaders

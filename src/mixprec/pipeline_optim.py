@@ -59,7 +59,7 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
             return
         if id(hp) in self._fresh:
             hp.grad.add_(grad)  # fp32 += lp: the add upcasts exactly
-        elif hp.grad is not None and hp.grad.shape == hp.shape:
+        elif hp.grad is not None:
             hp.grad.copy_(grad)  # reuse the buffer kept between steps (CPU: no page faults)
             self._fresh.add(id(hp))
         else:
@@ -107,8 +107,6 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        if self._dp_size > 1:
-            self.grads_to_masters()  # fp32 params' grads too must be averaged before stepping
         try:
             return super().step(closure)
         finally:

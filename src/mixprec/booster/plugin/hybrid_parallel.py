@@ -20,10 +20,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.booster.plugin.plugin_base import Plugin
+from mixprec.booster.plugin.plugin_base import Plugin, is_distributed, rank_and_world
 from mixprec.checkpoint import load_checkpoint
 from mixprec.mixed_precision import FP32Precision, MixedPrecision, to_mixed_precision
-from mixprec.pipeline import PipelineConfig, PipelinedModel, next_batch, prepare_pipeline
+from mixprec.pipeline import (
+    PipelineConfig,
+    PipelinedModel,
+    check_pp_size,
+    data_shard,
+    next_batch,
+    prepare_pipeline,
+)
 from mixprec.pipeline_checkpoint import (
     load_pipeline_model_state,
     load_pipeline_optimizer_state,
@@ -42,8 +49,8 @@ class HybridParallelPlugin(Plugin):
         tp_size: tensor-parallel size; only 1 composes with the pipeline so far.
         pp_size: pipeline ranks; must divide the world size (the rest is data parallel).
         num_microbatches: micro-batches per batch (>= pp_size for '1f1b' and 'interleaved').
-        precision: a mode name (mixprec.policy.MODES) or None for the Booster's
-            mixed_precision (fp32 when it has none).
+        precision: a mode name (mixprec.policy.MODES), a MixedPrecision, or None for the
+            Booster's mixed_precision (fp32 when it has none).
         pp_schedule: '1f1b', 'gpipe' or 'interleaved' (torch's schedules of those names).
         num_model_chunks: stages per rank for 'interleaved' (default 2).
         split_points: nn.Sequential layer names where stages 1.. begin (default: balanced
@@ -56,7 +63,7 @@ class HybridParallelPlugin(Plugin):
         tp_size: int = 1,
         pp_size: int = 1,
         num_microbatches: int | None = None,
-        precision: str | None = None,
+        precision: str | MixedPrecision | None = None,
         pp_schedule: str = "1f1b",
         num_model_chunks: int | None = None,
         split_points: list[str] | tuple[str, ...] | None = None,
@@ -85,13 +92,14 @@ class HybridParallelPlugin(Plugin):
         )
         self.precision = None if precision is None else to_mixed_precision(precision)
         self.max_norm = float(max_norm)
-        if dist.is_available() and dist.is_initialized():
-            world = dist.get_world_size()
-            if world % pp_size:  # every rank sees the same sizes: all raise, none hangs
-                raise ValueError(
-                    f"pp_size={pp_size} does not divide the world size {world}; valid "
-                    f"pp_size: {[d for d in range(1, world + 1) if world % d == 0]}."
-                )
+        if is_distributed():  # every rank sees the same sizes: all raise, none hangs
+            check_pp_size(pp_size, dist.get_world_size())
+
+    def data_rank_and_world(self) -> tuple[int, int]:
+        """Shards per data-parallel replica: a replica's stages must all read the same batch."""
+        if not is_distributed():
+            return rank_and_world()
+        return data_shard(self.config.pp_size)
 
     def _precision(self, booster_precision: MixedPrecision) -> MixedPrecision:
         if self.precision is None:
