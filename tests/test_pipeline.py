@@ -30,7 +30,7 @@ from mixprec.policy import to_policy
 from mixprec.scaling import LossScaler
 
 WORLD = 2
-WIDTH = 8  # tiny: fp16 matmuls on CPU are very slow
+WIDTH = 16  # tiny (fp16 matmuls on CPU are very slow), yet fp8's GEMMs need multiples of 16
 M = 4  # micro-batches per batch
 BATCH = 8
 STEPS = 10
@@ -42,6 +42,7 @@ MODES: dict[str, Any] = {
     "bf16": "bf16",
     "fp16": {"mode": "fp16", "init_scale": 2.0**10},
     "fp16_naive": {"mode": "fp16_naive", "initial_scale": 2.0**8},
+    "fp8": "fp8",
 }
 # Every schedule for a mode without masters and one with them (the fp32 accumulation hooks);
 # the schedule only reorders micro-batches, which the other modes do not see differently.
@@ -50,12 +51,14 @@ SCHEDULES_OF: dict[str, tuple[str, ...]] = {
     "bf16": ("1f1b",),
     "fp16": ("1f1b",),
     "fp16_naive": ("1f1b", "gpipe", "interleaved"),
+    "fp8": ("1f1b",),
 }
 PRECISIONS: dict[str, Any] = {  # the same modes as the Booster's precision objects take them
     "fp32": "fp32",
     "bf16": "bf16",
     "fp16": ("fp16", {"init_scale": 2.0**10}),
     "fp16_naive": ("fp16_naive", {"initial_scale": 2.0**8}),
+    "fp8": "fp8",
 }
 
 
@@ -174,6 +177,9 @@ def _check_equal_to_reference(rank: int, modes: tuple[str, ...]) -> None:
             model, optimizer, losses = _train(mode, schedule, batches)
             got = _local_weights(model, optimizer)
             assert got, f"rank {rank} holds no params"
+            if mode == "fp8":  # the stages' Linears really run float8 GEMMs
+                kinds = {type(m).__name__ for stage in model.stages for m in stage.modules()}
+                assert any("Float8" in kind for kind in kinds), kinds
             for name, w in got.items():
                 torch.testing.assert_close(
                     w, expected[name], rtol=0, atol=0, msg=f"{mode} {schedule}: {name}"
