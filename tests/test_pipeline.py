@@ -132,7 +132,9 @@ def _reference(
     return {n: m.detach().clone() for n, m in zip(names, masters, strict=True)}
 
 
-def _boost(mode: str, schedule: str = "1f1b", max_norm: float = 0.0, optim: Any = None) -> tuple:
+def _boost(
+    mode: str, schedule: str = "1f1b", max_norm: float = 0.0, optim: Any = None, **tp: Any
+) -> tuple:
     spec = _precision(mode)  # a name goes to the plugin, a configured object to the Booster
     plugin = HybridParallelPlugin(
         pp_size=WORLD,
@@ -140,6 +142,7 @@ def _boost(mode: str, schedule: str = "1f1b", max_norm: float = 0.0, optim: Any 
         precision=spec if isinstance(spec, str) else None,
         pp_schedule=schedule,
         max_norm=max_norm,
+        **tp,
     )
     booster = Booster(plugin=plugin, mixed_precision=None if isinstance(spec, str) else spec)
     model = _model()
@@ -305,6 +308,65 @@ def _dp_worker(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_pipeline_times_data_parallel_on_four_processes() -> None:
     spawn(_dp_worker, 2 * WORLD)
+
+
+def _tp_plan() -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    # Megatron's pairs inside each stage (layers 0-2 | 3-6): column- then row-parallel.
+    return {
+        "0": ColwiseParallel(),
+        "2": RowwiseParallel(),
+        "4": ColwiseParallel(),
+        "6": RowwiseParallel(),
+    }
+
+
+def _tp_worker(rank: int, world: int) -> None:
+    """pp=2 x tp=2: the one-process loop within fp32 rounding; a skip agreed by all four."""
+    from torch.distributed.tensor import DTensor
+
+    tp = {"tp_size": 2, "tp_plan": _tp_plan()}
+    batches = _batches(4)
+    for max_norm in (0.0, 0.05):  # 0.05: every step clips, by the norm over stages and shards
+        expected = _reference("fp32", batches, max_norm=max_norm)
+        booster, model, optimizer, criterion = _boost("fp32", max_norm=max_norm, **tp)
+        assert any(isinstance(p, DTensor) for s in model.stages for p in s.parameters())
+        for batch in batches:
+            booster.execute_pipeline(iter([batch]), model, criterion, optimizer)
+            assert not optimizer.step().skipped
+            optimizer.zero_grad()
+        for name, w in _local_weights(model, optimizer).items():
+            full = w.full_tensor() if isinstance(w, DTensor) else w
+            # A row-parallel layer sums two partial products where one process sums one:
+            # fp32 roundings of the reordered sums, a few ulps a step over 4 steps.
+            torch.testing.assert_close(full, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+    booster, model, optimizer, criterion = _boost("fp16", **tp)
+    before = [
+        (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+        for s in model.stages
+        for p in s.parameters()
+    ]
+    if rank == 0:  # one shard of one param on one of the four ranks
+        first = next(model.stages[0].parameters())
+        first.register_hook(lambda g: g.to_local().view(-1).__setitem__(0, float("inf")) or g)
+    booster.execute_pipeline(iter(_batches(1)), model, criterion, optimizer)
+    assert optimizer.step().skipped, f"rank {rank} stepped although rank 0 overflowed"
+    after = [
+        (p.to_local() if isinstance(p, DTensor) else p)
+        for s in model.stages
+        for p in s.parameters()
+    ]
+    for a, b in zip(after, before, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert_same_on_every_rank(scaler_state(optimizer), "pp x tp scaler")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pipeline_times_tensor_parallel_on_four_processes() -> None:
+    spawn(_tp_worker, 2 * WORLD)
 
 
 def _raises_everywhere(fn: Any, error: type[Exception], match: str) -> None:

@@ -19,7 +19,7 @@ raise at once. A rank that hangs holds its peers until the process group's timeo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
@@ -51,9 +51,11 @@ class PipelineConfig:
     """Stages per rank (None: 2 for 'interleaved', else 1)."""
     split_points: tuple[str, ...] | None = None
     """Names of the nn.Sequential layers where stages 1.. begin (None: balanced by params)."""
+    tp_size: int = 1
+    """Tensor-parallel ranks per stage (torch's DTensor parallelize_module with tp_plan)."""
 
     def __post_init__(self) -> None:
-        for name in ("pp_size", "num_microbatches"):
+        for name in ("pp_size", "num_microbatches", "tp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1.")
@@ -259,20 +261,22 @@ def next_batch(data_iter: Iterator[Any] | Any) -> Any:
     return next(data_iter)
 
 
-def check_pp_size(pp_size: int, world: int) -> None:
-    """pp_size must divide the world (the rest is data parallel); every rank raises alike."""
-    if world % pp_size:
+def check_pp_size(pp_size: int, world: int, tp_size: int = 1) -> None:
+    """pp_size x tp_size must divide the world (the rest is data parallel); all ranks raise."""
+    if world % (pp_size * tp_size):
+        valid = [d for d in range(1, world + 1) if world % (d * tp_size) == 0]
         raise ValueError(
-            f"pp_size={pp_size} does not divide the world size {world}; valid pp_size: "
-            f"{[d for d in range(1, world + 1) if world % d == 0]}."
+            f"pp_size={pp_size} x tp_size={tp_size} does not divide the world size {world}; "
+            f"valid pp_size with this tp_size: {valid}."
         )
 
 
-def data_shard(pp_size: int) -> tuple[int, int]:
-    """(this rank's replica, replicas) of the (dp, pp) mesh: a replica's pp_size stages sit on
-    adjacent ranks and must all read the same batches."""
+def data_shard(pp_size: int, tp_size: int = 1) -> tuple[int, int]:
+    """(this rank's replica, replicas) of the (dp, pp, tp) mesh: a replica's pp x tp ranks sit
+    on adjacent ranks and must all read the same batches."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    return rank // pp_size, world // pp_size
+    per_replica = pp_size * tp_size
+    return rank // per_replica, world // per_replica
 
 
 def prepare_pipeline(
@@ -284,6 +288,7 @@ def prepare_pipeline(
     device: torch.device,
     max_norm: float = 0.0,
     convert: Convert = prepare_model,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> tuple[PipelinedModel, PipelineOptimizer | None]:
     """Cut model into stages, keep this rank's (cast per policy), and wrap optimizer over them.
 
@@ -298,11 +303,14 @@ def prepare_pipeline(
             "Pipeline parallelism needs torch.distributed initialised first: call "
             "mixprec.launch.launch_from_torch() (or launch) before boosting."
         )
-    world = dist.get_world_size()
-    check_pp_size(config.pp_size, world)
+    world, tp = dist.get_world_size(), config.tp_size
+    check_pp_size(config.pp_size, world, tp)
     all_stages = stage_modules(model, config)  # bad models raise here, before any collective
-    dp_size = world // config.pp_size
-    mesh = init_device_mesh(device.type, (dp_size, config.pp_size), mesh_dim_names=("dp", "pp"))
+    plans = _stage_tp_plans(all_stages, tp_plan, tp)
+    dp_size = world // (config.pp_size * tp)
+    mesh = init_device_mesh(
+        device.type, (dp_size, config.pp_size, tp), mesh_dim_names=("dp", "pp", "tp")
+    )
     pp_rank = mesh.get_local_rank("pp")
     pp_group = mesh.get_group("pp")
     dp_group = mesh.get_group("dp") if dp_size > 1 else None
@@ -324,6 +332,8 @@ def prepare_pipeline(
     # A cut nn.Sequential keeps its layer names; a list of stages is keyed by list index.
     cut = isinstance(model, nn.Sequential)
     prefixes = ["" if cut else f"{i}." for i in stage_ids]
+    if tp > 1:
+        _parallelize(wrapped, [plans[i] for i in stage_ids], mesh["tp"], optimizer)
     piped = PipelinedModel(wrapped, stage_ids, config, pp_group, device, prefixes)
     if optimizer is None:
         return piped, None
@@ -354,3 +364,48 @@ def _narrow_optimizer(
                     "pipelined model; pass the optimizer built over this model's parameters."
                 )
         group["params"] = [p for p in group["params"] if id(p) in local_ids]
+
+
+def _stage_tp_plans(
+    stages: list[nn.Module], tp_plan: Mapping[str, Any] | None, tp: int
+) -> list[dict[str, Any]]:
+    """tp_plan (module name -> torch ParallelStyle, names as in the stage modules) split by
+    stage; every name must be a module of some stage."""
+    if tp == 1:
+        if tp_plan:
+            raise ValueError("tp_plan given but tp_size=1: set tp_size > 1 or drop tp_plan.")
+        return [{} for _ in stages]
+    if not tp_plan:
+        raise ValueError(
+            f"tp_size={tp} needs tp_plan: module name -> torch ParallelStyle (e.g. "
+            "{'0': ColwiseParallel(), '2': RowwiseParallel()}), as parallelize_module takes."
+        )
+    names = [dict(stage.named_modules()) for stage in stages]
+    plans: list[dict[str, Any]] = [{} for _ in stages]
+    for key, style in tp_plan.items():
+        owner = [i for i, mods in enumerate(names) if key in mods and key]
+        if not owner:
+            every = sorted({k for mods in names for k in mods if k})
+            raise ValueError(f"tp_plan names no module {key!r}." + did_you_mean(key, every))
+        plans[owner[0]][key] = style
+    return plans
+
+
+def _parallelize(
+    stages: list[PrecisionModule],
+    plans: list[dict[str, Any]],
+    tp_mesh: Any,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """Shard each stage over the tp mesh; the optimizer then holds the new (DTensor) params."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    before = {id(p): (i, n) for i, s in enumerate(stages) for n, p in s.module.named_parameters()}
+    for stage, plan in zip(stages, plans, strict=True):
+        if plan:
+            parallelize_module(stage.module, tp_mesh, plan)
+    if optimizer is None:
+        return
+    after = [dict(s.module.named_parameters()) for s in stages]
+    for group in optimizer.param_groups:
+        group["params"] = [after[before[id(p)][0]][before[id(p)][1]] for p in group["params"]]

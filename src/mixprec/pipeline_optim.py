@@ -25,7 +25,8 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
     """A MixedPrecisionOptimizer over one pipeline rank's stage parameters.
 
     Args (beyond MixedPrecisionOptimizer's):
-        pp_group: the ranks holding the other stages of this replica (global norm).
+        pp_group: the ranks holding the other stages of this replica (global norm; a
+            tensor-parallel stage's norm is first completed over its DTensor shards).
         dp_group: the ranks holding this stage's replicas (gradient average), or None.
     """
 
@@ -89,16 +90,19 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         self.unscale_grads()
         grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
         sq = torch.zeros(1, dtype=torch.float32, device=self.scaler.scale_tensor.device)
-        if grads:
-            norms = torch._foreach_norm([g.float() for g in grads])
-            sq += torch.stack(norms).square().sum()
+        plain = [g.float() for g in grads if not hasattr(g, "full_tensor")]
+        if plain:
+            sq += torch.stack(torch._foreach_norm(plain)).square().sum()
+        for g in grads:
+            if hasattr(g, "full_tensor"):  # a tensor-parallel DTensor: its norm over all shards
+                sq += torch.linalg.vector_norm(g.float()).full_tensor().square()
         if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
             dist.all_reduce(sq, group=self.pp_group)  # dp replicas hold equal grads: pp only
         total = sq.sqrt().reshape(())
         # torch's clip_grad_norm_ coefficient; inf/nan on a skipped step is harmless.
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
-            torch._foreach_mul_(grads, coef)
+            torch._foreach_mul_(local_shards(grads), coef)
         return total
 
     def _reset_step(self) -> None:

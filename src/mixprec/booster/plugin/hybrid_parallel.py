@@ -6,13 +6,14 @@
     out = booster.execute_pipeline(iter(loader), model, criterion, optimizer)
     optimizer.step(); optimizer.zero_grad()
 
-The world is split into pp_size pipeline ranks times world / pp_size data-parallel replicas.
+The world is split into pp_size pipeline stages x tp_size tensor-parallel ranks per stage x
+the rest data-parallel replicas.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ class HybridParallelPlugin(Plugin):
     """Pipeline parallelism (torch.distributed.pipelining) under any mixprec precision.
 
     Args:
-        tp_size: tensor-parallel size; only 1 composes with the pipeline so far.
+        tp_size: tensor-parallel ranks per stage (with tp_plan).
         pp_size: pipeline ranks; must divide the world size (the rest is data parallel).
         num_microbatches: micro-batches per batch (>= pp_size for '1f1b' and 'interleaved').
         precision: a mode name (mixprec.policy.MODES), a MixedPrecision, or None for the
@@ -56,6 +57,9 @@ class HybridParallelPlugin(Plugin):
         split_points: nn.Sequential layer names where stages 1.. begin (default: balanced
             by parameter count).
         max_norm: clip gradients to this norm over all stages (0: off).
+        tp_plan: module name -> torch ParallelStyle (ColwiseParallel(), RowwiseParallel(),
+            ...), as torch's parallelize_module takes, applied to the stage holding each
+            module over its tp ranks (a mixprec addition: Colossal shards by policy).
     """
 
     def __init__(
@@ -68,12 +72,8 @@ class HybridParallelPlugin(Plugin):
         num_model_chunks: int | None = None,
         split_points: list[str] | tuple[str, ...] | None = None,
         max_norm: float = 0.0,
+        tp_plan: Mapping[str, Any] | None = None,
     ) -> None:
-        if tp_size != 1:
-            raise ValueError(
-                f"tp_size={tp_size!r}: HybridParallelPlugin composes pipeline and data "
-                "parallelism only; valid: 1 (tensor parallelism: mixprec's DTensor path)."
-            )
         if num_microbatches is None and pp_size == 1:
             num_microbatches = 1  # one stage: the whole batch at once, as without a pipeline
         if num_microbatches is None:
@@ -89,17 +89,24 @@ class HybridParallelPlugin(Plugin):
             schedule=pp_schedule,
             num_model_chunks=num_model_chunks,
             split_points=None if split_points is None else tuple(split_points),
+            tp_size=tp_size,
         )
+        self.tp_plan = dict(tp_plan) if tp_plan else None
+        if (tp_size != 1) != bool(self.tp_plan):
+            raise ValueError(
+                f"tp_size={tp_size!r} with tp_plan={tp_plan!r}: tensor parallelism needs both "
+                "tp_size > 1 and tp_plan (module name -> torch ParallelStyle), or neither."
+            )
         self.precision = None if precision is None else to_mixed_precision(precision)
         self.max_norm = float(max_norm)
         if is_distributed():  # every rank sees the same sizes: all raise, none hangs
-            check_pp_size(pp_size, dist.get_world_size())
+            check_pp_size(pp_size, dist.get_world_size(), tp_size)
 
     def data_rank_and_world(self) -> tuple[int, int]:
         """Shards per data-parallel replica: a replica's stages must all read the same batch."""
         if not is_distributed():
             return rank_and_world()
-        return data_shard(self.config.pp_size)
+        return data_shard(self.config.pp_size, self.config.tp_size)
 
     def _precision(self, booster_precision: MixedPrecision) -> MixedPrecision:
         if self.precision is None:
@@ -130,6 +137,7 @@ class HybridParallelPlugin(Plugin):
             device=device,
             max_norm=self.max_norm,
             convert=precision.convert_module,
+            tp_plan=self.tp_plan,
         )
 
     def execute_pipeline(
