@@ -492,10 +492,53 @@ def _checkpoint_resume(rank: int, path: str) -> None:
         torch.testing.assert_close(params[name], w, rtol=0, atol=0, msg=f"whole model: {name}")
 
 
+def _own_stages(rank: int, path: str) -> None:
+    """A model given as its stage modules: trains like the same layers in one process, and
+    its checkpoint loads into the whole ModuleList."""
+    from mixprec.booster.plugin import Plugin
+
+    def stages() -> nn.ModuleList:
+        torch.manual_seed(0)
+        return nn.ModuleList(
+            [nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU()), nn.Linear(2 * WIDTH, WIDTH)]
+        )
+
+    ref = nn.Sequential(*stages())  # the same layers, the same names ("0.0.weight", "1.weight")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    booster = Booster(plugin=HybridParallelPlugin(pp_size=WORLD, num_microbatches=M))
+    model = stages()
+    model, optimizer, criterion, _, _ = booster.boost(
+        model, torch.optim.SGD(model.parameters(), lr=LR), nn.MSELoss()
+    )
+    for x, y in _batches(2):
+        booster.execute_pipeline(iter([(x, y)]), model, criterion, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
+            (nn.functional.mse_loss(ref(xb), yb) / M).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    expected = dict(ref.named_parameters())
+    got = {
+        prefix + name: p
+        for prefix, stage in zip(model.stage_prefixes, model.stages, strict=True)
+        for name, p in stage.module.named_parameters()
+    }
+    assert got
+    for name, p in got.items():
+        torch.testing.assert_close(p, expected[name], rtol=0, atol=0, msg=name)
+    booster.save_model(model, f"{path}/stages")
+    whole = stages()
+    Plugin().load_model(whole, f"{path}/stages", None)
+    for name, p in whole.named_parameters():
+        torch.testing.assert_close(p, expected[name], rtol=0, atol=0, msg=f"loaded {name}")
+
+
 def _faces_worker(rank: int, world: int, path: str) -> None:
     _bad_input_worker(rank, world)
     _config_face(rank)
     _checkpoint_resume(rank, path)
+    _own_stages(rank, path)
 
 
 @pytest.mark.distributed

@@ -76,7 +76,7 @@ class Booster:
         device: where the model trains (default: 'cuda' when available, else 'cpu').
         mixed_precision: None (fp32), a mode name (mixprec.policy.MODES: 'fp16', 'bf16',
             'fp16_naive', 'fp16_apex', 'fp8', 'fp32') or a MixedPrecision instance.
-        plugin: TorchDDPPlugin, TorchFSDPPlugin, or None for a single process.
+        plugin: TorchDDPPlugin, TorchFSDPPlugin, HybridParallelPlugin, or None (one process).
     """
 
     def __init__(
