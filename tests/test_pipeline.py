@@ -304,12 +304,6 @@ def _dp_worker(rank: int, world: int) -> None:
     assert sorted(torch.cat([samples, other_replica]).tolist()) == list(range(16))
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_pipeline_times_data_parallel_on_four_processes() -> None:
-    spawn(_dp_worker, 2 * WORLD)
-
-
 def _tp_plan() -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -363,10 +357,16 @@ def _tp_worker(rank: int, world: int) -> None:
     assert_same_on_every_rank(scaler_state(optimizer), "pp x tp scaler")
 
 
+def _four_worker(rank: int, world: int) -> None:
+    _dp_worker(rank, world)
+    _tp_worker(rank, world)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_pipeline_times_tensor_parallel_on_four_processes() -> None:
-    spawn(_tp_worker, 2 * WORLD)
+def test_pipeline_times_data_and_tensor_parallel_on_four_processes() -> None:
+    """pp=2 x dp=2, then pp=2 x tp=2, in one spawn (4 processes start slowly on 2 cores)."""
+    spawn(_four_worker, 2 * WORLD)
 
 
 def _raises_everywhere(fn: Any, error: type[Exception], match: str) -> None:

@@ -391,7 +391,8 @@ def initialize(
     skipped; it is returned unchanged. Leave it out to step a schedule yourself.
     On CUDA the model moves to the current device first. With world size > 1 the prepared
     model is wrapped in DistributedDataParallel and the dataloaders get DistributedSamplers.
-    Returns (engine, train_dataloader, test_dataloader, lr_scheduler).
+    Returns (engine, train_dataloader, test_dataloader, lr_scheduler). With
+    `parallel=dict(pipeline=N)` and NUM_MICRO_BATCHES the engine is a pipeline_engine.PipelineEngine.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
