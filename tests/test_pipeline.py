@@ -357,16 +357,54 @@ def _tp_worker(rank: int, world: int) -> None:
     assert_same_on_every_rank(scaler_state(optimizer), "pp x tp scaler")
 
 
-def _four_worker(rank: int, world: int) -> None:
+def _tp_checkpoint_resume(path: str) -> None:
+    """pp=2 x tp=2 checkpoints (DTensor shards, sharded AdamW state) resume bit for bit."""
+    from torch.distributed.tensor import DTensor
+
+    from mixprec.pipeline_checkpoint import pipeline_optimizer_state
+
+    def local(t: Any) -> Any:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    tp = {"tp_size": 2, "tp_plan": _tp_plan()}
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=LR)  # noqa: E731 - sharded state, a step count
+    runs = [_boost("fp16_naive", optim=adamw, **tp)]
+    booster, model, optimizer, criterion = runs[0]
+    for batch in _batches(2):
+        booster.execute_pipeline(iter([batch]), model, criterion, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+    booster.save_model(model, f"{path}/tp_model")
+    booster.save_optimizer(optimizer, f"{path}/tp_optim")
+    runs.append(_boost("fp16_naive", optim=adamw, **tp))
+    runs[1][0].load_model(runs[1][1], f"{path}/tp_model")
+    runs[1][0].load_optimizer(runs[1][2], f"{path}/tp_optim")
+    for booster, model, optimizer, criterion in runs:  # the same next step, saved and resumed
+        booster.execute_pipeline(iter(_batches(3)[2:]), model, criterion, optimizer)
+        optimizer.step()
+    (_, m0, o0, _), (_, m1, o1, _) = runs
+    s0, s1 = pipeline_optimizer_state(m0, o0), pipeline_optimizer_state(m1, o1)
+    assert s0.keys() == s1.keys() and any(k.endswith("exp_avg") for k in s0)
+    for key, value in s0.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(local(s1[key]), local(value), rtol=0, atol=0, msg=key)
+        else:
+            assert s1[key] == value, key
+    for a, b in zip(m0.parameters(), m1.parameters(), strict=True):
+        torch.testing.assert_close(local(b), local(a), rtol=0, atol=0)
+
+
+def _four_worker(rank: int, world: int, path: str) -> None:
     _dp_worker(rank, world)
     _tp_worker(rank, world)
+    _tp_checkpoint_resume(path)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_pipeline_times_data_and_tensor_parallel_on_four_processes() -> None:
+def test_pipeline_times_data_and_tensor_parallel_on_four_processes(tmp_path: Path) -> None:
     """pp=2 x dp=2, then pp=2 x tp=2, in one spawn (4 processes start slowly on 2 cores)."""
-    spawn(_four_worker, 2 * WORLD)
+    spawn(_four_worker, 2 * WORLD, str(tmp_path))
 
 
 def _raises_everywhere(fn: Any, error: type[Exception], match: str) -> None:

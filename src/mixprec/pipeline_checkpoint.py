@@ -95,7 +95,8 @@ def load_pipeline_optimizer_state(
         if key.startswith(STATE):
             name, field = key[len(STATE) :].rsplit(".", 1)
             if name in by_name:
-                optimizer.optim.state[held[by_name[name]]][field] = value
+                param = held[by_name[name]]
+                optimizer.optim.state[param][field] = _laid_out_like(value, param)
         elif key.startswith("param_groups."):
             _, g, field = key.split(".", 2)
             optimizer.optim.param_groups[int(g)][field] = value
@@ -120,3 +121,17 @@ def template_from_metadata(metadata: Any, keep: Any) -> dict[str, Any]:
         else:
             out[key] = None  # a pickled value (a float, a tuple of betas): read whole
     return out
+
+
+def _laid_out_like(value: Any, param: torch.Tensor) -> Any:
+    """A whole saved state tensor sharded like its tensor-parallel (DTensor) param.
+
+    Each tp rank read the whole tensor, so it cuts out its own shard with no communication.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, DTensor) or value.shape != param.shape:
+        return value  # a scalar state (Adam's step) stays as saved
+    return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
