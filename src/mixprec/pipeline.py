@@ -1,7 +1,8 @@
 """Pipeline parallelism under every precision mode, on torch.distributed.pipelining.
 
-Each rank of a (dp, pp) mesh holds one stage (two or more with the interleaved schedule) of
-the model, cast and wrapped by the same core as a single-process model (prepare_model). The
+Each rank of a (dp, pp, tp) mesh holds one stage (two or more with the interleaved schedule)
+of the model, cast and wrapped by the same core as a single-process model (prepare_model) and,
+with tp_size > 1, sharded by torch's parallelize_module. The
 schedules are torch's (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B); mixprec adds the
 precision rules a pipeline needs:
 
@@ -42,7 +43,7 @@ class PipelineConfig:
     """How a model is pipelined."""
 
     pp_size: int
-    """Pipeline ranks (stages per model replica, times num_model_chunks)."""
+    """Pipeline ranks per model replica (stages: pp_size x num_model_chunks)."""
     num_microbatches: int
     """Micro-batches each batch is split into (dim 0 must divide evenly)."""
     schedule: str = "1f1b"
