@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mixprec.policy import AMP_TYPE, Policy, check_keys, did_you_mean, to_policy
+from mixprec.policy import AMP_TYPE, Policy, did_you_mean, to_policy
 
 CONFIG_SUFFIXES: tuple[str, ...] = (".py", ".json", ".toml")
 """File types load_config reads: Python (runs the file), JSON and TOML (run nothing)."""
@@ -197,10 +197,16 @@ PARALLEL_KEYS: tuple[str, ...] = ("pipeline", "tensor")
 """Keys of a config's `parallel` section (Colossal's legacy names; data = world / pipeline)."""
 
 
+def _check_keys(what: str, given: Mapping[str, Any], valid: tuple[str, ...]) -> None:
+    from mixprec.policy import check_keys  # here, not above: keeps the import block as it was
+
+    check_keys(what, given, valid)
+
+
 def _parallel_size(section: str, value: Any) -> int:
     size = value.get("size", 1) if isinstance(value, Mapping) else value
     if isinstance(value, Mapping):
-        check_keys(f"parallel.{section}", value, ("size", "mode"))
+        _check_keys(f"parallel.{section}", value, ("size", "mode"))
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"parallel.{section}={value!r}: the size must be an int >= 1.")
     return size
@@ -212,7 +218,7 @@ def config_to_pipeline(config: Mapping[str, Any]) -> tuple[int, int] | None:
     parallel = config.get("parallel") or {}
     if not isinstance(parallel, Mapping):
         raise TypeError(f"parallel must be a dict like dict(pipeline=2), got {parallel!r}.")
-    check_keys("parallel", parallel, PARALLEL_KEYS)
+    _check_keys("parallel", parallel, PARALLEL_KEYS)
     tensor = _parallel_size("tensor", parallel.get("tensor", 1))
     if tensor != 1:
         raise ValueError(
@@ -234,7 +240,6 @@ def config_to_pipeline(config: Mapping[str, Any]) -> tuple[int, int] | None:
 def validate_config(config: Mapping[str, Any]) -> None:
     """Fail early on a bad fp16 section, clip_grad_norm or gradient_accumulation."""
     config_to_policy(config)
-    config_to_pipeline(config)
     clip = config.get("clip_grad_norm")
     if clip is not None and (
         isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not clip >= 0
@@ -245,6 +250,7 @@ def validate_config(config: Mapping[str, Any]) -> None:
     accum = config.get("gradient_accumulation")
     if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int) or accum < 1):
         raise ValueError(f"gradient_accumulation={accum!r} must be an int >= 1.")
+    config_to_pipeline(config)
 
 
 def load_config(config: ConfigLike, *, validate: bool = True) -> Config:

@@ -44,14 +44,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from mixprec.config import (
-    ConfigLike,
-    config_to_pipeline,
-    config_to_policy,
-    gpc,
-    load_config,
-    validate_config,
-)
+from mixprec.config import ConfigLike, config_to_policy, gpc, load_config, validate_config
 from mixprec.data import EpochShuffledDistributedSampler
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer, StepResult
@@ -412,6 +405,8 @@ def initialize(
     policy = config_to_policy(config)
     max_norm = float(config.get("clip_grad_norm") or 0.0)
     accumulation = int(config.get("gradient_accumulation") or 1)
+    from mixprec.config import config_to_pipeline  # here, not above: a separate merge hunk
+
     pipeline = config_to_pipeline(config)
     if pipeline is not None:  # parallel=dict(pipeline=N): stages, 1F1B, execute_schedule
         from mixprec.pipeline_engine import initialize_pipeline

@@ -5,7 +5,8 @@ from typing import Any
 from mixprec.booster.plugin.plugin_base import Plugin
 from mixprec.booster.plugin.torch_ddp import TorchDDPPlugin
 
-__all__ = ["HybridParallelPlugin", "Plugin", "TorchDDPPlugin", "TorchFSDPPlugin"]
+__all__ = ["Plugin", "TorchDDPPlugin", "TorchFSDPPlugin"]
+__all__ += ["HybridParallelPlugin"]  # its own line: other plugins are being added above
 
 
 def __getattr__(name: str) -> Any:
