@@ -200,6 +200,50 @@ def config_to_policy(config: Mapping[str, Any]) -> Policy:
     return to_policy(config.get("fp16"))
 
 
+PARALLEL_KEYS: tuple[str, ...] = ("pipeline", "tensor")
+"""Keys of a config's `parallel` section (Colossal's legacy names; data = world / pipeline)."""
+
+
+def _check_keys(what: str, given: Mapping[str, Any], valid: tuple[str, ...]) -> None:
+    from mixprec.policy import check_keys  # here, not above: keeps the import block as it was
+
+    check_keys(what, given, valid)
+
+
+def _parallel_size(section: str, value: Any) -> int:
+    size = value.get("size", 1) if isinstance(value, Mapping) else value
+    if isinstance(value, Mapping):
+        _check_keys(f"parallel.{section}", value, ("size", "mode"))
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"parallel.{section}={value!r}: the size must be an int >= 1.")
+    return size
+
+
+def config_to_pipeline(config: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(pipeline size, NUM_MICRO_BATCHES) of a config's `parallel=dict(pipeline=N)`, or None
+    without a pipeline (absent or size 1)."""
+    parallel = config.get("parallel") or {}
+    if not isinstance(parallel, Mapping):
+        raise TypeError(f"parallel must be a dict like dict(pipeline=2), got {parallel!r}.")
+    _check_keys("parallel", parallel, PARALLEL_KEYS)
+    tensor = _parallel_size("tensor", parallel.get("tensor", 1))
+    if tensor != 1:
+        raise ValueError(
+            f"parallel.tensor={parallel['tensor']!r}: configs run tensor size 1 only "
+            "(tensor parallelism: mixprec's DTensor path)."
+        )
+    pp_size = _parallel_size("pipeline", parallel.get("pipeline", 1))
+    if pp_size == 1:
+        return None
+    micro = config.get("NUM_MICRO_BATCHES")
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+        raise ValueError(
+            f"parallel.pipeline={pp_size} needs NUM_MICRO_BATCHES, an int >= {pp_size}; "
+            f"got {micro!r}."
+        )
+    return pp_size, micro
+
+
 def validate_config(config: Mapping[str, Any]) -> None:
     """Fail early on a bad fp16 section, clip_grad_norm or gradient_accumulation."""
     config_to_policy(config)
@@ -217,6 +261,7 @@ def validate_config(config: Mapping[str, Any]) -> None:
     accum = config.get("gradient_accumulation")
     if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int) or accum < 1):
         raise ValueError(f"gradient_accumulation={accum!r} must be an int >= 1.")
+    config_to_pipeline(config)
 
 
 def load_config(config: ConfigLike, *, validate: bool = True) -> Config:

@@ -397,7 +397,8 @@ def initialize(
     skipped; it is returned unchanged. Leave it out to step a schedule yourself.
     On CUDA the model moves to the current device first. With world size > 1 the prepared
     model is wrapped in DistributedDataParallel and the dataloaders get DistributedSamplers.
-    Returns (engine, train_dataloader, test_dataloader, lr_scheduler).
+    Returns (engine, train_dataloader, test_dataloader, lr_scheduler). With
+    `parallel=dict(pipeline=N)` and NUM_MICRO_BATCHES the engine is a pipeline_engine.PipelineEngine.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
@@ -418,6 +419,25 @@ def initialize(
     policy = config_to_policy(config)
     max_norm = float(config.get("clip_grad_norm") or 0.0)
     accumulation = int(config.get("gradient_accumulation") or 1)
+    from mixprec.config import config_to_pipeline  # here, not above: a separate merge hunk
+
+    pipeline = config_to_pipeline(config)
+    if pipeline is not None:  # parallel=dict(pipeline=N): stages, 1F1B, execute_schedule
+        from mixprec.pipeline_engine import initialize_pipeline
+
+        pp_size, num_microbatches = pipeline
+        return initialize_pipeline(
+            model,
+            optimizer,
+            criterion,
+            (train_dataloader, test_dataloader),
+            lr_scheduler,
+            policy=policy,
+            pp_size=pp_size,
+            num_microbatches=num_microbatches,
+            max_norm=max_norm,
+            accumulation=accumulation,
+        )
 
     zero = to_zero_config(config.get("zero"))
 

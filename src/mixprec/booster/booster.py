@@ -78,7 +78,7 @@ class Booster:
         device: where the model trains (default: 'cuda' when available, else 'cpu').
         mixed_precision: None (fp32), a mode name (mixprec.policy.MODES: 'fp16', 'bf16',
             'fp16_naive', 'fp16_apex', 'fp8', 'fp32') or a MixedPrecision instance.
-        plugin: TorchDDPPlugin, TorchFSDPPlugin, or None for a single process.
+        plugin: TorchDDPPlugin, TorchFSDPPlugin, HybridParallelPlugin, or None (one process).
     """
 
     def __init__(
@@ -174,6 +174,28 @@ class Booster:
     ) -> contextlib.AbstractContextManager:
         """Gradient accumulation: backward passes inside skip the cross-rank reduction."""
         return self.plugin.no_sync(model)
+
+    def execute_pipeline(
+        self,
+        data_iter: Any,
+        model: nn.Module,
+        criterion: Callable[..., torch.Tensor],
+        optimizer: MixedPrecisionOptimizer,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]:
+        """Forward and backward of the next batch of data_iter through the pipeline schedule;
+        {'loss': ..., 'outputs': ...} on the last stage's ranks, None elsewhere."""
+        from mixprec.booster.plugin.hybrid_parallel import HybridParallelPlugin
+
+        if not isinstance(self.plugin, HybridParallelPlugin):
+            raise TypeError(
+                f"execute_pipeline needs Booster(plugin=HybridParallelPlugin(pp_size=...)), "
+                f"this Booster's plugin is {type(self.plugin).__name__}."
+            )
+        return self.plugin.execute_pipeline(
+            data_iter, model, criterion, optimizer, return_loss, return_outputs
+        )
 
     # ----- checkpoints -----
     def save_model(self, model: nn.Module, path: str | os.PathLike) -> None:

@@ -6,7 +6,7 @@ from mixprec.booster.plugin.low_level_zero import LowLevelZeroPlugin
 from mixprec.booster.plugin.plugin_base import Plugin
 from mixprec.booster.plugin.torch_ddp import TorchDDPPlugin
 
-__all__ = ["LowLevelZeroPlugin", "Plugin", "TorchDDPPlugin", "TorchFSDPPlugin"]
+__all__ = ["HybridParallelPlugin", "LowLevelZeroPlugin", "Plugin", "TorchDDPPlugin", "TorchFSDPPlugin"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,4 +15,8 @@ def __getattr__(name: str) -> Any:
         from mixprec.booster.plugin.torch_fsdp import TorchFSDPPlugin
 
         return TorchFSDPPlugin
+    if name == "HybridParallelPlugin":  # torch.distributed.pipelining loads on first use
+        from mixprec.booster.plugin.hybrid_parallel import HybridParallelPlugin
+
+        return HybridParallelPlugin
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

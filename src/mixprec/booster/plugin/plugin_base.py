@@ -82,6 +82,10 @@ class Plugin:
         """Accumulate gradients without cross-rank communication (nothing to skip here)."""
         return contextlib.nullcontext()
 
+    def data_rank_and_world(self) -> tuple[int, int]:
+        """(this rank's data shard, number of shards): every rank reads its own by default."""
+        return rank_and_world()
+
     def prepare_dataloader(
         self,
         dataset: Dataset,
@@ -94,7 +98,7 @@ class Plugin:
         **kwargs: Any,
     ) -> DataLoader:
         """A DataLoader over this rank's part of dataset (DistributedSampler when world > 1)."""
-        rank, world = rank_and_world()
+        rank, world = self.data_rank_and_world()
         if world > 1:
             # Reshuffles on every pass by itself: seed 003's loop never calls set_epoch.
             sampler = EpochShuffledDistributedSampler(

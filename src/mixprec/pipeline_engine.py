@@ -1,0 +1,167 @@
+"""Colossal-AI's config face for pipelines: `parallel=dict(pipeline=N)` + NUM_MICRO_BATCHES.
+
+    CONFIG = dict(fp16=dict(mode=AMP_TYPE.NAIVE), parallel=dict(pipeline=2), NUM_MICRO_BATCHES=4)
+    engine, train_dataloader, _, _ = mixprec.engine.initialize(model, optimizer, criterion,
+                                                               train_dataloader, config=CONFIG)
+    engine.train()
+    data_iter = iter(train_dataloader)
+    for _ in range(len(train_dataloader)):
+        engine.zero_grad()
+        output, label, loss = engine.execute_schedule(data_iter)
+        engine.step()
+
+initialize builds this engine when the config names a pipeline; everything precise happens in
+mixprec.pipeline (the core), with torch's Schedule1F1B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from mixprec.module import FP32Criterion
+from mixprec.optim import StepResult
+from mixprec.pipeline import (
+    PipelineConfig,
+    PipelinedModel,
+    data_shard,
+    next_batch,
+    prepare_pipeline,
+)
+from mixprec.pipeline_optim import PipelineOptimizer
+from mixprec.policy import Policy
+
+
+class PipelineEngine:
+    """The Engine of a pipelined model: `execute_schedule` replaces forward + backward."""
+
+    def __init__(
+        self,
+        model: PipelinedModel,
+        optimizer: PipelineOptimizer,
+        criterion: FP32Criterion,
+        *,
+        lr_scheduler: Any = None,
+        policy: Policy,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.criterion = criterion
+        self.lr_scheduler = lr_scheduler
+        self.policy = policy
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def execute_schedule(
+        self,
+        data_iter: Any,
+        forward_only: bool = False,
+        return_loss: bool = True,
+        return_output_label: bool = True,
+    ) -> tuple[torch.Tensor | None, Any, torch.Tensor | None]:
+        """The next (inputs, labels) batch through the 1F1B schedule: (output, label, loss).
+
+        All three are None on ranks without the last stage (and output, label when
+        return_output_label is False). Gradients accumulate until step().
+        """
+        batch = next_batch(data_iter)
+        result = self.model.run(
+            batch,
+            self.criterion,
+            self.optimizer,
+            return_loss=return_loss,
+            return_outputs=return_output_label,
+            forward_only=forward_only,
+        )
+        label = batch[1] if return_output_label and self.model.has_last_stage else None
+        return result["outputs"], label, result["loss"]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "A pipelined engine runs whole batches: call engine.execute_schedule(data_iter)."
+        )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise RuntimeError(
+            "execute_schedule already ran backward on every stage; call engine.step() next."
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> StepResult:
+        """Unscale, check (all ranks agree), clip, step or skip; the LR schedule unless skipped."""
+        result = self.optimizer.step()
+        if self.lr_scheduler is not None and not result.skipped:
+            self.lr_scheduler.step()
+        return result
+
+    @property
+    def loss_scale(self) -> float:
+        return self.optimizer.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps
+
+    @property
+    def last_result(self) -> StepResult | None:
+        return self.optimizer.last_result
+
+    def __repr__(self) -> str:
+        return (
+            f"PipelineEngine(policy={self.policy.name!r}, stages={self.model.stage_ids}, "
+            f"num_microbatches={self.model.config.num_microbatches}, "
+            f"clip_grad_norm={self.optimizer.max_norm})"
+        )
+
+
+def initialize_pipeline(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: Callable[..., torch.Tensor] | None,
+    loaders: tuple[DataLoader | None, DataLoader | None],
+    lr_scheduler: Any,
+    *,
+    policy: Policy,
+    pp_size: int,
+    num_microbatches: int,
+    max_norm: float,
+    accumulation: int,
+) -> tuple[PipelineEngine, DataLoader | None, DataLoader | None, Any]:
+    """initialize's pipeline branch: stages, optimizer and loaders for a (dp, pp) world."""
+    from mixprec.engine import dataloader_to_distributed
+
+    if criterion is None:
+        raise ValueError("A pipelined model needs its criterion: the last stage computes the loss.")
+    if accumulation != 1:
+        raise ValueError(
+            f"gradient_accumulation={accumulation} with parallel.pipeline: the pipeline "
+            "already accumulates NUM_MICRO_BATCHES micro-batches; set it to 1 or drop it."
+        )
+    config = PipelineConfig(pp_size=pp_size, num_microbatches=num_microbatches)
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
+    piped, mp_optimizer = prepare_pipeline(
+        model, optimizer, policy, config, device=device or torch.device("cpu"), max_norm=max_norm
+    )
+    assert mp_optimizer is not None
+    # A replica's stages must read the same batches in the same order: shard over dp only.
+    dp_rank, dp_size = data_shard(pp_size)
+    train, test = (
+        None if loader is None else dataloader_to_distributed(loader, dp_rank, dp_size)
+        for loader in loaders
+    )
+    engine = PipelineEngine(
+        piped, mp_optimizer, FP32Criterion(criterion), lr_scheduler=lr_scheduler, policy=policy
+    )
+    return engine, train, test, lr_scheduler
