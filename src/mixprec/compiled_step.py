@@ -14,6 +14,14 @@ the inner optimizer's `state` (torch's own keys: step, exp_avg, exp_avg_sq, mome
 and the scaler's tensors are read and written in place, so state_dict(), checkpoints and
 alternating compiled and eager steps keep working. Supported: torch.optim.SGD (dampening 0
 when momentum is on), Adam, AdamW, with no amsgrad/capturable/differentiable, no step hooks.
+
+Modes: fp32, bf16, fp16 (dynamic scale), fp16_naive / Apex O2 (fp32 masters, hysteresis), O3
+compile with no graph break. Refused (CompileStepError): fp8 models (see below), multi-loss
+Apex, log_num_zeros_in_grad. Falling back to eager (one warning): models whose forward enters
+a mixprec op-list region (autocast with custom lists, fp32_region, Paddle dygraph O2's fp32
+norm layers), which keep per-thread state dynamo cannot trace. One call is one optimizer
+step: no gradient accumulation. Skipped steps are counted on the device; sync_counters()
+adds them to optimizer.skipped_steps, and the consecutive-skip guard is not run.
 """
 
 from __future__ import annotations
@@ -136,6 +144,14 @@ class CompiledStep:
         if len(getattr(optimizer, "scalers", ())) > 1:
             raise CompileStepError(
                 f"num_losses={len(optimizer.scalers)}: compile_step runs one loss per step."
+            )
+        from mixprec.fp8.linear import Float8Linear
+
+        if any(isinstance(m, Float8Linear) for m in model.modules()):
+            raise CompileStepError(
+                "compile_step cannot run fp8 models yet: Float8Linear's autograd.Function "
+                "records delayed-scaling amax history inside its backward, a side effect "
+                "torch.func.grad cannot transform. Step fp8 models eagerly."
             )
         if max_norm is None:
             max_norm = optimizer.max_norm if wrapped else 0.0
