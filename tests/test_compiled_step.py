@@ -408,3 +408,45 @@ def _two_ranks(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_two_ranks_agree_on_overflow_on_device():
     spawn(_two_ranks, 2)
+
+
+def _engine_with(config, **kwargs):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine, *_ = mixprec.initialize(
+        model, opt, nn.MSELoss(), config=config, verbose=False, **kwargs
+    )
+    return engine
+
+
+def test_engine_train_step_equals_its_eager_loop_and_compile_key_switches_compiling():
+    naive = {"mode": mixprec.AMP_TYPE.NAIVE, "initial_scale": 2.0**10}
+    eager = _engine_with({"fp16": naive})
+    for i in range(3):
+        eager.zero_grad()
+        eager.backward(eager.criterion(eager(batch(i)[0]), batch(i)[1]))
+        eager.step()
+    functional = _engine_with({"fp16": naive, "compile": False})
+    for i in range(3):
+        x, y = batch(i)
+        loss = functional.train_step(x, target=y)
+    assert loss.dim() == 0 and not functional._train_step.compiled
+    assert_states_close(
+        state_of(functional.model, functional.optimizer),
+        state_of(eager.model, eager.optimizer),
+        **FP16_PARAM_ROUNDING,
+    )
+    compiled = _engine_with({"fp16": naive, "compile": True})
+    assert compiled.compile_step  # the step compiles on its first train_step call
+
+
+def test_engine_compile_key_bad_input():
+    with pytest.raises(TypeError, match="compile='yes' must be a bool"):
+        _engine_with({"compile": "yes"})
+    with pytest.raises(ValueError, match="gradient_accumulation=2"):
+        _engine_with({"compile": True, "gradient_accumulation": 2})
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    with pytest.raises(ValueError, match="lr_scheduler"):
+        mixprec.initialize(model, opt, nn.MSELoss(), lr_scheduler=sched, config={"compile": True})
