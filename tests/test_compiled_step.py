@@ -450,3 +450,20 @@ def test_engine_compile_key_bad_input():
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     with pytest.raises(ValueError, match="lr_scheduler"):
         mixprec.initialize(model, opt, nn.MSELoss(), lr_scheduler=sched, config={"compile": True})
+
+
+def test_booster_train_step_equals_its_eager_loop():
+    reference = _booster(torch.optim.AdamW, ADAMW)
+    for i in range(3):
+        reference[3](*batch(i))
+    booster = mixprec.Booster(mixed_precision="bf16", compile_step=False)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    model, opt, crit, _, _ = booster.boost(model, opt, nn.MSELoss())
+    for i in range(3):
+        x, y = batch(i)
+        booster.train_step(model, opt, crit, x, target=y)
+    assert_states_close(state_of(model, opt), state_of(reference[0], reference[1]), **FP32_ROUNDING)
+    with pytest.raises(TypeError, match="compile_step=1 must be a bool"):
+        mixprec.Booster(compile_step=1)
+    assert mixprec.Booster(compile_step=True).compile_step
