@@ -92,11 +92,13 @@ def _scaler_tensors(
     return one, zero, zero.clone(), ScalerConfig(dynamic=False, init_scale=1.0)
 
 
-def _init_state(optimizer: torch.optim.Optimizer, hp: torch.Tensor) -> list[torch.Tensor]:
+def _init_state(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], hp: torch.Tensor
+) -> list[torch.Tensor]:
     """torch's initial state for hp, created now (a compiled step cannot create it lazily)."""
     state = optimizer.state[hp]
     if isinstance(optimizer, torch.optim.SGD):
-        if not optimizer.param_groups[0]["momentum"] and "momentum_buffer" not in state:
+        if not group["momentum"]:
             return []
         if state.get("momentum_buffer") is None:
             state["momentum_buffer"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
@@ -205,8 +207,12 @@ class CompiledStep:
                 self.train_names.append(name)
                 self.hp.append(hp)
                 self.lp.append(lp)
-                self.states.append(_init_state(self.inner, hp))
+                self.states.append(_init_state(self.inner, group, hp))
                 self.group_of.append(index)
+        # the live tensors, looked up once: a step costs no walk over the module tree
+        wanted = set(self.train_names)
+        self._params = {n: p for n, p in self.model.named_parameters() if n in wanted}
+        self._buffers = dict(self.model.named_buffers())
 
     def _hparams(self) -> list[torch.Tensor]:
         """Each group's hyperparameters as an fp64 tensor (an LR change recompiles nothing)."""
@@ -331,9 +337,7 @@ class CompiledStep:
                     "model's inputs and then the target (or target=...)."
                 )
             *inputs, target = inputs
-        params = {name: p for name, p in self.model.named_parameters() if name in self._wanted}
-        buffers = dict(self.model.named_buffers())
-        args = (params, buffers, self._hparams(), tuple(inputs), target)
+        args = (self._params, self._buffers, self._hparams(), tuple(inputs), target)
         with torch.no_grad():  # grad_and_value enables grad inside; the writes need none
             if self._compiled is not None:
                 try:
@@ -353,13 +357,6 @@ class CompiledStep:
         if isinstance(self.optimizer, MixedPrecisionOptimizer):
             self.optimizer.steps += 1
         return loss
-
-    @property
-    def _wanted(self) -> frozenset[str]:
-        wanted = self.__dict__.get("_wanted_names")
-        if wanted is None:
-            wanted = self.__dict__["_wanted_names"] = frozenset(self.train_names)
-        return wanted
 
     @property
     def compiled(self) -> bool:
