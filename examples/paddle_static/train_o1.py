@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import torch
-from simple_net import SimpleNet, build_parser, make_loader
+from static_net import SimpleNet, build_parser, make_loader
 
 from mixprec.paddle import static
 
