@@ -347,7 +347,7 @@ def test_added_param_group_gets_a_master_and_its_grads():
 
 def test_pure_fp16_without_optimizers_needs_the_paddle_grad_scaler(caplog, monkeypatch):
     """Seed 002's O2: decorate(models) only; the earlier optimizer steps fp16 params directly."""
-    monkeypatch.setattr(amp, "_warned_no_optimizer", False)
+    monkeypatch.setattr(amp.dygraph, "_warned_no_optimizer", False)
 
     def make() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(3)

@@ -18,6 +18,7 @@ from mixprec.autocast import (
 from mixprec.booster import Booster
 from mixprec.casting import cast_floating, cast_module
 from mixprec.checkpoint import load_checkpoint, save_checkpoint
+from mixprec.compiled_step import CompiledStep, compile_step
 from mixprec.config import Config, gpc, load_config
 from mixprec.engine import Engine, initialize
 from mixprec.grad_scaler import GradScaler
@@ -83,6 +84,8 @@ __all__ = [
     "cast_floating",
     "cast_module",
     "fp8",
+    "CompiledStep",
+    "compile_step",
     "convert_to_amp",
     "preset",
     "prepare_model",

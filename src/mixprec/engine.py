@@ -1,6 +1,7 @@
 """Colossal-AI's `initialize(...)` and Engine: the config-driven face over the core.
 
-`initialize` reads `fp16`, `clip_grad_norm` and `gradient_accumulation` from a config (by
+`initialize` reads `fp16`, `clip_grad_norm`, `gradient_accumulation` and `compile` (bool:
+`engine.train_step(x, target=y)` runs mixprec.compile_step's compiled whole step) from a config (by
 default the one `mixprec.launch.*` put in `gpc.config`), turns `fp16` into a Policy with
 `mixprec.config.config_to_policy`, and applies it with the core's `prepare_model`,
 `prepare_optimizer` and `FP32Criterion`; it holds no precision logic of its own. With more
@@ -46,7 +47,15 @@ from torch.utils.data import (
 
 from mixprec.apex import multi_loss
 from mixprec.apex.multi_loss import prepare_loss_optimizer
-from mixprec.config import ConfigLike, config_to_policy, gpc, load_config, validate_config
+from mixprec.compiled_step import CompiledStep, compile_step
+from mixprec.config import (
+    ConfigLike,
+    config_to_pipeline,
+    config_to_policy,
+    gpc,
+    load_config,
+    validate_config,
+)
 from mixprec.data import EpochShuffledDistributedSampler
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model
 from mixprec.optim import MixedPrecisionOptimizer, StepResult
@@ -159,6 +168,7 @@ class Engine:
             caller steps its own scheduler, as seed 000 does once per epoch).
         gradient_accumulation: micro-batches per optimizer step (>= 1).
         policy: the precision policy the pieces were prepared with (for reports, checkpoints).
+        compile_step: compile `train_step` (config key `compile=True`): see mixprec.compile_step.
     """
 
     def __init__(
@@ -170,6 +180,7 @@ class Engine:
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         gradient_accumulation: int = 1,
         policy: Policy | None = None,
+        compile_step: bool = False,
     ) -> None:
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         if not isinstance(inner, PrecisionModule):
@@ -197,6 +208,8 @@ class Engine:
         self.criterion = criterion
         self.lr_scheduler = lr_scheduler
         self.gradient_accumulation = gradient_accumulation
+        self.compile_step = _check_compile(compile_step, gradient_accumulation, lr_scheduler)
+        self._train_step: CompiledStep | None = None
         self.policy = policy if policy is not None else inner.policy
         self._precision_module = inner
         # micro-batches already backpropagated into the current accumulation window
@@ -256,6 +269,17 @@ class Engine:
         if self.lr_scheduler is not None and not result.skipped:
             self.lr_scheduler.step()
         return result
+
+    def train_step(self, *inputs: Any, target: Any) -> torch.Tensor:
+        """One whole step (zero_grad .. step) as mixprec.compile_step runs it, compiled when
+        the config says `compile=True`; returns the loss as a 0-dim tensor (no host sync)."""
+        if self.criterion is None:
+            raise RuntimeError("train_step needs a criterion: pass one to initialize().")
+        if self._train_step is None:
+            self._train_step = compile_step(
+                self.model, self.optimizer, self.criterion, compile=self.compile_step
+            )
+        return self._train_step(*inputs, target=target)
 
     # ----- counters -----
     @property
@@ -368,6 +392,23 @@ class Engine:
         )
 
 
+def _check_compile(flag: object, accumulation: int, lr_scheduler: object) -> bool:
+    if not isinstance(flag, bool):
+        raise TypeError(f"compile={flag!r} must be a bool.")
+    if flag and accumulation > 1:
+        raise ValueError(
+            f"compile=True with gradient_accumulation={accumulation}: the compiled step is one "
+            "whole optimizer step per batch. Use one or the other."
+        )
+    if flag and lr_scheduler is not None:
+        raise ValueError(
+            "compile=True with an lr_scheduler the engine steps: the compiled step decides "
+            "skips on the device, so the engine cannot know when to step it without a host "
+            "sync. Step your schedule yourself."
+        )
+    return flag
+
+
 def _current_device() -> torch.device | None:
     """The launched rank's CUDA device, or None on CPU (the model then stays where it is)."""
     if torch.cuda.is_available():
@@ -419,10 +460,14 @@ def initialize(
     policy = config_to_policy(config)
     max_norm = float(config.get("clip_grad_norm") or 0.0)
     accumulation = int(config.get("gradient_accumulation") or 1)
-    from mixprec.config import config_to_pipeline  # here, not above: a separate merge hunk
-
+    compile_flag = _check_compile(config.get("compile", False), accumulation, lr_scheduler)
     pipeline = config_to_pipeline(config)
     if pipeline is not None:  # parallel=dict(pipeline=N): stages, 1F1B, execute_schedule
+        if compile_flag:
+            raise ValueError(
+                "compile=True cannot run a pipeline (parallel=dict(pipeline=N)): its stages "
+                "step through torch.distributed.pipelining's schedules. Drop one of the two."
+            )
         from mixprec.pipeline_engine import initialize_pipeline
 
         pp_size, num_microbatches = pipeline
@@ -475,6 +520,7 @@ def initialize(
         lr_scheduler=lr_scheduler,
         gradient_accumulation=accumulation,
         policy=policy,
+        compile_step=compile_flag,
     )
     if verbose and rank == 0:
         log.info(

@@ -119,7 +119,7 @@ def check_grads(grads: list[torch.Tensor], inv_scale: torch.Tensor, norm: bool) 
 # ----- the update kernels -----
 # Scalars arrive as one fp32 tensor s (no recompile as the LR changes); the flags are constants
 # of each compiled variant, so terms torch's optimizer would skip cost nothing here either.
-def _unscaled(grad, s, clip: bool, maximize: bool):
+def unscaled(grad, s, clip: bool, maximize: bool):
     """The grad as the optimizer sees it: s[0] = inv_scale, s[1] = clip coefficient."""
     g = grad.float() * s[0]
     if clip:
@@ -127,37 +127,45 @@ def _unscaled(grad, s, clip: bool, maximize: bool):
     return -g if maximize else g
 
 
-def _sgd(hp, lp, grad, s, clip, maximize, decay):
-    """s = [inv_scale, clip, weight_decay, -lr]: no momentum."""
-    g = _unscaled(grad, s, clip, maximize)
+def sgd_update(hp, g, s, decay):
+    """The new param for SGD without momentum; s = [inv_scale, clip, weight_decay, -lr]."""
     if decay:
         g = g + s[2] * hp
-    new = hp + s[3] * g
+    return hp + s[3] * g
+
+
+def _sgd(hp, lp, grad, s, clip, maximize, decay):
+    new = sgd_update(hp, unscaled(grad, s, clip, maximize), s, decay)
     hp.copy_(new)
     if lp is not None:
         lp.copy_(new)
 
 
-def _sgd_momentum(hp, lp, grad, buf, s, clip, maximize, decay, nesterov):
-    """s = [inv_scale, clip, weight_decay, -lr, buffer decay, 1 - dampening, momentum]: the
-    buffer decays by momentum, except on the first step, which passes decay 0 and 1 - dampening
-    1 over a zero buffer: torch's buf = grad, exactly."""
-    g = _unscaled(grad, s, clip, maximize)
+def sgd_momentum_update(hp, g, buf, s, decay, nesterov):
+    """(new param, new buffer) for SGD with momentum; s = [inv_scale, clip, weight_decay, -lr,
+    buffer decay, 1 - dampening, momentum]: the buffer decays by momentum, except on the first
+    step, which passes decay 0 and 1 - dampening 1 over a zero buffer: torch's buf = grad,
+    exactly."""
     if decay:
         g = g + s[2] * hp
     b = buf * s[4] + s[5] * g
-    buf.copy_(b)
     g = g + s[6] * b if nesterov else b
-    new = hp + s[3] * g
+    return hp + s[3] * g, b
+
+
+def _sgd_momentum(hp, lp, grad, buf, s, clip, maximize, decay, nesterov):
+    g = unscaled(grad, s, clip, maximize)
+    new, b = sgd_momentum_update(hp, g, buf, s, decay, nesterov)
+    buf.copy_(b)
     hp.copy_(new)
     if lp is not None:
         lp.copy_(new)
 
 
-def _adam(hp, lp, grad, exp_avg, exp_avg_sq, s, clip, maximize, decay, decoupled):
-    """s = [inv_scale, clip, weight_decay, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
-    bias_correction2_sqrt, eps, -step_size] (torch's foreach Adam/AdamW, op for op)."""
-    g = _unscaled(grad, s, clip, maximize)
+def adam_update(hp, g, exp_avg, exp_avg_sq, s, decay, decoupled):
+    """(new param, exp_avg, exp_avg_sq) for Adam/AdamW; s = [inv_scale, clip, weight_decay,
+    1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, bias_correction2_sqrt, eps,
+    -step_size] (torch's foreach Adam/AdamW, op for op)."""
     p = hp
     if decay and decoupled:
         p = p * s[3]
@@ -166,7 +174,12 @@ def _adam(hp, lp, grad, exp_avg, exp_avg_sq, s, clip, maximize, decay, decoupled
     m = torch.lerp(exp_avg, g, s[4])
     v = exp_avg_sq * s[5] + s[6] * g * g
     denom = v.sqrt() / s[7] + s[8]
-    new = p + s[9] * (m / denom)
+    return p + s[9] * (m / denom), m, v
+
+
+def _adam(hp, lp, grad, exp_avg, exp_avg_sq, s, clip, maximize, decay, decoupled):
+    g = unscaled(grad, s, clip, maximize)
+    new, m, v = adam_update(hp, g, exp_avg, exp_avg_sq, s, decay, decoupled)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     hp.copy_(new)

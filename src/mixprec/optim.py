@@ -88,6 +88,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             already unscaled (clip_grad_norm(), an outside GradScaler) runs unfused.
     """
 
+    # Why mixprec.compile_step must not run this optimizer's step (None: it may). A subclass
+    # whose step() does collective work the compiled step does not know sets its reason.
+    whole_step_refusal: str | None = None
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

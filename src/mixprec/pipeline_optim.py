@@ -30,6 +30,8 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         dp_group: the ranks holding this stage's replicas (gradient average), or None.
     """
 
+    whole_step_refusal = "a pipeline's backward runs inside torch.distributed.pipelining's schedule"
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

@@ -122,6 +122,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         Others: as MixedPrecisionOptimizer (the fused step is off: it reads unreduced grads).
     """
 
+    whole_step_refusal = "ZeRO reduces gradients and gathers the owners' params inside step()"
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

@@ -60,6 +60,7 @@ backward (Apex left them, scaled, on the fp16 params); a step with such grads st
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import types
 import weakref
@@ -130,7 +131,7 @@ def _amp_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     policy: Policy = self._mixprec_amp_policy
     inner = self._mixprec_amp_inner_forward
     if inner is None:
-        inner = types.MethodType(type(self).forward, self)
+        inner = functools.partial(type(self).forward, self)  # dynamo cannot trace MethodType()
     if policy.casts_params:
         args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
     with autocast_context(policy, device_type_of(self)):

@@ -23,6 +23,7 @@ from torch import nn
 
 from mixprec.apex import multi_loss
 from mixprec.booster.plugin.plugin_base import Plugin
+from mixprec.compiled_step import CompiledStep, compile_step
 from mixprec.mixed_precision import MixedPrecision, to_mixed_precision
 from mixprec.module import FP32Criterion
 from mixprec.optim import MixedPrecisionOptimizer
@@ -79,6 +80,7 @@ class Booster:
         mixed_precision: None (fp32), a mode name (mixprec.policy.MODES: 'fp16', 'bf16',
             'fp16_naive', 'fp16_apex', 'fp8', 'fp32') or a MixedPrecision instance.
         plugin: TorchDDPPlugin, TorchFSDPPlugin, HybridParallelPlugin, or None (one process).
+        compile_step: compile `train_step` (mixprec.compile_step); single process or DDP.
     """
 
     def __init__(
@@ -86,12 +88,18 @@ class Booster:
         device: str | torch.device | None = None,
         mixed_precision: str | MixedPrecision | None = None,
         plugin: Plugin | None = None,
+        *,
+        compile_step: bool = False,
     ) -> None:
         if plugin is not None and not isinstance(plugin, Plugin):
             raise TypeError(
                 f"plugin must be a mixprec Plugin (TorchDDPPlugin, TorchFSDPPlugin) or None, "
                 f"got {plugin!r}."
             )
+        if not isinstance(compile_step, bool):
+            raise TypeError(f"compile_step={compile_step!r} must be a bool.")
+        self.compile_step = compile_step
+        self._steps: dict[tuple[int, int], CompiledStep] = {}
         self.mixed_precision = to_mixed_precision(mixed_precision)
         self.plugin = plugin or Plugin()
         if device is None:
@@ -168,6 +176,33 @@ class Booster:
     def skip_stats(self, optimizer: MixedPrecisionOptimizer) -> SkipStats:
         """The boosted optimizer's step and skip counts, for logging (no host sync)."""
         return self._check_optimizer(optimizer).skip_stats
+
+    def train_step(
+        self,
+        model: nn.Module,
+        optimizer: MixedPrecisionOptimizer,
+        criterion: Callable[..., torch.Tensor],
+        *inputs: Any,
+        target: Any,
+    ) -> torch.Tensor:
+        """One whole step of what boost() returned (forward .. optimizer step), as
+        mixprec.compile_step runs it: compiled when Booster(compile_step=True). Returns the loss
+        as a 0-dim tensor (no host sync). A boosted lr_scheduler sees this step's skip only
+        after the CompiledStep's sync_counters()."""
+        key = (id(model), id(optimizer))
+        step = self._steps.get(key)
+        if step is None:
+            from mixprec.booster.plugin.torch_fsdp import TorchFSDPPlugin
+
+            if isinstance(self.plugin, TorchFSDPPlugin):
+                raise ValueError(
+                    "train_step cannot run FSDP2-sharded models (DTensor parameters); use "
+                    "TorchDDPPlugin or no plugin, or the eager booster.backward loop."
+                )
+            self._check_optimizer(optimizer)
+            step = compile_step(model, optimizer, criterion, compile=self.compile_step)
+            self._steps[key] = step
+        return step(*inputs, target=target)
 
     def no_sync(
         self, model: nn.Module, optimizer: MixedPrecisionOptimizer | None = None

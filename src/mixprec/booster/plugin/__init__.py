@@ -6,7 +6,13 @@ from mixprec.booster.plugin.low_level_zero import LowLevelZeroPlugin
 from mixprec.booster.plugin.plugin_base import Plugin
 from mixprec.booster.plugin.torch_ddp import TorchDDPPlugin
 
-__all__ = ["HybridParallelPlugin", "LowLevelZeroPlugin", "Plugin", "TorchDDPPlugin", "TorchFSDPPlugin"]
+__all__ = [
+    "HybridParallelPlugin",
+    "LowLevelZeroPlugin",
+    "Plugin",
+    "TorchDDPPlugin",
+    "TorchFSDPPlugin",
+]
 
 
 def __getattr__(name: str) -> Any:

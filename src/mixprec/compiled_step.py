@@ -1,0 +1,421 @@
+"""The whole training step as one compiled program with no host sync (seed 002's static graph).
+
+`compile_step(model, optimizer, criterion)` takes what any face returns and gives back
+`step(*inputs, target) -> loss`. One call runs forward and backward (torch.func.grad_and_value
+over functional_call: no `.backward()`, which would break the graph), unscales, checks for
+inf/nan, clips, all-reduces the overflow flag (multi-rank), updates the fp32 masters and the
+optimizer state with fused_step's math, writes the low-precision params, and advances the loss
+scale with scaling.update_scale_. A skipped step is a `torch.where` on the device over every
+tensor it would write, so nothing is read on the host: the returned loss is a 0-dim tensor and
+reading it is the caller's choice.
+
+State stays where the eager step keeps it: params, masters (MixedPrecisionOptimizer.hp_masters),
+the inner optimizer's `state` (torch's own keys: step, exp_avg, exp_avg_sq, momentum_buffer)
+and the scaler's tensors are read and written in place, so state_dict(), checkpoints and
+alternating compiled and eager steps keep working. Supported: torch.optim.SGD (dampening 0
+when momentum is on), Adam, AdamW, with no amsgrad/capturable/differentiable, no step hooks.
+
+Modes: fp32, bf16, fp16 (dynamic scale), fp16_naive / Apex O2 (fp32 masters, hysteresis), O3
+compile with no graph break: 0 per step measured (torch._dynamo counters, tests) for an MLP,
+and mixprec.bench.models' ViT and ResNet (BatchNorm's running stats are inputs, see _run);
+with 2+ ranks the found-inf MAX all-reduce is a traceable functional collective in the graph. Refused (CompileStepError): fp8 models (see below), multi-loss
+Apex, log_num_zeros_in_grad. Falling back to eager (one warning): models whose forward enters
+a mixprec op-list region (autocast with custom lists, fp32_region, Paddle dygraph O2's fp32
+norm layers), which keep per-thread state dynamo cannot trace. One call is one optimizer
+step: no gradient accumulation. Skipped steps are counted on the device; sync_counters()
+adds them to optimizer.skipped_steps, and the consecutive-skip guard is not run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad_and_value
+
+from mixprec import fused_step as fused
+from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.policy import ScalerConfig
+from mixprec.scaling import ProcessGroup, default_group, update_scale_
+
+_LAST = object()  # step(x, y): no target keyword, so the last positional is the target
+CLIP_EPS = 1e-6
+"""torch.nn.utils.clip_grad_norm_'s epsilon in max_norm / (norm + eps)."""
+
+
+class CompileStepError(ValueError):
+    """compile_step cannot run this model/optimizer/scaler combination."""
+
+
+def _refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    reason = fused.unsupported_reason(optimizer)
+    if reason is not None:
+        return reason
+    if isinstance(optimizer, torch.optim.SGD):
+        for group in optimizer.param_groups:
+            # the compiled step creates torch's zero buffer up front (a skipped first step may
+            # not create state), and only with dampening 0 does a zero buffer give buf = grad
+            if group["momentum"] and group["dampening"]:
+                return f"SGD momentum with dampening={group['dampening']!r} (only 0 is compiled)"
+    return None
+
+
+def _scaler_tensors(
+    optimizer: torch.optim.Optimizer, scaler: Any, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ScalerConfig]:
+    """(scale, growth tracker, hysteresis tracker, config) of the scaler that owns this step."""
+    from mixprec.grad_scaler import GradScaler  # core module; imported late: it imports optim
+
+    own = optimizer.scaler if isinstance(optimizer, MixedPrecisionOptimizer) else None
+    if scaler is not None:
+        if not isinstance(scaler, GradScaler):
+            raise TypeError(
+                f"scaler={scaler!r}: compile_step takes a mixprec.GradScaler (its update rule "
+                "runs on the device), or None when the optimizer scales its own loss."
+            )
+        if own is not None and (own.cfg.dynamic or own.cfg.init_scale != 1.0):
+            raise CompileStepError(
+                f"scaler={scaler!r} given, but the optimizer already scales the loss "
+                f"({own.cfg}): pass one of them."
+            )
+        if not scaler.is_enabled():
+            scaler = None
+    if scaler is not None:
+        if scaler._scale is None:
+            scaler._lazy_init_scale_growth_tracker(device)
+        return scaler._scale, scaler._growth_tracker, scaler._hysteresis_tracker, scaler.cfg
+    if own is not None:
+        return own._scale, own._growth_tracker, own._hysteresis_tracker, own.cfg
+    one = torch.ones(1, device=device)  # a plain optimizer: unit scale, still skips inf/nan
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    return one, zero, zero.clone(), ScalerConfig(dynamic=False, init_scale=1.0)
+
+
+def _init_state(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], hp: torch.Tensor
+) -> list[torch.Tensor]:
+    """torch's initial state for hp, created now (a compiled step cannot create it lazily)."""
+    state = optimizer.state[hp]
+    if isinstance(optimizer, torch.optim.SGD):
+        if not group["momentum"]:
+            return []
+        if state.get("momentum_buffer") is None:
+            state["momentum_buffer"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
+        return [state["momentum_buffer"]]
+    if not state:
+        state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+        state["exp_avg"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
+    return [state["step"], state["exp_avg"], state["exp_avg_sq"]]
+
+
+class CompiledStep:
+    """`step(*inputs, target) -> loss`: one whole training step, compiled. See compile_step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        criterion: Callable[..., torch.Tensor],
+        *,
+        max_norm: float | None,
+        scaler: Any,
+        compile: bool,
+        compile_options: dict[str, Any],
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
+        if not callable(criterion):
+            raise TypeError(f"criterion must be callable (a loss), got {criterion!r}.")
+        wrapped = isinstance(optimizer, MixedPrecisionOptimizer)
+        inner = optimizer.optim if wrapped else optimizer
+        reason = _refusal(inner)
+        if reason is not None:
+            raise CompileStepError(
+                f"compile_step cannot run {type(inner).__name__}: {reason}. Supported: "
+                "SGD (dampening 0 with momentum), Adam, AdamW; step it eagerly instead."
+            )
+        if wrapped and optimizer.whole_step_refusal is not None:
+            raise CompileStepError(
+                f"compile_step cannot run {type(optimizer).__name__}: "
+                f"{optimizer.whole_step_refusal}. Step it eagerly."
+            )
+        if any(hasattr(p, "to_local") for p in model.parameters()):  # DTensor params
+            raise CompileStepError(
+                "compile_step cannot run a model with DTensor parameters (FSDP2, tensor "
+                "parallel, ZeRO level 3): their collectives live outside the functional step. "
+                "Step it eagerly."
+            )
+        if wrapped and optimizer.log_num_zeros_in_grad:
+            raise CompileStepError(
+                "log_num_zeros_in_grad=True counts zeros on the host every step; the compiled "
+                "step has no host sync. Turn it off or step eagerly."
+            )
+        if len(getattr(optimizer, "scalers", ())) > 1:
+            raise CompileStepError(
+                f"num_losses={len(optimizer.scalers)}: compile_step runs one loss per step."
+            )
+        from mixprec.fp8.linear import Float8Linear
+
+        if any(isinstance(m, Float8Linear) for m in model.modules()):
+            raise CompileStepError(
+                "compile_step cannot run fp8 models yet: Float8Linear's autograd.Function "
+                "records delayed-scaling amax history inside its backward, a side effect "
+                "torch.func.grad cannot transform. Step fp8 models eagerly."
+            )
+        if max_norm is None:
+            max_norm = optimizer.max_norm if wrapped else 0.0
+        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or max_norm < 0:
+            raise ValueError(f"max_norm={max_norm!r} must be a number >= 0 or None (0: no clip).")
+        self.process_group: ProcessGroup | None = getattr(optimizer, "process_group", None)
+        self.average_grads = isinstance(model, nn.parallel.DistributedDataParallel)
+        if self.average_grads:
+            # the step averages the grads itself, as DDP's reducer would (it never runs here)
+            self.process_group = self.process_group or model.process_group
+            model = model.module
+        self.process_group = self.process_group or default_group()
+        self.model, self.optimizer, self.inner, self.criterion = model, optimizer, inner, criterion
+        self.max_norm = float(max_norm)
+        self._plan()
+        device = self.hp[0].device if self.hp else torch.device("cpu")
+        self.scale, self.growth, self.hysteresis, self.cfg = _scaler_tensors(
+            optimizer, scaler, device
+        )
+        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
+        """Steps this object skipped, counted on the device (see sync_counters)."""
+        self._compiled = None
+        if compile:
+            options = {"fullgraph": True, "dynamic": False, **compile_options}
+            self._compiled = torch.compile(self._run, **options)
+
+    def _plan(self) -> None:
+        """Match each param the optimizer steps to the model param that gets its gradient."""
+        master_to_lp = {}
+        if isinstance(self.optimizer, MixedPrecisionOptimizer):
+            master_to_lp = self.optimizer._master_to_lp()
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self.train_names: list[str] = []  # model param names, in optimizer order
+        self.hp: list[torch.Tensor] = []  # what the optimizer steps (fp32 master, or the param)
+        self.lp: list[torch.Tensor | None] = []  # the model's lp twin of a master, else None
+        self.states: list[list[torch.Tensor]] = []
+        self.group_of: list[int] = []
+        for index, group in enumerate(self.inner.param_groups):
+            for hp in group["params"]:
+                lp = master_to_lp.get(id(hp))
+                held = hp if lp is None else lp
+                if not held.requires_grad:
+                    continue
+                name = names.get(id(held))
+                if name is None:
+                    raise CompileStepError(
+                        f"The optimizer steps a parameter of shape {tuple(held.shape)} that is "
+                        "not in model.named_parameters(): pass the model the face returned with "
+                        "this optimizer."
+                    )
+                self.train_names.append(name)
+                self.hp.append(hp)
+                self.lp.append(lp)
+                self.states.append(_init_state(self.inner, group, hp))
+                self.group_of.append(index)
+        # the live tensors, looked up once: a step costs no walk over the module tree
+        wanted = set(self.train_names)
+        self._params = {n: p for n, p in self.model.named_parameters() if n in wanted}
+        self._buffers = dict(self.model.named_buffers())
+
+    def _hparams(self) -> list[torch.Tensor]:
+        """Each group's hyperparameters as an fp64 tensor (an LR change recompiles nothing)."""
+        out = []
+        for group in self.inner.param_groups:
+            if isinstance(self.inner, torch.optim.SGD):
+                values = [group["lr"], group["weight_decay"], group["momentum"], 0.0]
+            else:
+                beta1, beta2 = group["betas"]
+                values = [group["lr"], group["weight_decay"], beta1, beta2, group["eps"]]
+            out.append(torch.tensor(values, dtype=torch.float64))
+        return out
+
+    def _flags(self, group: dict[str, Any]) -> tuple[bool, ...]:
+        decoupled = group.get("decoupled_weight_decay", isinstance(self.inner, torch.optim.AdamW))
+        return (
+            bool(group.get("maximize")),
+            group["weight_decay"] != 0,
+            bool(group.get("nesterov")),
+            bool(decoupled),
+        )
+
+    # ----- the step: everything below runs inside the compiled graph -----
+    def _run(
+        self,
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        hparams: list[torch.Tensor],
+        inputs: tuple[Any, ...],
+        target: Any,
+    ) -> torch.Tensor:
+        scale = self.scale.reshape(1)
+        inv_scale = scale.double().reciprocal().float()  # as LossScaler.inv_scale: exact in fp64
+
+        def scaled_loss(
+            train: dict[str, torch.Tensor], others: dict[str, torch.Tensor]
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            out = functional_call(self.model, {**others, **train}, inputs)
+            loss = self.criterion(out, target)
+            return (loss.float() * scale).sum(), loss.detach()
+
+        # buffers (BatchNorm's running stats) are inputs: the grad transform may not mutate a
+        # tensor it captured, only one it was handed
+        grads, (_, loss) = grad_and_value(scaled_loss, has_aux=True)(params, buffers)
+        grads = [grads[name] for name in self.train_names]
+        if self.average_grads:
+            grads = self._all_reduce_grads(grads)
+        unscaled = [g.float() * inv_scale for g in grads]
+        amaxes = torch.stack([u.abs().amax() for u in unscaled]) if unscaled else inv_scale
+        found_inf = (~torch.isfinite(amaxes)).any().float().reshape(1)
+        found_inf = self._all_reduce_max(found_inf)
+        skip = found_inf > 0
+        clip = torch.ones_like(inv_scale)
+        if self.max_norm > 0 and unscaled:
+            norms = torch.stack([torch.linalg.vector_norm(u) for u in unscaled])
+            total = torch.linalg.vector_norm(norms)
+            clip = torch.clamp(self.max_norm / (total + CLIP_EPS), max=1.0).reshape(1)
+        head = [inv_scale, clip]
+        keep = (~skip).float()
+        for i, grad in enumerate(grads):
+            group = self.inner.param_groups[self.group_of[i]]
+            self._update(i, grad, head, hparams[self.group_of[i]], keep, skip, group)
+        if self.cfg.dynamic:
+            update_scale_(self.scale, self.growth, self.hysteresis, found_inf.reshape(()), self.cfg)
+        self.skipped_steps.add_(skip.reshape(()).long())
+        return loss.reshape(())
+
+    def _update(self, i, grad, head, h, keep, skip, group) -> None:
+        """Step param i with fused_step's math; on a skip every write keeps the old value."""
+        maximize, decay, nesterov, decoupled = self._flags(group)
+        hp, lp, state = self.hp[i], self.lp[i], self.states[i]
+        clipping = self.max_norm > 0
+        written: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if isinstance(self.inner, torch.optim.SGD):
+            lr, wd, momentum = h[0], h[1], h[2]
+            s = torch.cat([*head, torch.stack([wd, -lr, momentum, 1 - h[3], momentum]).float()])
+            g = fused.unscaled(grad, s, clipping, maximize)
+            if state:
+                new, buf = fused.sgd_momentum_update(hp, g, state[0], s, decay, nesterov)
+                written.append((state[0], buf))
+            else:
+                new = fused.sgd_update(hp, g, s, decay)
+        else:
+            step_t, exp_avg, exp_avg_sq = state
+            lr, wd, beta1, beta2, eps = h[0], h[1], h[2], h[3], h[4]
+            step = step_t + keep.reshape(()).to(step_t.dtype)
+            n = step.double()  # bias corrections in fp64, as torch computes them in Python
+            bc1, bc2 = 1 - beta1**n, 1 - beta2**n
+            values = [wd, 1 - lr * wd, 1 - beta1, beta2, 1 - beta2, bc2**0.5, eps, -(lr / bc1)]
+            s = torch.cat([*head, torch.stack(values).float()])
+            g = fused.unscaled(grad, s, clipping, maximize)
+            new, m, v = fused.adam_update(hp, g, exp_avg, exp_avg_sq, s, decay, decoupled)
+            written += [(exp_avg, m), (exp_avg_sq, v)]
+            step_t.copy_(step)  # unchanged on a skip: keep is 0
+        written.append((hp, new))
+        if lp is not None:
+            written.append((lp, new.to(lp.dtype)))
+        for old, value in written:
+            old.copy_(torch.where(skip, old, value))
+
+    def _all_reduce_max(self, flag: torch.Tensor) -> torch.Tensor:
+        group = self.process_group
+        if group is None or torch.distributed.get_world_size(group) == 1:
+            return flag
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(flag, "max", group)  # a traceable collective: stays on device
+
+    def _all_reduce_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        from torch.distributed import _functional_collectives as funcol
+
+        world = torch.distributed.get_world_size(self.process_group)
+        return [funcol.all_reduce(g, "sum", self.process_group) / world for g in grads]
+
+    # ----- the host side: a few dict lookups, no sync -----
+    def __call__(self, *inputs: Any, target: Any = _LAST) -> torch.Tensor:
+        """One step on model(*inputs) against target (keyword, or the last positional)."""
+        if target is _LAST:
+            if len(inputs) < 2:
+                raise TypeError(
+                    f"step(*inputs, target) got {len(inputs)} positional argument(s): pass the "
+                    "model's inputs and then the target (or target=...)."
+                )
+            *inputs, target = inputs
+        args = (self._params, self._buffers, self._hparams(), tuple(inputs), target)
+        with torch.no_grad():  # grad_and_value enables grad inside; the writes need none
+            if self._compiled is not None:
+                try:
+                    loss = self._compiled(*args)
+                except Exception as exc:  # a missing compiler or an untraceable model
+                    self._compiled = None
+                    why = " ".join(str(exc).split())[:400]  # one line, the cause up front
+                    warnings.warn(
+                        f"mixprec.compile_step: the step did not compile ({type(exc).__name__}: "
+                        f"{why}); running the same step eagerly from now on.",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    loss = self._run(*args)
+            else:
+                loss = self._run(*args)
+        if isinstance(self.optimizer, MixedPrecisionOptimizer):
+            self.optimizer.steps += 1
+        return loss
+
+    @property
+    def compiled(self) -> bool:
+        """False once compiling failed and the step runs eagerly."""
+        return self._compiled is not None
+
+    def sync_counters(self) -> int:
+        """Add the steps skipped since the last call to optimizer.skipped_steps (a host sync);
+        returns that number."""
+        skipped = int(self.skipped_steps)
+        self.skipped_steps.zero_()
+        if isinstance(self.optimizer, MixedPrecisionOptimizer):
+            self.optimizer.skipped_steps += skipped
+        return skipped
+
+
+def compile_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: Callable[..., torch.Tensor],
+    *,
+    max_norm: float | None = None,
+    scaler: Any = None,
+    compile: bool = True,
+    **compile_options: Any,
+) -> CompiledStep:
+    """The whole training step of any face, compiled: `loss = step(*inputs, target=y)`.
+
+    model, optimizer, criterion: what convert_to_amp / initialize / Booster.boost /
+        mixprec.apex.amp.initialize / mixprec.paddle.decorate returned (or a plain fp32 model
+        and torch optimizer). A DistributedDataParallel model is unwrapped: the step averages
+        the grads over its process group itself.
+    max_norm: clip the unscaled grads to this total norm (None: the optimizer's own max_norm).
+    scaler: a mixprec.GradScaler (e.g. mixprec.paddle.GradScaler) when the loss scale lives
+        outside the optimizer, as in Paddle's dygraph loop; None otherwise.
+    compile: False runs the same step eagerly (a reference, and the fallback when compiling
+        fails, which warns once).
+    compile_options: passed to torch.compile (mode="reduce-overhead" for CUDA graphs,
+        backend=...); fullgraph=True and dynamic=False unless given.
+    """
+    return CompiledStep(
+        model,
+        optimizer,
+        criterion,
+        max_norm=max_norm,
+        scaler=scaler,
+        compile=compile,
+        compile_options=compile_options,
+    )

@@ -1,0 +1,45 @@
+"""PaddlePaddle's AMP names on mixprec's core: the dynamic graph (`paddle.amp`: auto_cast,
+decorate, GradScaler, in mixprec.paddle.dygraph, re-exported here) and the static graph
+(`paddle.static` with `paddle.static.amp`, in mixprec.paddle.static, running the compiled step).
+
+    import mixprec.paddle as amp                      # paddle.amp
+    from mixprec.paddle import static                 # paddle.static
+"""
+
+from mixprec.paddle.dygraph import (
+    COMPUTE_OPS,
+    DECORATE_LEVELS,
+    DTYPES,
+    GEMM_OPS,
+    LEVELS,
+    NORM_OPS,
+    SAVE_DTYPES,
+    GradScaler,
+    MasterWeightOptimizer,
+    amp_decorate,
+    amp_guard,
+    auto_cast,
+    decorate,
+    fp16_guard,
+    holds_pure_lp_params,
+    level_op_lists,
+)
+
+__all__ = [
+    "COMPUTE_OPS",
+    "DECORATE_LEVELS",
+    "DTYPES",
+    "GEMM_OPS",
+    "LEVELS",
+    "NORM_OPS",
+    "SAVE_DTYPES",
+    "GradScaler",
+    "MasterWeightOptimizer",
+    "amp_decorate",
+    "amp_guard",
+    "auto_cast",
+    "decorate",
+    "fp16_guard",
+    "holds_pure_lp_params",
+    "level_op_lists",
+]
