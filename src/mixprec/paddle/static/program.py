@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,7 +79,11 @@ class Variable(torch.Tensor):
         kwargs = kwargs or {}
         leaves, treedef = pytree.tree_flatten((args, kwargs))
         program = next(leaf.program for leaf in leaves if isinstance(leaf, Variable))
-        with torch._C.DisableTorchFunctionSubclass():
+        # Recording runs on meta tensors whose -1 dims stand as 1: a shape warning here (e.g.
+        # mse_loss broadcasting [1, n] against [8, n]) is about the stand-in, not the real run,
+        # which executes the same ops on the fed arrays and warns there if it must.
+        with torch._C.DisableTorchFunctionSubclass(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
             meta = [_to_meta(leaf) for leaf in leaves]
             m_args, m_kwargs = pytree.tree_unflatten(meta, treedef)
             out = func(*m_args, **m_kwargs)
