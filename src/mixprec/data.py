@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from torch.utils.data import DistributedSampler
+import logging
+from typing import Any
+
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+log = logging.getLogger("mixprec")
 
 
 class EpochShuffledDistributedSampler(DistributedSampler):
@@ -17,3 +28,73 @@ class EpochShuffledDistributedSampler(DistributedSampler):
         indices = super().__iter__()
         self.set_epoch(self.epoch + 1)
         return indices
+
+
+def dataloader_to_distributed(loader: DataLoader, rank: int, world_size: int) -> DataLoader:
+    """The same DataLoader over this rank's shard: one DistributedSampler per rank.
+
+    A RandomSampler becomes a sampler reshuffled every epoch (seed shared by all ranks, so
+    shards never overlap), a SequentialSampler an unshuffled one. Loaders that already use a
+    DistributedSampler, or stream an IterableDataset (shard those yourself), are returned
+    unchanged; any other sampler is an error, since its order could not be kept.
+    """
+    if not isinstance(loader, DataLoader):
+        raise TypeError(
+            f"Dataloaders passed to initialize must be torch DataLoaders, got {type(loader)!r}."
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        log.warning(
+            "mixprec.engine.initialize: %s streams an IterableDataset, which a "
+            "DistributedSampler cannot shard; each rank reads what the dataset yields to it.",
+            type(loader.dataset).__name__,
+        )
+        return loader
+    if isinstance(loader.sampler, DistributedSampler):
+        return loader
+    if loader.batch_size is None:
+        raise ValueError(
+            f"Cannot shard a DataLoader built with batch_sampler={loader.batch_sampler!r}: "
+            "pass batch_size=... with shuffle=True/False (or your own DistributedSampler)."
+        )
+    if isinstance(loader.sampler, RandomSampler):
+        if loader.sampler.replacement or loader.sampler._num_samples is not None:
+            raise ValueError(
+                "Cannot shard a RandomSampler that draws with replacement or a num_samples "
+                "subset; pass a DataLoader with shuffle=True or your own DistributedSampler."
+            )
+        sampler: DistributedSampler = EpochShuffledDistributedSampler(
+            loader.dataset, num_replicas=world_size, rank=rank, shuffle=True
+        )
+    elif isinstance(loader.sampler, SequentialSampler):
+        sampler = DistributedSampler(
+            loader.dataset, num_replicas=world_size, rank=rank, shuffle=False
+        )
+    else:
+        raise ValueError(
+            f"Cannot shard a DataLoader with sampler {type(loader.sampler).__name__}. Valid: "
+            "RandomSampler (shuffle=True), SequentialSampler (shuffle=False), or a "
+            "DistributedSampler you built yourself."
+        )
+    kwargs: dict[str, Any] = {}
+    if loader.num_workers > 0:  # DataLoader refuses these options without worker processes
+        kwargs.update(
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+            multiprocessing_context=loader.multiprocessing_context,
+        )
+        if hasattr(loader, "in_order"):  # torch >= 2.6
+            kwargs["in_order"] = loader.in_order
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        generator=loader.generator,
+        pin_memory_device=loader.pin_memory_device,
+        **kwargs,
+    )

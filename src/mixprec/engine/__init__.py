@@ -1,0 +1,42 @@
+"""Colossal-AI's `initialize(...)` and Engine: the config-driven face over the core.
+
+from_config.py holds `initialize` and its branches (ZeRO, FSDP, DDP, pipeline), engine.py the
+Engine; data loaders are sharded by mixprec.data.dataloader_to_distributed.
+
+`initialize` reads `fp16`, `clip_grad_norm`, `gradient_accumulation` and `compile` (bool:
+`engine.train_step(x, target=y)` runs mixprec.compile_step's compiled whole step) from a config (by
+default the one `mixprec.launch.*` put in `gpc.config`), turns `fp16` into a Policy with
+`mixprec.config.config_to_policy`, and applies it with the core's `prepare_model`,
+`prepare_optimizer` and `FP32Criterion`; it holds no precision logic of its own. With more
+than one process it wraps the prepared model in DistributedDataParallel and gives the
+dataloaders DistributedSamplers. The Engine is the loop-facing object of seed 000:
+
+    engine, train_dataloader, _, _ = mixprec.engine.initialize(model, optimizer, criterion,
+                                                               train_dataloader)
+    engine.train()
+    for img, label in train_dataloader:
+        engine.zero_grad()
+        output = engine(img)
+        loss = engine.criterion(output, label)
+        engine.backward(loss)
+        engine.step()
+
+Gradient accumulation over N micro-batches: every loss is divided by N in `backward`,
+`zero_grad` only clears at the start of a window, `step` only steps on the N-th call (the
+gradients are unscaled, checked and clipped once, on their sum), and under DDP the first N-1
+forwards run under `no_sync` so gradients are all-reduced once per window. Unlike Colossal-AI,
+the dataloader is not shortened to a multiple of N: a partial window at the end of an epoch
+carries over into the next one.
+"""
+
+from mixprec.data import EpochShuffledDistributedSampler, dataloader_to_distributed
+from mixprec.engine.engine import ENGINE_STATE_KEYS, Engine
+from mixprec.engine.from_config import initialize
+
+__all__ = [
+    "ENGINE_STATE_KEYS",
+    "Engine",
+    "EpochShuffledDistributedSampler",
+    "dataloader_to_distributed",
+    "initialize",
+]

@@ -1,0 +1,286 @@
+"""The Engine: Colossal-AI's loop-facing object over a prepared model, optimizer, criterion.
+
+Built by `mixprec.engine.initialize` (see the package docstring for the loop it runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mixprec.apex import multi_loss
+from mixprec.compiled_step import CompiledStep, compile_step
+from mixprec.module import FP32Criterion, PrecisionModule
+from mixprec.optim import MixedPrecisionOptimizer, StepResult
+from mixprec.policy import Policy
+from mixprec.skip_monitor import SkipStats
+
+ENGINE_STATE_KEYS: tuple[str, ...] = (
+    "model",
+    "optimizer",
+    "lr_scheduler",
+    "accumulated_steps",
+    "accumulated_grads",
+)
+"""Keys of Engine.state_dict(); load_state_dict requires all of them."""
+
+
+class Engine:
+    """Runs a prepared model, optimizer and criterion the way Colossal-AI's Engine does.
+
+    Built by `initialize`; the pieces are the core's: model is a PrecisionModule (inside
+    DistributedDataParallel when distributed), optimizer a MixedPrecisionOptimizer, criterion
+    an FP32Criterion (or None).
+
+    Args:
+        model: the prepared model, possibly wrapped in DistributedDataParallel.
+        optimizer: the core's optimizer wrapper (clipping and loss scaling live there).
+        criterion: the fp32 loss, reached as `engine.criterion(output, label)`.
+        lr_scheduler: stepped after every optimizer step that was not skipped (None: the
+            caller steps its own scheduler, as seed 000 does once per epoch).
+        gradient_accumulation: micro-batches per optimizer step (>= 1).
+        policy: the precision policy the pieces were prepared with (for reports, checkpoints).
+        compile_step: compile `train_step` (config key `compile=True`): see mixprec.compile_step.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: MixedPrecisionOptimizer,
+        criterion: FP32Criterion | None = None,
+        *,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        gradient_accumulation: int = 1,
+        policy: Policy | None = None,
+        compile_step: bool = False,
+    ) -> None:
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        if not isinstance(inner, PrecisionModule):
+            raise TypeError(
+                f"Engine needs a model from mixprec.prepare_model (optionally inside "
+                f"DistributedDataParallel), got {type(model)!r}; use mixprec.engine.initialize."
+            )
+        if not isinstance(optimizer, MixedPrecisionOptimizer):
+            raise TypeError(
+                f"Engine needs a mixprec MixedPrecisionOptimizer, got {type(optimizer)!r}; "
+                "use mixprec.engine.initialize."
+            )
+        if criterion is not None and not isinstance(criterion, FP32Criterion):
+            raise TypeError(f"Engine needs an FP32Criterion or None, got {type(criterion)!r}.")
+        if (
+            isinstance(gradient_accumulation, bool)
+            or not isinstance(gradient_accumulation, int)
+            or gradient_accumulation < 1
+        ):
+            raise ValueError(
+                f"gradient_accumulation={gradient_accumulation!r} must be an int >= 1."
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.criterion = criterion
+        self.lr_scheduler = lr_scheduler
+        self.gradient_accumulation = gradient_accumulation
+        self.compile_step = _check_compile(compile_step, gradient_accumulation, lr_scheduler)
+        self._train_step: CompiledStep | None = None
+        self.policy = policy if policy is not None else inner.policy
+        self._precision_module = inner
+        # micro-batches already backpropagated into the current accumulation window
+        self._accumulated_steps = 0
+
+    # ----- Colossal-AI's loop API -----
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def _window_closes(self) -> bool:
+        """Whether the next step() is a real optimizer step (the window's last micro-batch)."""
+        return self._accumulated_steps + 1 >= self.gradient_accumulation
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward (under DDP, without gradient sync until the window's last)."""
+        sync_off = (
+            isinstance(self.model, DistributedDataParallel)
+            and self.model.training
+            and torch.is_grad_enabled()
+            and not self._window_closes()
+        )
+        # DDP decides in forward whether the coming backward all-reduces, so no_sync wraps it
+        with self.model.no_sync() if sync_off else contextlib.nullcontext():
+            return self.model(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients, but only at the start of an accumulation window."""
+        if self._accumulated_steps == 0:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
+        """Scaled backward of loss / gradient_accumulation (gradients add up over a window).
+
+        loss_id picks the loss scaler under fp16=dict(mode=AMP_TYPE.APEX, num_losses=N)."""
+        if self.gradient_accumulation > 1:
+            loss = loss / self.gradient_accumulation
+        multi_loss.backward(self.optimizer, loss, loss_id)
+
+    def step(self) -> StepResult | None:
+        """Step on the window's last micro-batch: unscale, clip, step or skip, then the schedule.
+
+        Returns the optimizer's StepResult, or None for a micro-batch that only accumulated.
+        The LR scheduler (if the engine owns one) advances only when the step was not skipped.
+        """
+        if not self._window_closes():
+            self._accumulated_steps += 1
+            return None
+        self._accumulated_steps = 0
+        result = self.optimizer.step()
+        if self.lr_scheduler is not None and not result.skipped:
+            self.lr_scheduler.step()
+        return result
+
+    def train_step(self, *inputs: Any, target: Any) -> torch.Tensor:
+        """One whole step (zero_grad .. step) as mixprec.compile_step runs it, compiled when
+        the config says `compile=True`; returns the loss as a 0-dim tensor (no host sync)."""
+        if self.criterion is None:
+            raise RuntimeError("train_step needs a criterion: pass one to initialize().")
+        if self._train_step is None:
+            self._train_step = compile_step(
+                self.model, self.optimizer, self.criterion, compile=self.compile_step
+            )
+        return self._train_step(*inputs, target=target)
+
+    # ----- counters -----
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (a host sync)."""
+        return self.optimizer.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because some rank's gradients were not finite."""
+        return self.optimizer.skipped_steps
+
+    @property
+    def skip_stats(self) -> SkipStats:
+        """The optimizer's step and skip counts, for logging (no host sync)."""
+        return self.optimizer.skip_stats
+
+    @property
+    def last_result(self) -> StepResult | None:
+        """What the last real optimizer step did (None before the first)."""
+        return self.optimizer.last_result
+
+    @property
+    def accumulated_steps(self) -> int:
+        """Micro-batches accumulated in the current window (0 right after a real step)."""
+        return self._accumulated_steps
+
+    # ----- checkpoints -----
+    def _lp_to_hp(self) -> dict[int, torch.Tensor]:
+        return {
+            id(lp): hp
+            for lp, hp in zip(self.optimizer.lp_params, self.optimizer.hp_masters, strict=True)
+        }
+
+    def _model_state_fp32(self) -> dict[str, Any]:
+        """The model's state with fp32 values: masters for cast params, up-casts elsewhere.
+
+        fp16/bf16 -> fp32 is exact, so loading this back into a cast model restores it bitwise.
+        """
+        module = self._precision_module.module
+        lp_to_hp = self._lp_to_hp()
+        state = module.state_dict()
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if id(param) in lp_to_hp and name in state:
+                state[name] = lp_to_hp[id(param)]
+        return {
+            k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone()
+            for k, v in state.items()
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit for bit: fp32 model weights (masters where they
+        exist), optimizer (inner state, masters, scaler), scheduler, the accumulation window
+        position and, mid-window, the gradients accumulated so far."""
+        module = self._precision_module.module
+        grads = {}
+        if self._accumulated_steps > 0:
+            grads = {
+                name: p.grad.detach().clone()
+                for name, p in module.named_parameters()
+                if p.grad is not None
+            }
+        return {
+            "model": self._model_state_fp32(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "accumulated_steps": self._accumulated_steps,
+            "accumulated_grads": grads,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what state_dict() saved; the engine must be built the same way."""
+        missing = [k for k in ENGINE_STATE_KEYS if k not in state_dict]
+        if missing:
+            raise KeyError(
+                f"Not a mixprec Engine checkpoint: lacks {missing}; got keys {sorted(state_dict)}."
+            )
+        has_sched = state_dict["lr_scheduler"] is not None
+        if has_sched != (self.lr_scheduler is not None):
+            raise ValueError(
+                f"Checkpoint {'has' if has_sched else 'has no'} LR scheduler state but this "
+                f"engine {'has none' if self.lr_scheduler is None else 'owns one'}: build it "
+                "with the same lr_scheduler argument to initialize."
+            )
+        accumulated = state_dict["accumulated_steps"]
+        if not 0 <= accumulated < self.gradient_accumulation:
+            raise ValueError(
+                f"Checkpoint accumulated_steps={accumulated!r} does not fit "
+                f"gradient_accumulation={self.gradient_accumulation}."
+            )
+        module = self._precision_module.module
+        module.load_state_dict(state_dict["model"])  # rounds fp32 to each param's dtype
+        self.optimizer.load_state_dict(state_dict["optimizer"])  # masters, then lp <- masters
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
+        self.optimizer.zero_grad(set_to_none=True)
+        params = dict(module.named_parameters())
+        for name, grad in state_dict["accumulated_grads"].items():
+            if name not in params:
+                raise KeyError(f"Checkpoint holds a gradient for unknown parameter {name!r}.")
+            params[name].grad = grad.to(params[name].device, params[name].dtype).clone()
+        self._accumulated_steps = int(accumulated)
+
+    def __repr__(self) -> str:
+        return (
+            f"Engine(policy={self.policy.name!r}, model={type(self.model).__name__}, "
+            f"gradient_accumulation={self.gradient_accumulation}, "
+            f"clip_grad_norm={self.optimizer.max_norm}, "
+            f"lr_scheduler={type(self.lr_scheduler).__name__ if self.lr_scheduler else None})"
+        )
+
+
+def _check_compile(flag: object, accumulation: int, lr_scheduler: object) -> bool:
+    if not isinstance(flag, bool):
+        raise TypeError(f"compile={flag!r} must be a bool.")
+    if flag and accumulation > 1:
+        raise ValueError(
+            f"compile=True with gradient_accumulation={accumulation}: the compiled step is one "
+            "whole optimizer step per batch. Use one or the other."
+        )
+    if flag and lr_scheduler is not None:
+        raise ValueError(
+            "compile=True with an lr_scheduler the engine steps: the compiled step decides "
+            "skips on the device, so the engine cannot know when to step it without a host "
+            "sync. Step your schedule yourself."
+        )
+    return flag
