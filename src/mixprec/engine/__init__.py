@@ -1,7 +1,8 @@
 """Colossal-AI's `initialize(...)` and Engine: the config-driven face over the core.
 
 from_config.py holds `initialize` and its branches (ZeRO, FSDP, DDP, pipeline), engine.py the
-Engine; data loaders are sharded by mixprec.data.dataloader_to_distributed.
+Engine, pipeline_engine.py the Engine of `parallel=dict(pipeline=N)`; data loaders are sharded
+by mixprec.data.dataloader_to_distributed.
 
 `initialize` reads `fp16`, `clip_grad_norm`, `gradient_accumulation` and `compile` (bool:
 `engine.train_step(x, target=y)` runs mixprec.compile_step's compiled whole step) from a config (by

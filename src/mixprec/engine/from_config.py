@@ -74,7 +74,8 @@ def initialize(
     On CUDA the model moves to the current device first. With world size > 1 the prepared
     model is wrapped in DistributedDataParallel and the dataloaders get DistributedSamplers.
     Returns (engine, train_dataloader, test_dataloader, lr_scheduler). With
-    `parallel=dict(pipeline=N)` and NUM_MICRO_BATCHES the engine is a pipeline_engine.PipelineEngine.
+    `parallel=dict(pipeline=N)` and NUM_MICRO_BATCHES the engine is a PipelineEngine
+    (mixprec.engine.pipeline_engine).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
@@ -103,7 +104,7 @@ def initialize(
                 "compile=True cannot run a pipeline (parallel=dict(pipeline=N)): its stages "
                 "step through torch.distributed.pipelining's schedules. Drop one of the two."
             )
-        from mixprec.pipeline_engine import initialize_pipeline
+        from mixprec.engine.pipeline_engine import initialize_pipeline
 
         pp_size, num_microbatches = pipeline
         return initialize_pipeline(

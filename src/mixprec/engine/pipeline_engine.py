@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from mixprec.data import dataloader_to_distributed
 from mixprec.module import FP32Criterion
 from mixprec.optim import StepResult
 from mixprec.pipeline import (
@@ -138,8 +139,6 @@ def initialize_pipeline(
     accumulation: int,
 ) -> tuple[PipelineEngine, DataLoader | None, DataLoader | None, Any]:
     """initialize's pipeline branch: stages, optimizer and loaders for a (dp, pp) world."""
-    from mixprec.engine import dataloader_to_distributed
-
     if criterion is None:
         raise ValueError("A pipelined model needs its criterion: the last stage computes the loss.")
     if accumulation != 1:
