@@ -477,6 +477,9 @@ def _config_face(rank: int) -> None:
             assert output is label is loss is None
         assert not engine.step().skipped
     assert len(seen) == len(batches)
+    stats = engine.skip_stats  # the counters every Engine shares (EngineBase)
+    assert (stats.steps, stats.skipped_steps, engine.skipped_steps) == (len(batches), 0, 0)
+    assert engine.training and engine.loss_scale == 2.0**8
     # Both stages read the same shuffled batches (else inputs and labels would not match).
     assert_same_on_every_rank([t for batch in seen for t in batch], "batches each stage read")
     expected = _reference("fp16_naive", seen)
@@ -484,6 +487,7 @@ def _config_face(rank: int) -> None:
         torch.testing.assert_close(w, expected[name], rtol=0, atol=0, msg=f"engine: {name}")
     before = _snapshot(engine.model, engine.optimizer)
     engine.eval()
+    assert not engine.training
     _, _, loss = engine.execute_schedule(iter(batches), forward_only=True)
     assert (loss is not None) == engine.model.has_last_stage
     assert engine.optimizer.lp_params[0].grad is None  # forward only: no gradient

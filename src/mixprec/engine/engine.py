@@ -15,10 +15,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.apex import multi_loss
 from mixprec.compiled_step import CompiledStep, compile_step
+from mixprec.engine.base import EngineBase
 from mixprec.module import FP32Criterion, PrecisionModule
 from mixprec.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.policy import Policy
-from mixprec.skip_monitor import SkipStats
 
 ENGINE_STATE_KEYS: tuple[str, ...] = (
     "model",
@@ -30,7 +30,7 @@ ENGINE_STATE_KEYS: tuple[str, ...] = (
 """Keys of Engine.state_dict(); load_state_dict requires all of them."""
 
 
-class Engine:
+class Engine(EngineBase):
     """Runs a prepared model, optimizer and criterion the way Colossal-AI's Engine does.
 
     Built by `initialize`; the pieces are the core's: model is a PrecisionModule (inside
@@ -92,17 +92,7 @@ class Engine:
         # micro-batches already backpropagated into the current accumulation window
         self._accumulated_steps = 0
 
-    # ----- Colossal-AI's loop API -----
-    def train(self) -> None:
-        self.model.train()
-
-    def eval(self) -> None:
-        self.model.eval()
-
-    @property
-    def training(self) -> bool:
-        return self.model.training
-
+    # ----- Colossal-AI's loop API (train, eval: EngineBase) -----
     def _window_closes(self) -> bool:
         """Whether the next step() is a real optimizer step (the window's last micro-batch)."""
         return self._accumulated_steps + 1 >= self.gradient_accumulation
@@ -142,10 +132,7 @@ class Engine:
             self._accumulated_steps += 1
             return None
         self._accumulated_steps = 0
-        result = self.optimizer.step()
-        if self.lr_scheduler is not None and not result.skipped:
-            self.lr_scheduler.step()
-        return result
+        return self._optimizer_step()
 
     def train_step(self, *inputs: Any, target: Any) -> torch.Tensor:
         """One whole step (zero_grad .. step) as mixprec.compile_step runs it, compiled when
@@ -158,27 +145,7 @@ class Engine:
             )
         return self._train_step(*inputs, target=target)
 
-    # ----- counters -----
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (a host sync)."""
-        return self.optimizer.loss_scale
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because some rank's gradients were not finite."""
-        return self.optimizer.skipped_steps
-
-    @property
-    def skip_stats(self) -> SkipStats:
-        """The optimizer's step and skip counts, for logging (no host sync)."""
-        return self.optimizer.skip_stats
-
-    @property
-    def last_result(self) -> StepResult | None:
-        """What the last real optimizer step did (None before the first)."""
-        return self.optimizer.last_result
-
+    # ----- counters (loss_scale, skipped_steps, skip_stats, last_result: EngineBase) -----
     @property
     def accumulated_steps(self) -> int:
         """Micro-batches accumulated in the current window (0 right after a real step)."""

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from mixprec.data import dataloader_to_distributed
+from mixprec.engine.base import EngineBase
 from mixprec.module import FP32Criterion
 from mixprec.optim import StepResult
 from mixprec.pipeline import (
@@ -37,7 +38,7 @@ from mixprec.pipeline_optim import PipelineOptimizer
 from mixprec.policy import Policy
 
 
-class PipelineEngine:
+class PipelineEngine(EngineBase):
     """The Engine of a pipelined model: `execute_schedule` replaces forward + backward."""
 
     def __init__(
@@ -54,12 +55,6 @@ class PipelineEngine:
         self.criterion = criterion
         self.lr_scheduler = lr_scheduler
         self.policy = policy
-
-    def train(self) -> None:
-        self.model.train()
-
-    def eval(self) -> None:
-        self.model.eval()
 
     def execute_schedule(
         self,
@@ -100,22 +95,7 @@ class PipelineEngine:
 
     def step(self) -> StepResult:
         """Unscale, check (all ranks agree), clip, step or skip; the LR schedule unless skipped."""
-        result = self.optimizer.step()
-        if self.lr_scheduler is not None and not result.skipped:
-            self.lr_scheduler.step()
-        return result
-
-    @property
-    def loss_scale(self) -> float:
-        return self.optimizer.loss_scale
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.optimizer.skipped_steps
-
-    @property
-    def last_result(self) -> StepResult | None:
-        return self.optimizer.last_result
+        return self._optimizer_step()
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,59 @@
+"""What every Engine shares: train/eval, the step that holds the LR schedule on skips, counters.
+
+Engine (one model, gradient accumulation) and PipelineEngine (stages under a 1F1B schedule)
+differ in how a batch runs and when a step is due, not in what a step does afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from mixprec.optim import MixedPrecisionOptimizer, StepResult
+from mixprec.skip_monitor import SkipStats
+
+
+class EngineBase:
+    """The model's mode switches and the optimizer's step and counters, seen from an Engine."""
+
+    model: nn.Module
+    optimizer: MixedPrecisionOptimizer
+    lr_scheduler: Any
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def _optimizer_step(self) -> StepResult:
+        """Unscale, check, clip, step or skip; the LR schedule (if owned) only when not skipped."""
+        result = self.optimizer.step()
+        if self.lr_scheduler is not None and not result.skipped:
+            self.lr_scheduler.step()
+        return result
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (a host sync)."""
+        return self.optimizer.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because some rank's gradients were not finite."""
+        return self.optimizer.skipped_steps
+
+    @property
+    def skip_stats(self) -> SkipStats:
+        """The optimizer's step and skip counts, for logging (no host sync)."""
+        return self.optimizer.skip_stats
+
+    @property
+    def last_result(self) -> StepResult | None:
+        """What the last real optimizer step did (None before the first)."""
+        return self.optimizer.last_result
