@@ -1,8 +1,12 @@
 """Colossal-AI's `initialize(...)` and Engine: the config-driven face over the core.
 
-from_config.py holds `initialize` and its branches (ZeRO, FSDP, DDP, pipeline), engine.py the
-Engine, pipeline_engine.py the Engine of `parallel=dict(pipeline=N)`; data loaders are sharded
-by mixprec.data.dataloader_to_distributed.
+Where each piece lives:
+    from_config.py      initialize and its branches (ZeRO, FSDP, DDP, pipeline)
+    engine.py           the Engine (the loop below, gradient accumulation, compiled train_step)
+    state.py            the Engine's checkpoint (state_dict / load_state_dict)
+    pipeline_engine.py  the Engine of `parallel=dict(pipeline=N)`
+    base.py             what both Engines share (train/eval, step with the LR schedule, counters)
+    mixprec.data        dataloader_to_distributed: a loader sharded over ranks
 
 `initialize` reads `fp16`, `clip_grad_norm`, `gradient_accumulation` and `compile` (bool:
 `engine.train_step(x, target=y)` runs mixprec.compile_step's compiled whole step) from a config (by
@@ -31,8 +35,9 @@ carries over into the next one.
 """
 
 from mixprec.data import EpochShuffledDistributedSampler, dataloader_to_distributed
-from mixprec.engine.engine import ENGINE_STATE_KEYS, Engine
+from mixprec.engine.engine import Engine
 from mixprec.engine.from_config import initialize
+from mixprec.engine.state import ENGINE_STATE_KEYS
 
 __all__ = [
     "ENGINE_STATE_KEYS",

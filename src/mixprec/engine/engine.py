@@ -16,18 +16,10 @@ from torch.nn.parallel import DistributedDataParallel
 from mixprec.apex import multi_loss
 from mixprec.compiled_step import CompiledStep, compile_step
 from mixprec.engine.base import EngineBase
+from mixprec.engine.state import engine_state_dict, load_engine_state_dict
 from mixprec.module import FP32Criterion, PrecisionModule
 from mixprec.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.policy import Policy
-
-ENGINE_STATE_KEYS: tuple[str, ...] = (
-    "model",
-    "optimizer",
-    "lr_scheduler",
-    "accumulated_steps",
-    "accumulated_grads",
-)
-"""Keys of Engine.state_dict(); load_state_dict requires all of them."""
 
 
 class Engine(EngineBase):
@@ -151,81 +143,25 @@ class Engine(EngineBase):
         """Micro-batches accumulated in the current window (0 right after a real step)."""
         return self._accumulated_steps
 
-    # ----- checkpoints -----
-    def _lp_to_hp(self) -> dict[int, torch.Tensor]:
-        return {
-            id(lp): hp
-            for lp, hp in zip(self.optimizer.lp_params, self.optimizer.hp_masters, strict=True)
-        }
-
-    def _model_state_fp32(self) -> dict[str, Any]:
-        """The model's state with fp32 values: masters for cast params, up-casts elsewhere.
-
-        fp16/bf16 -> fp32 is exact, so loading this back into a cast model restores it bitwise.
-        """
-        module = self._precision_module.module
-        lp_to_hp = self._lp_to_hp()
-        state = module.state_dict()
-        for name, param in module.named_parameters(remove_duplicate=False):
-            if id(param) in lp_to_hp and name in state:
-                state[name] = lp_to_hp[id(param)]
-        return {
-            k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone()
-            for k, v in state.items()
-        }
-
+    # ----- checkpoints (the rules: mixprec.engine.state) -----
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume bit for bit: fp32 model weights (masters where they
-        exist), optimizer (inner state, masters, scaler), scheduler, the accumulation window
-        position and, mid-window, the gradients accumulated so far."""
-        module = self._precision_module.module
-        grads = {}
-        if self._accumulated_steps > 0:
-            grads = {
-                name: p.grad.detach().clone()
-                for name, p in module.named_parameters()
-                if p.grad is not None
-            }
-        return {
-            "model": self._model_state_fp32(),
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "accumulated_steps": self._accumulated_steps,
-            "accumulated_grads": grads,
-        }
+        """Everything needed to resume bit for bit (see engine_state_dict)."""
+        return engine_state_dict(
+            self._precision_module.module,
+            self.optimizer,
+            self.lr_scheduler,
+            self._accumulated_steps,
+        )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what state_dict() saved; the engine must be built the same way."""
-        missing = [k for k in ENGINE_STATE_KEYS if k not in state_dict]
-        if missing:
-            raise KeyError(
-                f"Not a mixprec Engine checkpoint: lacks {missing}; got keys {sorted(state_dict)}."
-            )
-        has_sched = state_dict["lr_scheduler"] is not None
-        if has_sched != (self.lr_scheduler is not None):
-            raise ValueError(
-                f"Checkpoint {'has' if has_sched else 'has no'} LR scheduler state but this "
-                f"engine {'has none' if self.lr_scheduler is None else 'owns one'}: build it "
-                "with the same lr_scheduler argument to initialize."
-            )
-        accumulated = state_dict["accumulated_steps"]
-        if not 0 <= accumulated < self.gradient_accumulation:
-            raise ValueError(
-                f"Checkpoint accumulated_steps={accumulated!r} does not fit "
-                f"gradient_accumulation={self.gradient_accumulation}."
-            )
-        module = self._precision_module.module
-        module.load_state_dict(state_dict["model"])  # rounds fp32 to each param's dtype
-        self.optimizer.load_state_dict(state_dict["optimizer"])  # masters, then lp <- masters
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
-        self.optimizer.zero_grad(set_to_none=True)
-        params = dict(module.named_parameters())
-        for name, grad in state_dict["accumulated_grads"].items():
-            if name not in params:
-                raise KeyError(f"Checkpoint holds a gradient for unknown parameter {name!r}.")
-            params[name].grad = grad.to(params[name].device, params[name].dtype).clone()
-        self._accumulated_steps = int(accumulated)
+        self._accumulated_steps = load_engine_state_dict(
+            state_dict,
+            self._precision_module.module,
+            self.optimizer,
+            self.lr_scheduler,
+            self.gradient_accumulation,
+        )
 
     def __repr__(self) -> str:
         return (
