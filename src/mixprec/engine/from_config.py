@@ -118,6 +118,7 @@ def initialize(
             num_microbatches=num_microbatches,
             max_norm=max_norm,
             accumulation=accumulation,
+            device=_current_device(),
         )
 
     zero = to_zero_config(config.get("zero"))

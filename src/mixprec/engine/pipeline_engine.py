@@ -117,8 +117,12 @@ def initialize_pipeline(
     num_microbatches: int,
     max_norm: float,
     accumulation: int,
+    device: torch.device | None,
 ) -> tuple[PipelineEngine, DataLoader | None, DataLoader | None, Any]:
-    """initialize's pipeline branch: stages, optimizer and loaders for a (dp, pp) world."""
+    """initialize's pipeline branch: stages, optimizer and loaders for a (dp, pp) world.
+
+    device: the launched rank's CUDA device, or None on CPU.
+    """
     if criterion is None:
         raise ValueError("A pipelined model needs its criterion: the last stage computes the loss.")
     if accumulation != 1:
@@ -127,9 +131,6 @@ def initialize_pipeline(
             "already accumulates NUM_MICRO_BATCHES micro-batches; set it to 1 or drop it."
         )
     config = PipelineConfig(pp_size=pp_size, num_microbatches=num_microbatches)
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    )
     piped, mp_optimizer = prepare_pipeline(
         model, optimizer, policy, config, device=device or torch.device("cpu"), max_norm=max_norm
     )
