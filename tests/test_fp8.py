@@ -313,11 +313,19 @@ def test_old_cuda_names_the_requirement_and_offers_emulation(monkeypatch, caplog
     assert resolve_emulate("cuda", Float8Config()) is False
 
 
-def test_cpu_without_kernel_fails_at_conversion_unless_emulating(monkeypatch):
+def test_cpu_emulates_by_default_and_demanding_a_missing_kernel_fails_at_conversion(
+    monkeypatch, caplog
+):
+    # torch's CPU _scaled_mm is a reference kernel hundreds of times slower than an fp32 GEMM:
+    # the default (emulate=None) emulates on CPU, with the same fp8 rounding.
+    monkeypatch.setattr(fp8_kernels, "_FALLBACK_LOGGED", set())
+    with caplog.at_level(logging.INFO, logger="mixprec.fp8"):
+        assert resolve_emulate("cpu", Float8Config()) is True
+    assert "emulate=False" in caplog.text
     monkeypatch.setitem(fp8_kernels._CPU_KERNEL, "ok", False)
     with pytest.raises(RuntimeError, match="no CPU kernel.*emulate=True"):
-        convert_to_fp8(nn.Sequential(nn.Linear(16, 16)))
-    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16)), config=Float8Config(emulate=True))
+        convert_to_fp8(nn.Sequential(nn.Linear(16, 16)), config=Float8Config(emulate=False))
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16)))
     summary = fp8_summary(model)
     assert summary.converted == ("0",)
     assert model(torch.randn(4, 16)).shape == (4, 16)

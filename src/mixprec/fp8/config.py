@@ -41,7 +41,8 @@ class Float8Config:
     """float8 format of the incoming gradient in backward."""
     emulate: bool | None = None
     """True: cast to fp8 and back, GEMM in fp32. False: the float8 kernel or an error.
-    None: the kernel where this device has one, else an error unless allow_emulation."""
+    None: on CUDA the kernel where the device has one, else an error unless allow_emulation;
+    on CPU emulation (torch's CPU kernel is a slow reference kernel; same fp8 rounding)."""
     allow_emulation: bool = False
     """With emulate=None, fall back to emulation (logged) where no float8 kernel exists."""
     persist_amax_history: bool = False
