@@ -157,6 +157,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.consecutive_skips = 0
         self.last_result: StepResult | None = None
         self._warned_no_grads = False
+        self._held_numel_key: tuple[tuple[int, int], ...] | None = None  # see _held_numel
+        self._held_numel_value = 0
         self.skip_monitor = SkipMonitor()  # says when a run starts by skipping, or skips too often
         # torch.optim.Optimizer's bookkeeping, for hooks and LR schedulers.
         self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
@@ -401,6 +403,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         None; the cheap refusals come first, so an unfused step gathers nothing."""
         if self.fused_step is False or self._found_inf is not None or self._grads_on_masters:
             return None
+        if self.fused_step is None and (
+            self._device().type != "cpu" or self._held_numel() < fused.AUTO_MIN_ELEMENTS
+        ):
+            return None  # too small to fuse whatever has grads: gather nothing (~8 us a step)
         if self.log_num_zeros_in_grad or fused.unsupported_reason(self.optim):
             return None
         grads = self._step_grads()
@@ -414,6 +420,20 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         ):
             return None
         return grads
+
+    def _held_numel(self) -> int:
+        """Elements of every param the wrapped optimizer steps: a bound on a step's grads.
+
+        Cached per param_groups layout (the groups' lists and lengths), re-counted when a group
+        is added, replaced or resized.
+        """
+        key = tuple((id(g["params"]), len(g["params"])) for g in self.optim.param_groups)
+        if self._held_numel_key != key:
+            self._held_numel_value = sum(
+                p.numel() for g in self.optim.param_groups for p in g["params"]
+            )
+            self._held_numel_key = key
+        return self._held_numel_value
 
     def _fused_step(self, grads: list[torch.Tensor]) -> StepResult:
         """Check the lp grads (read only), agree on overflow, then update in one fused pass."""
