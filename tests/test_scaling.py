@@ -106,6 +106,23 @@ def test_state_dict_round_trips_every_counter() -> None:
             assert torch.equal(a.state_dict()[key], b.state_dict()[key])
 
 
+def test_inv_scale_is_cached_until_the_scale_changes() -> None:
+    scaler = LossScaler(ScalerConfig(dynamic=False, init_scale=8.0))
+    inv = scaler.inv_scale()
+    assert scaler.inv_scale() is inv and inv.item() == 0.125  # static: computed once
+    state = scaler.state_dict()
+    state["scale"] = torch.tensor([4.0])
+    scaler.load_state_dict(state)  # writes the scale tensor in place
+    assert scaler.inv_scale().item() == 0.25
+    scaler.to("cpu")
+    scaler._scale = torch.tensor([2.0])  # a replaced tensor (e.g. moved to another device)
+    assert scaler.inv_scale().item() == 0.5
+    dynamic = LossScaler(ScalerConfig(init_scale=2.0**16, growth_interval=1))
+    before = dynamic.inv_scale().item()
+    dynamic.update(torch.zeros(1))  # grows the scale in place
+    assert dynamic.inv_scale().item() == before / 2
+
+
 def test_load_state_dict_names_missing_keys() -> None:
     with pytest.raises(KeyError, match="hysteresis_tracker"):
         LossScaler().load_state_dict({"scale": 1.0, "growth_tracker": 0})

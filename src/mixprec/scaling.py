@@ -35,17 +35,17 @@ def update_scale_(
     # Clamped at 0: once spent it stays spent (Megatron lets it run negative; same decisions).
     hyst_left = torch.where(overflow, (hysteresis_tracker - 1).clamp(min=0), hysteresis_tracker)
     backoff = overflow & (hyst_left <= 0)
-    clean_count = torch.where(overflow, torch.zeros_like(growth_tracker), growth_tracker + 1)
+    # masked_fill_ on fresh temporaries: torch.where's values against a zeros/full tensor in
+    # 2 ops, not 3 (each op is ~2 us of dispatch on CPU: most of a small step's scale update)
+    clean_count = (growth_tracker + 1).masked_fill_(overflow, 0)
     grow = clean_count >= cfg.growth_interval  # implies a clean step: overflow zeroed it
     backed = torch.clamp(scale * cfg.backoff_factor, min=cfg.min_scale)
     grown = torch.clamp(scale * cfg.growth_factor, max=cfg.max_scale)
     grown = torch.where(torch.isfinite(grown), grown, scale)  # fp32 overflow: keep the scale
     scale.copy_(torch.where(backoff, backed, torch.where(grow, grown, scale)))
-    growth_tracker.copy_(torch.where(grow, torch.zeros_like(clean_count), clean_count))
+    growth_tracker.copy_(clean_count.masked_fill_(grow, 0))
     refill = grow | ~overflow if cfg.consecutive_hysteresis else grow
-    hysteresis_tracker.copy_(
-        torch.where(refill, torch.full_like(hyst_left, cfg.hysteresis), hyst_left)
-    )
+    hysteresis_tracker.copy_(hyst_left.masked_fill_(refill, cfg.hysteresis))
 
 
 def default_group() -> ProcessGroup | None:
@@ -105,6 +105,9 @@ class LossScaler:
         self._hysteresis_tracker = torch.full(
             (1,), self.cfg.hysteresis, dtype=torch.int32, device=device
         )
+        self._inv: torch.Tensor | None = None  # inv_scale's cache, of this tensor at this version
+        self._inv_of: torch.Tensor | None = None
+        self._inv_version = -1
 
     @property
     def dynamic(self) -> bool:
@@ -122,7 +125,13 @@ class LossScaler:
 
     def inv_scale(self) -> torch.Tensor:
         # fp32 reciprocal can be inexact under some compile options: take it in fp64 (as torch does).
-        return self._scale.double().reciprocal().float()
+        # Cached until the scale tensor is replaced or written in place (its version counter, a
+        # host int): a static scale's 3 ops are paid once, not every step.
+        scale, version = self._scale, self._scale._version
+        if self._inv is None or self._inv_of is not scale or self._inv_version != version:
+            self._inv = scale.double().reciprocal().float()
+            self._inv_of, self._inv_version = scale, version
+        return self._inv
 
     def to(self, device: torch.device | str) -> LossScaler:
         self._scale = self._scale.to(device)
