@@ -64,6 +64,22 @@ def test_dynamic_scale_matches_reference_exactly(cfg: ScalerConfig, overflows: l
     assert run_scaler(cfg, overflows) == reference_trajectory(cfg, overflows)
 
 
+@settings(max_examples=60, deadline=None)
+@given(cfg=scaler_configs, overflows=st.lists(st.booleans(), min_size=1, max_size=40))
+def test_clean_step_shortcut_equals_the_full_update(cfg: ScalerConfig, overflows: list) -> None:
+    # The optimizer hands update() the growth count it read in the step's one sync; the states
+    # must stay bitwise those of the device-side rule.
+    full, short = LossScaler(cfg), LossScaler(cfg)
+    for overflow in overflows:
+        flag = torch.tensor([1.0 if overflow else 0.0])
+        growth = None if overflow else float(short.growth_tracker.item())
+        full.update(flag)
+        short.update(flag, clean_growth=growth)
+        for key, value in full.state_dict().items():
+            got = short.state_dict()[key]
+            assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
+
+
 def test_hysteresis_delays_backoff_and_growth_refills_it() -> None:
     cfg = ScalerConfig(init_scale=1024.0, growth_interval=2, hysteresis=2)
     scales = [s for s, _, _ in run_scaler(cfg, [True, True, True, False, False, True, True])]

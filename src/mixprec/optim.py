@@ -159,6 +159,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._warned_no_grads = False
         self._held_numel_key: tuple[tuple[int, int], ...] | None = None  # see _held_numel
         self._held_numel_value = 0
+        self._clean_growth: float | None = None  # see _decide
         self.skip_monitor = SkipMonitor()  # says when a run starts by skipping, or skips too often
         # torch.optim.Optimizer's bookkeeping, for hooks and LR schedulers.
         self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
@@ -367,7 +368,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             grad_norm = float(self.clip_grad_norm(self.max_norm))
         num_zeros = self._count_zeros() if self.log_num_zeros_in_grad else None
         skipped, scale = self._decide(found_inf)
-        self.scaler.update(found_inf)
+        self.scaler.update(found_inf, clean_growth=self._clean_growth)
         return self._commit(skipped, scale, grad_norm=grad_norm, num_zeros=num_zeros)
 
     def _warn_once_if_no_grads(self) -> None:
@@ -450,8 +451,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if clipping:  # torch's clip_grad_norm_ coefficient, applied inside the kernel
             clip = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
         scale = self.scaler.scale_tensor.to(found_inf).reshape(1)
-        flag, scale_value, norm_value = torch.cat([found_inf, scale, norm.reshape(1)]).tolist()
-        self.scaler.update(found_inf)
+        growth = self.scaler.growth_tracker.to(found_inf)  # as in _decide, in the same sync
+        values = torch.cat([found_inf, scale, norm.reshape(1), growth]).tolist()
+        flag, scale_value, norm_value, growth_value = values
+        self.scaler.update(found_inf, clean_growth=None if flag > 0 else growth_value)
         master_to_lp = self._master_to_lp()
 
         def apply() -> None:
@@ -470,9 +473,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _decide(
         self, found_inf: torch.Tensor, scale: torch.Tensor | None = None
     ) -> tuple[bool, float]:
-        """(skip?, the scale this step ran under), read in the one host sync of a step."""
+        """(skip?, the scale this step ran under), read in the one host sync of a step.
+
+        With the own dynamic scaler, the growth tracker rides the same sync: kept (for a clean
+        step) in self._clean_growth for the scaler's update, None otherwise.
+        """
+        own = scale is None and self.scaler.dynamic
         scale = self.scaler.scale_tensor if scale is None else scale
-        flag, scale_value = torch.cat([found_inf, scale.to(found_inf)]).tolist()
+        parts = [found_inf, scale.to(found_inf)]
+        if own:
+            parts.append(self.scaler.growth_tracker.to(found_inf))
+        flag, scale_value, *growth = torch.cat(parts).tolist()
+        self._clean_growth = growth[0] if growth and not flag > 0 else None
         return flag > 0, scale_value
 
     def _commit(

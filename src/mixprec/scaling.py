@@ -139,16 +139,35 @@ class LossScaler:
         self._hysteresis_tracker = self._hysteresis_tracker.to(device)
         return self
 
-    def update(self, found_inf: torch.Tensor) -> None:
-        """Advance the scale by one step given this step's (reduced) overflow flag."""
-        if self.cfg.dynamic:
-            update_scale_(
-                self._scale,
-                self._growth_tracker,
-                self._hysteresis_tracker,
-                found_inf.to(self._scale.device),
-                self.cfg,
-            )
+    @property
+    def growth_tracker(self) -> torch.Tensor:
+        """Clean steps since the last growth or overflow (one-element int32 tensor)."""
+        return self._growth_tracker
+
+    def update(self, found_inf: torch.Tensor, *, clean_growth: float | None = None) -> None:
+        """Advance the scale by one step given this step's (reduced) overflow flag.
+
+        clean_growth: only for a step the caller already knows was clean (it read the flag on
+        the host), the growth tracker's value read in that same sync. A clean step short of
+        growth_interval then only counts (and refills a consecutive hysteresis): 1-2 ops
+        instead of update_scale_'s ~20 (~40 us of dispatch on CPU), the same values.
+        """
+        cfg = self.cfg
+        if not cfg.dynamic:
+            return
+        # < 2**24: the count came through an fp32 tensor exactly
+        if clean_growth is not None and clean_growth + 1 < min(cfg.growth_interval, 2**24):
+            self._growth_tracker.add_(1)
+            if cfg.consecutive_hysteresis:
+                self._hysteresis_tracker.fill_(cfg.hysteresis)
+            return
+        update_scale_(
+            self._scale,
+            self._growth_tracker,
+            self._hysteresis_tracker,
+            found_inf.to(self._scale.device),
+            self.cfg,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {
