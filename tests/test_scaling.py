@@ -139,6 +139,34 @@ def test_inv_scale_is_cached_until_the_scale_changes() -> None:
     assert dynamic.inv_scale().item() == before / 2
 
 
+def test_is_unit_only_while_the_scale_is_a_static_one_never_written() -> None:
+    assert LossScaler(ScalerConfig(dynamic=False, init_scale=1.0)).is_unit
+    assert not LossScaler(ScalerConfig(dynamic=False, init_scale=2.0)).is_unit
+    assert not LossScaler(ScalerConfig(init_scale=1.0)).is_unit  # dynamic: it may grow
+    loaded = LossScaler(ScalerConfig(dynamic=False, init_scale=1.0))
+    state = loaded.state_dict()
+    state["scale"] = torch.tensor([4.0])
+    loaded.load_state_dict(state)
+    assert not loaded.is_unit and loaded.scale == 4.0
+
+
+def test_unit_scale_backward_gives_the_scaled_paths_grads_bitwise() -> None:
+    from mixprec.optim import MixedPrecisionOptimizer
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8).bfloat16()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1))
+    assert opt.scaler.is_unit
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+    grads = []
+    for backward in (opt.backward, lambda loss: opt.scale_loss(loss).backward()):
+        opt.zero_grad()
+        backward(lin(x).square().mean())  # the fast path (no x 1.0), then the multiply
+        grads.append([lp.grad.clone() for lp in opt.lp_params])
+    for fast, scaled in zip(*grads, strict=True):
+        assert torch.equal(fast, scaled)
+
+
 def test_load_state_dict_names_missing_keys() -> None:
     with pytest.raises(KeyError, match="hysteresis_tracker"):
         LossScaler().load_state_dict({"scale": 1.0, "growth_tracker": 0})

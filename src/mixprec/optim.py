@@ -291,7 +291,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 "backward() after the gradients were unscaled (by clip_grad_norm or "
                 "unscale_grads) but before step(): the new gradients would stay scaled."
             )
-        self.scale_loss(loss).backward(**kwargs)
+        # x 1.0 is exact: skip its op and its backward node (bitwise); a `gradient=` keeps the
+        # scaled loss's shape (1,) it was given for
+        if self.scaler.is_unit and "gradient" not in kwargs:
+            loss.float().backward(**kwargs)
+        else:
+            self.scale_loss(loss).backward(**kwargs)
 
     def _hp_grads(self) -> list[torch.Tensor]:
         """Gradients of everything the wrapped optimizer steps (fp32 masters and fp32 params).

@@ -105,6 +105,7 @@ class LossScaler:
         self._hysteresis_tracker = torch.full(
             (1,), self.cfg.hysteresis, dtype=torch.int32, device=device
         )
+        self._unit_scale, self._unit_version = self._scale, self._scale._version  # see is_unit
         self._inv: torch.Tensor | None = None  # inv_scale's cache, of this tensor at this version
         self._inv_of: torch.Tensor | None = None
         self._inv_version = -1
@@ -112,6 +113,17 @@ class LossScaler:
     @property
     def dynamic(self) -> bool:
         return self.cfg.dynamic
+
+    @property
+    def is_unit(self) -> bool:
+        """True while the scale is known on the host to be a static 1.0 (no sync): the config's
+        and never written since (a loaded checkpoint writes it: then False, conservatively)."""
+        return (
+            not self.cfg.dynamic
+            and self.cfg.init_scale == 1.0
+            and self._scale is self._unit_scale
+            and self._scale._version == self._unit_version
+        )
 
     @property
     def scale_tensor(self) -> torch.Tensor:
