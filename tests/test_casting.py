@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.casting import NORM_TYPES, cast_floating, cast_module
+from mixprec.casting import NORM_TYPES, cast_call_args, cast_floating, cast_module
 
 
 class Net(nn.Module):
@@ -118,6 +118,30 @@ def test_cast_floating_is_recursive_and_leaves_non_floats() -> None:
     assert out["s"] == "text"
     same = torch.ones(1, dtype=torch.bfloat16)
     assert cast_floating(same, torch.bfloat16) is same  # no copy when already right
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((torch.ones(2), torch.arange(3), torch.ones(1, dtype=torch.bfloat16)), {}),  # fast path
+        ((nn.Parameter(torch.ones(2)), torch.ones(2)), {}),  # a Tensor subclass: the generic walk
+        ((torch.ones(2),), {"target": torch.ones(2, dtype=torch.float64)}),
+        ((Pair(torch.ones(1), torch.arange(2)), "text"), {}),
+    ],
+)
+def test_cast_call_args_equals_cast_floating(args: tuple, kwargs: dict) -> None:
+    got_args, got_kwargs = cast_call_args(args, kwargs, torch.float32)
+    want_args, want_kwargs = cast_floating((args, kwargs), torch.float32)
+    assert type(got_args) is tuple and got_kwargs.keys() == want_kwargs.keys()
+    got_all, want_all = [*got_args, *got_kwargs.values()], [*want_args, *want_kwargs.values()]
+    for got, want in zip(got_all, want_all, strict=True):
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        else:
+            assert got == want
+    fp32 = args[0] if type(args[0]) is torch.Tensor else None
+    if fp32 is not None and fp32.dtype == torch.float32:
+        assert got_args[0] is fp32  # no copy when already right
 
 
 def test_modules_marked_fp32_stay_fp32() -> None:

@@ -176,6 +176,21 @@ def test_auto_fuses_only_large_cpu_steps() -> None:
     assert torch.equal(large, torch.full_like(large, -0.5))
 
 
+def test_auto_fuse_size_is_recounted_when_param_groups_change(monkeypatch) -> None:
+    # The held-element count is cached per param_groups layout; adding a group must re-count.
+    monkeypatch.setattr(fused, "AUTO_MIN_ELEMENTS", 100)
+    first = torch.nn.Parameter(torch.randn(8, 8).bfloat16())
+    opt = MixedPrecisionOptimizer(torch.optim.SGD([first], lr=0.1))
+    first.grad = torch.ones_like(first)
+    assert opt._grads_if_fused() is None  # 64 elements < 100
+    second = torch.nn.Parameter(torch.randn(8, 8).bfloat16())
+    second.grad = torch.ones_like(second)
+    opt.add_param_group({"params": [second]})
+    assert opt._grads_if_fused() is not None  # 128 elements: fused
+    opt.param_groups[1]["params"] = opt.param_groups[1]["params"][:0]  # a group emptied
+    assert opt._grads_if_fused() is None
+
+
 def test_fused_step_true_refuses_unsupported_optimizers() -> None:
     p = torch.nn.Parameter(torch.randn(4).bfloat16())
     with pytest.raises(ValueError, match=r"fused_step=True.*RMSprop.*supported: SGD, Adam, AdamW"):

@@ -64,6 +64,22 @@ def test_dynamic_scale_matches_reference_exactly(cfg: ScalerConfig, overflows: l
     assert run_scaler(cfg, overflows) == reference_trajectory(cfg, overflows)
 
 
+@settings(max_examples=60, deadline=None)
+@given(cfg=scaler_configs, overflows=st.lists(st.booleans(), min_size=1, max_size=40))
+def test_clean_step_shortcut_equals_the_full_update(cfg: ScalerConfig, overflows: list) -> None:
+    # The optimizer hands update() the growth count it read in the step's one sync; the states
+    # must stay bitwise those of the device-side rule.
+    full, short = LossScaler(cfg), LossScaler(cfg)
+    for overflow in overflows:
+        flag = torch.tensor([1.0 if overflow else 0.0])
+        growth = None if overflow else float(short.growth_tracker.item())
+        full.update(flag)
+        short.update(flag, clean_growth=growth)
+        for key, value in full.state_dict().items():
+            got = short.state_dict()[key]
+            assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
+
+
 def test_hysteresis_delays_backoff_and_growth_refills_it() -> None:
     cfg = ScalerConfig(init_scale=1024.0, growth_interval=2, hysteresis=2)
     scales = [s for s, _, _ in run_scaler(cfg, [True, True, True, False, False, True, True])]
@@ -104,6 +120,51 @@ def test_state_dict_round_trips_every_counter() -> None:
         assert a.state_dict().keys() == b.state_dict().keys()
         for key in ("scale", "growth_tracker", "hysteresis_tracker"):
             assert torch.equal(a.state_dict()[key], b.state_dict()[key])
+
+
+def test_inv_scale_is_cached_until_the_scale_changes() -> None:
+    scaler = LossScaler(ScalerConfig(dynamic=False, init_scale=8.0))
+    inv = scaler.inv_scale()
+    assert scaler.inv_scale() is inv and inv.item() == 0.125  # static: computed once
+    state = scaler.state_dict()
+    state["scale"] = torch.tensor([4.0])
+    scaler.load_state_dict(state)  # writes the scale tensor in place
+    assert scaler.inv_scale().item() == 0.25
+    scaler.to("cpu")
+    scaler._scale = torch.tensor([2.0])  # a replaced tensor (e.g. moved to another device)
+    assert scaler.inv_scale().item() == 0.5
+    dynamic = LossScaler(ScalerConfig(init_scale=2.0**16, growth_interval=1))
+    before = dynamic.inv_scale().item()
+    dynamic.update(torch.zeros(1))  # grows the scale in place
+    assert dynamic.inv_scale().item() == before / 2
+
+
+def test_is_unit_only_while_the_scale_is_a_static_one_never_written() -> None:
+    assert LossScaler(ScalerConfig(dynamic=False, init_scale=1.0)).is_unit
+    assert not LossScaler(ScalerConfig(dynamic=False, init_scale=2.0)).is_unit
+    assert not LossScaler(ScalerConfig(init_scale=1.0)).is_unit  # dynamic: it may grow
+    loaded = LossScaler(ScalerConfig(dynamic=False, init_scale=1.0))
+    state = loaded.state_dict()
+    state["scale"] = torch.tensor([4.0])
+    loaded.load_state_dict(state)
+    assert not loaded.is_unit and loaded.scale == 4.0
+
+
+def test_unit_scale_backward_gives_the_scaled_paths_grads_bitwise() -> None:
+    from mixprec.optim import MixedPrecisionOptimizer
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8).bfloat16()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1))
+    assert opt.scaler.is_unit
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+    grads = []
+    for backward in (opt.backward, lambda loss: opt.scale_loss(loss).backward()):
+        opt.zero_grad()
+        backward(lin(x).square().mean())  # the fast path (no x 1.0), then the multiply
+        grads.append([lp.grad.clone() for lp in opt.lp_params])
+    for fast, scaled in zip(*grads, strict=True):
+        assert torch.equal(fast, scaled)
 
 
 def test_load_state_dict_names_missing_keys() -> None:

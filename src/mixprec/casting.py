@@ -47,6 +47,17 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     return obj
 
 
+def cast_call_args(
+    args: tuple, kwargs: dict[str, Any], dtype: torch.dtype
+) -> tuple[tuple, dict[str, Any]]:
+    """cast_floating((args, kwargs), dtype) for a call's arguments (every step, in the faces'
+    forward and loss): plain tensors and no kwargs skip the generic walk (~4 us a call on CPU)."""
+    if kwargs or any(type(a) is not torch.Tensor for a in args):
+        return cast_floating((args, kwargs), dtype)
+    cast = tuple(a.to(dtype) if a.is_floating_point() and a.dtype != dtype else a for a in args)
+    return cast, kwargs
+
+
 MIXED_CPU_NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.LayerNorm,
     nn.GroupNorm,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.casting import cast_floating, cast_module
+from mixprec.casting import cast_call_args, cast_floating, cast_module
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import Policy
 from mixprec.scaling import ProcessGroup
@@ -57,7 +57,7 @@ class PrecisionModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         policy = self.policy
         if policy.casts_params:
-            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
+            args, kwargs = cast_call_args(args, kwargs, policy.param_dtype)
         with autocast_context(policy, device_type_of(self.module)):
             out = self.module(*args, **kwargs)
         if policy.cast_outputs_to is not None:
@@ -83,11 +83,13 @@ class FP32Criterion(nn.Module):
         self.criterion = criterion
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        args, kwargs = cast_floating((args, kwargs), torch.float32)
+        args, kwargs = cast_call_args(args, kwargs, torch.float32)
+        on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        if not on:  # the usual call (the forward's autocast has exited): no context to build
+            return self.criterion(*args, **kwargs)
         with contextlib.ExitStack() as stack:
-            for device_type in ("cpu", "cuda"):
-                if torch.is_autocast_enabled(device_type):
-                    stack.enter_context(torch.autocast(device_type, enabled=False))
+            for device_type in on:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
             return self.criterion(*args, **kwargs)
 
 

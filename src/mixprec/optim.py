@@ -157,6 +157,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.consecutive_skips = 0
         self.last_result: StepResult | None = None
         self._warned_no_grads = False
+        self._held_numel_key: tuple[tuple[int, int], ...] | None = None  # see _held_numel
+        self._held_numel_value = 0
+        self._clean_growth: float | None = None  # see _decide
         self.skip_monitor = SkipMonitor()  # says when a run starts by skipping, or skips too often
         # torch.optim.Optimizer's bookkeeping, for hooks and LR schedulers.
         self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
@@ -288,7 +291,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 "backward() after the gradients were unscaled (by clip_grad_norm or "
                 "unscale_grads) but before step(): the new gradients would stay scaled."
             )
-        self.scale_loss(loss).backward(**kwargs)
+        # x 1.0 is exact: skip its op and its backward node (bitwise); a `gradient=` keeps the
+        # scaled loss's shape (1,) it was given for
+        if self.scaler.is_unit and "gradient" not in kwargs:
+            loss.float().backward(**kwargs)
+        else:
+            self.scale_loss(loss).backward(**kwargs)
 
     def _hp_grads(self) -> list[torch.Tensor]:
         """Gradients of everything the wrapped optimizer steps (fp32 masters and fp32 params).
@@ -365,7 +373,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             grad_norm = float(self.clip_grad_norm(self.max_norm))
         num_zeros = self._count_zeros() if self.log_num_zeros_in_grad else None
         skipped, scale = self._decide(found_inf)
-        self.scaler.update(found_inf)
+        self.scaler.update(found_inf, clean_growth=self._clean_growth)
         return self._commit(skipped, scale, grad_norm=grad_norm, num_zeros=num_zeros)
 
     def _warn_once_if_no_grads(self) -> None:
@@ -401,6 +409,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         None; the cheap refusals come first, so an unfused step gathers nothing."""
         if self.fused_step is False or self._found_inf is not None or self._grads_on_masters:
             return None
+        if self.fused_step is None and (
+            self._device().type != "cpu" or self._held_numel() < fused.AUTO_MIN_ELEMENTS
+        ):
+            return None  # too small to fuse whatever has grads: gather nothing (~8 us a step)
         if self.log_num_zeros_in_grad or fused.unsupported_reason(self.optim):
             return None
         grads = self._step_grads()
@@ -414,6 +426,20 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         ):
             return None
         return grads
+
+    def _held_numel(self) -> int:
+        """Elements of every param the wrapped optimizer steps: a bound on a step's grads.
+
+        Cached per param_groups layout (the groups' lists and lengths), re-counted when a group
+        is added, replaced or resized.
+        """
+        key = tuple((id(g["params"]), len(g["params"])) for g in self.optim.param_groups)
+        if self._held_numel_key != key:
+            self._held_numel_value = sum(
+                p.numel() for g in self.optim.param_groups for p in g["params"]
+            )
+            self._held_numel_key = key
+        return self._held_numel_value
 
     def _fused_step(self, grads: list[torch.Tensor]) -> StepResult:
         """Check the lp grads (read only), agree on overflow, then update in one fused pass."""
@@ -430,8 +456,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if clipping:  # torch's clip_grad_norm_ coefficient, applied inside the kernel
             clip = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
         scale = self.scaler.scale_tensor.to(found_inf).reshape(1)
-        flag, scale_value, norm_value = torch.cat([found_inf, scale, norm.reshape(1)]).tolist()
-        self.scaler.update(found_inf)
+        growth = self.scaler.growth_tracker.to(found_inf)  # as in _decide, in the same sync
+        values = torch.cat([found_inf, scale, norm.reshape(1), growth]).tolist()
+        flag, scale_value, norm_value, growth_value = values
+        self.scaler.update(found_inf, clean_growth=None if flag > 0 else growth_value)
         master_to_lp = self._master_to_lp()
 
         def apply() -> None:
@@ -450,9 +478,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _decide(
         self, found_inf: torch.Tensor, scale: torch.Tensor | None = None
     ) -> tuple[bool, float]:
-        """(skip?, the scale this step ran under), read in the one host sync of a step."""
+        """(skip?, the scale this step ran under), read in the one host sync of a step.
+
+        With the own dynamic scaler, the growth tracker rides the same sync: kept (for a clean
+        step) in self._clean_growth for the scaler's update, None otherwise.
+        """
+        own = scale is None and self.scaler.dynamic
         scale = self.scaler.scale_tensor if scale is None else scale
-        flag, scale_value = torch.cat([found_inf, scale.to(found_inf)]).tolist()
+        parts = [found_inf, scale.to(found_inf)]
+        if own:
+            parts.append(self.scaler.growth_tracker.to(found_inf))
+        flag, scale_value, *growth = torch.cat(parts).tolist()
+        self._clean_growth = growth[0] if growth and not flag > 0 else None
         return flag > 0, scale_value
 
     def _commit(

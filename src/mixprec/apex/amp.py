@@ -84,7 +84,7 @@ from mixprec.apex.functions import (  # Apex's amp namespace holds these too
     register_promote_function,
 )
 from mixprec.apex.policy import _as_bool, apex_policy, uncast_master_weights
-from mixprec.casting import cast_floating, cast_module
+from mixprec.casting import cast_call_args, cast_floating, cast_module
 from mixprec.debugging.amp_warning import warn_if_amp_cannot_help
 from mixprec.module import autocast_context, device_type_of
 from mixprec.policy import Policy, describe
@@ -133,7 +133,7 @@ def _amp_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if inner is None:
         inner = functools.partial(type(self).forward, self)  # dynamo cannot trace MethodType()
     if policy.casts_params:
-        args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
+        args, kwargs = cast_call_args(args, kwargs, policy.param_dtype)
     with autocast_context(policy, device_type_of(self)):
         out = inner(*args, **kwargs)
     if policy.cast_outputs_to is not None:
