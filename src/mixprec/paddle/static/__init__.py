@@ -28,12 +28,11 @@ from mixprec.paddle.static.program import (
     data,
     default_main_program,
     default_startup_program,
-    disable_static,
-    enable_static,
     global_scope,
     in_static_mode,
     program_guard,
 )
+from mixprec.paddle.static.switch import disable_static, enable_static
 
 __all__ = [
     "CPUPlace",

@@ -194,22 +194,6 @@ class _Mode:
 _MODE = _Mode()
 
 
-def enable_static() -> None:
-    """Switch to static mode: data() records programs; torch optimizers gain `minimize`."""
-    from mixprec.paddle.static.amp import install_minimize
-
-    _MODE.static = True
-    install_minimize()
-
-
-def disable_static() -> None:
-    """Back to dynamic mode (torch's eager execution); removes Optimizer.minimize again."""
-    from mixprec.paddle.static.amp import remove_minimize
-
-    _MODE.static = False
-    remove_minimize()
-
-
 def in_static_mode() -> bool:
     return _MODE.static
 
