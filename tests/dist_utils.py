@@ -25,6 +25,11 @@ def _entry(rank: int, world: int, rendezvous: str, fn: Callable[..., Any], args:
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        # Every rank done before any tears down: a rank destroying its gloo pairs while a peer
+        # still finishes its last collective aborted that peer once in CI (SIGABRT,
+        # "terminate called without an active exception"). A rank that raised skips this, and
+        # mp.spawn then terminates the others.
+        dist.barrier()
     finally:
         gc.collect()  # free DDP/FSDP state while the group lives: gloo can hang otherwise
         dist.destroy_process_group()
