@@ -510,3 +510,20 @@ def test_cpu_offload_from_an_accelerator_is_refused() -> None:
     with pytest.raises(ValueError, match=r"cpu_offload=True on cuda:0.*not supported"):
         check_cpu_offload(True, torch.device("cuda", 0))
     check_cpu_offload(False, torch.device("cuda", 0))  # off: nothing to check
+
+
+def test_zero_takes_the_policys_verbosity_and_refuses_several_losses() -> None:
+    # The ZeRO optimizer is built by the same prepare_optimizer as every face's: a switch the
+    # policy carries (verbosity, num_losses) is honoured or refused, never dropped.
+    from dataclasses import replace
+
+    from mixprec.policy import preset
+    from mixprec.zero import prepare_zero_optimizer
+
+    model = prepare_model(zero_model(), preset("fp16_naive"))
+    quiet = replace(preset("fp16_naive"), verbosity=0)
+    opt = prepare_zero_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), quiet, stage=1)
+    assert isinstance(opt, ZeroOptimizer) and opt.verbosity == 0
+    two_losses = replace(preset("fp16_naive"), num_losses=2)
+    with pytest.raises(ValueError, match=r"num_losses=2 .*ZeroOptimizer does not have"):
+        prepare_zero_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), two_losses, stage=1)

@@ -127,25 +127,31 @@ def prepare_optimizer(
     *,
     max_norm: float = 0.0,
     process_group: ProcessGroup | None = None,
+    optimizer_cls: type[MixedPrecisionOptimizer] = MixedPrecisionOptimizer,
+    **cls_kwargs: Any,
 ) -> MixedPrecisionOptimizer:
     """Wrap optimizer for policy (call after prepare_model: masters copy the cast params).
 
+    optimizer_cls: a face's or a parallelism's subclass (ZeRO, pipeline, Apex), built with the
+    policy's scaler, masters, zero counting and verbosity, plus its own cls_kwargs.
     A policy with num_losses > 1 needs per-loss unscaling: the faces build that optimizer
     (mixprec.apex.multi_loss), so here it is refused rather than run with one scaler.
     """
     if policy.num_losses != 1:
         raise ValueError(
-            f"num_losses={policy.num_losses} needs one loss scaler per loss: build the optimizer "
-            "with mixprec.apex.multi_loss.prepare_loss_optimizer (the Booster, initialize and "
-            "convert_to_amp do), not prepare_optimizer."
+            f"num_losses={policy.num_losses} needs one loss scaler per loss, which "
+            f"{optimizer_cls.__name__} does not have: the Booster's DDP/no plugin, initialize "
+            "without zero/pipeline, and convert_to_amp build one "
+            "(mixprec.apex.multi_loss.prepare_loss_optimizer)."
         )
-    mp_optimizer = MixedPrecisionOptimizer(
+    mp_optimizer = optimizer_cls(
         optimizer,
         loss_scale=policy.loss_scale,
         master_weights=policy.master_weights,
         max_norm=max_norm,
         process_group=process_group,
         log_num_zeros_in_grad=policy.log_num_zeros_in_grad,
+        **cls_kwargs,
     )
     set_verbosity(mp_optimizer, policy.verbosity)
     return mp_optimizer

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.module import PrecisionModule, prepare_model
+from mixprec.module import PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.pipeline_optim import PipelineOptimizer
 from mixprec.pipeline_split import split_sequential
 from mixprec.policy import Policy, did_you_mean
@@ -338,15 +338,14 @@ def prepare_pipeline(
     piped = PipelinedModel(wrapped, stage_ids, config, pp_group, device, prefixes)
     if optimizer is None:
         return piped, None
-    mp_optimizer = PipelineOptimizer(
+    mp_optimizer = prepare_optimizer(
         optimizer,
-        pp_group=pp_group,
-        dp_group=dp_group,
-        loss_scale=policy.loss_scale,
-        master_weights=policy.master_weights,
+        policy,
         max_norm=max_norm,
         process_group=dist.group.WORLD,  # every stage and replica skips together
-        log_num_zeros_in_grad=policy.log_num_zeros_in_grad,
+        optimizer_cls=PipelineOptimizer,
+        pp_group=pp_group,
+        dp_group=dp_group,
     )
     for stage in wrapped:
         mp_optimizer.name_params(stage.module)

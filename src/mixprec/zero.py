@@ -22,11 +22,12 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
+from mixprec.module import prepare_optimizer
 from mixprec.optim import LOW_DTYPES, MixedPrecisionOptimizer
 from mixprec.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
 from mixprec.scaling import ProcessGroup, default_group
@@ -508,14 +509,14 @@ def prepare_zero_optimizer(
     norm_type: float = 2.0,
     process_group: ProcessGroup | None = None,
 ) -> ZeroOptimizer:
-    """prepare_optimizer's ZeRO twin: wrap optimizer for policy, sharded (after prepare_model)."""
-    return ZeroOptimizer(
+    """prepare_optimizer with ZeroOptimizer: wrap optimizer for policy, sharded."""
+    optimizer = prepare_optimizer(
         optimizer,
-        stage=stage,
-        loss_scale=policy.loss_scale,
-        master_weights=policy.master_weights,
+        policy,
         max_norm=max_norm,
-        norm_type=norm_type,
         process_group=process_group,
-        log_num_zeros_in_grad=policy.log_num_zeros_in_grad,
+        optimizer_cls=ZeroOptimizer,
+        stage=stage,
+        norm_type=norm_type,
     )
+    return cast(ZeroOptimizer, optimizer)

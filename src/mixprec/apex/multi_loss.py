@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mixprec.apex._optim import AmpOptimizer, UnscaleEvent
-from mixprec.module import prepare_optimizer, set_verbosity
+from mixprec.module import prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import Policy
 from mixprec.scaling import LossScaler, ProcessGroup, all_reduce_found_inf_, default_group
@@ -131,18 +131,13 @@ def prepare_loss_optimizer(
         return MultiLossOptimizer(
             optimizer, policy=policy, max_norm=max_norm, process_group=process_group
         )
-    if single is None:
-        return prepare_optimizer(optimizer, policy, max_norm=max_norm, process_group=process_group)
-    mp_optimizer = single(
+    return prepare_optimizer(
         optimizer,
-        loss_scale=policy.loss_scale,
-        master_weights=policy.master_weights,
+        policy,
         max_norm=max_norm,
         process_group=process_group,
-        log_num_zeros_in_grad=policy.log_num_zeros_in_grad,
+        optimizer_cls=single or MixedPrecisionOptimizer,
     )
-    set_verbosity(mp_optimizer, policy.verbosity)
-    return mp_optimizer
 
 
 def backward(optimizer: Any, loss: torch.Tensor, loss_id: int = 0) -> None:
