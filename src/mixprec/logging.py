@@ -17,14 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
+from mixprec.scaling import rank_and_world
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class _StdoutHandler(logging.StreamHandler):
@@ -69,7 +64,7 @@ class DistributedLogger:
                 or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)
             ):
                 raise TypeError(f"ranks={ranks!r} must be None or a list of int ranks.")
-            if _rank() not in ranks:
+            if rank_and_world()[0] not in ranks:
                 return
         self.logger.log(level, message, stacklevel=3)  # the caller's line, not this one
 
@@ -99,7 +94,7 @@ class DistributedLogger:
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"path={str(path)!r} is a file; log_to_file takes a folder.")
         folder.mkdir(parents=True, exist_ok=True)
-        name = f"rank_{_rank()}" + (f"_{suffix}" if suffix else "") + ".log"
+        name = f"rank_{rank_and_world()[0]}" + (f"_{suffix}" if suffix else "") + ".log"
         handler = logging.FileHandler(folder / name, mode=mode)
         handler.setLevel(_check_level(level))
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))

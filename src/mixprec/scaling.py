@@ -55,6 +55,13 @@ def default_group() -> ProcessGroup | None:
     return None
 
 
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) in the default group; (0, 1) when torch.distributed is not up."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def all_reduce_found_inf_(found_inf: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """MAX-reduce an overflow flag so every rank of `group` takes the same skip decision."""
     if group is not None and dist.get_world_size(group) > 1:

@@ -31,17 +31,11 @@ from mixprec.engine.engine import Engine, _check_compile
 from mixprec.module import FP32Criterion, prepare_model
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import Policy
+from mixprec.scaling import rank_and_world
 from mixprec.validate import check_bool
 from mixprec.zero import check_cpu_offload, prepare_zero_optimizer, to_zero_config
 
 log = logging.getLogger("mixprec")
-
-
-def _distributed_world() -> tuple[int, int]:
-    """(rank, world size) of the default group, (0, 1) without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _current_device() -> torch.device | None:
@@ -132,7 +126,7 @@ def initialize(
         precision_model, mp_optimizer = _fsdp_prepare(model, optimizer, policy, max_norm, device)
     else:
         precision_model = prepare_model(model, policy)
-    rank, world_size = _distributed_world()
+    rank, world_size = rank_and_world()
     wrapped: nn.Module = precision_model
     if world_size > 1:
         if zero is None:  # ZeRO reduces gradients itself (levels 1-2 at step, 3 in FSDP2)

@@ -29,15 +29,11 @@ from mixprec.data import EpochShuffledDistributedSampler
 from mixprec.mixed_precision import MixedPrecision
 from mixprec.module import PrecisionModule
 from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.scaling import ProcessGroup
+from mixprec.scaling import ProcessGroup, rank_and_world
 
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def rank_and_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
 
 
 def barrier() -> None:
