@@ -25,6 +25,7 @@ from mixprec.scaling import (
     ProcessGroup,
     all_reduce_found_inf_,
     default_group,
+    rank_and_world,
     unscale_and_check_,
 )
 from mixprec.skip_monitor import SkipMonitor, SkipStats
@@ -61,8 +62,7 @@ class ScaleCollapseError(RuntimeError):
 
 
 def _is_rank_zero() -> bool:
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return rank_and_world()[0] == 0
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer):

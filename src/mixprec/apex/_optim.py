@@ -19,15 +19,20 @@ from typing import Any
 import torch
 
 from mixprec.optim import MixedPrecisionOptimizer, StepResult
-from mixprec.scaling import LossScaler, all_reduce_found_inf_, default_group, unscale_and_check_
+from mixprec.scaling import (
+    LossScaler,
+    all_reduce_found_inf_,
+    default_group,
+    rank_and_world,
+    unscale_and_check_,
+)
 
 log = logging.getLogger("mixprec")
 
 
 def is_rank_zero() -> bool:
     """True outside torch.distributed and on its rank 0 (messages are logged once, there)."""
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return rank_and_world()[0] == 0
 
 
 @dataclass
