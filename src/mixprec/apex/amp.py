@@ -86,7 +86,7 @@ from mixprec.apex.functions import (  # Apex's amp namespace holds these too
 from mixprec.apex.policy import _as_bool, apex_policy, uncast_master_weights
 from mixprec.casting import cast_call_args, cast_floating, cast_module
 from mixprec.debugging.amp_warning import warn_if_amp_cannot_help
-from mixprec.module import autocast_context, device_type_of
+from mixprec.module import autocast_context, param_probe, probe_device_type
 from mixprec.policy import Policy, describe
 from mixprec.scaling import LossScaler
 from mixprec.validate import check_module_has_parameters
@@ -134,7 +134,7 @@ def _amp_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         inner = functools.partial(type(self).forward, self)  # dynamo cannot trace MethodType()
     if policy.casts_params:
         args, kwargs = cast_call_args(args, kwargs, policy.param_dtype)
-    with autocast_context(policy, device_type_of(self)):
+    with autocast_context(policy, probe_device_type(self._mixprec_amp_probe)):
         out = inner(*args, **kwargs)
     if policy.cast_outputs_to is not None:
         out = cast_floating(out, policy.cast_outputs_to)
@@ -229,6 +229,7 @@ def _cast_and_patch(model: nn.Module, policy: Policy) -> None:
         for module in model.modules():
             module.register_state_dict_post_hook(_lp_state_to_fp32_hook)
     model._mixprec_amp_policy = policy
+    model._mixprec_amp_probe = param_probe(model)
     model._mixprec_amp_inner_forward = model.__dict__.get("forward")
     # bound to the instance (not a closure): deepcopy(model) rebinds it to the copy
     model.forward = types.MethodType(_amp_forward, model)
