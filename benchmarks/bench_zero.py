@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="rows per rank per step")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per run (fastest)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per run (fastest)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for md/json/png")

@@ -94,6 +94,9 @@ def _equality_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> Non
         assert not opt.reduce_scatter  # gloo's all-reduce is the faster of the two
         opt.reduce_scatter = precision == "fp16"  # both collectives of stage 2 are checked
         low = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+        assert opt.communication_dtype == torch.float32  # gloo sums fp16 slower than fp32
+        if stage == 2:  # the lp sum, divided by the world first (the default off gloo)
+            opt.communication_dtype = low
         assert model.module[0].weight.dtype == low  # lp params on every rank
 
         # The reference: one process, the whole batch, the same policy and fp32-master math.
@@ -193,6 +196,8 @@ def test_stage_3_asks_for_fsdp() -> None:
         LowLevelZeroPlugin(cpu_offload="yes")
     with pytest.raises(ValueError, match="growth_factor"):
         LowLevelZeroPlugin(growth_factor=0.5)
+    with pytest.raises(ValueError, match=r"communication_dtype='fp16'.*torch.float16"):
+        LowLevelZeroPlugin(communication_dtype="fp16")
 
 
 def test_booster_precision_and_plugin_precision_conflict() -> None:

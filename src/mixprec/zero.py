@@ -3,16 +3,17 @@
 Every rank keeps the whole model in its training dtype (lp params). Each param is owned by one
 rank of the data-parallel group, chosen as torch's ZeroRedundancyOptimizer does (largest first
 to the least-loaded rank); a rank's wrapped optimizer holds only its own params, so the fp32
-masters and the optimizer state it creates are that rank's shard. At step time the summed
-gradients are all-reduced (stage 1: every rank keeps every gradient) or reduce-scattered
-(stage 2: a rank keeps only the gradients of its own params; over gloo an all-reduce that
-keeps one chunk, see ZeroOptimizer), in fp32 over one flat buffer; the owner unscales, checks
-and steps its shard, the overflow flag is MAX-reduced over the group (MixedPrecisionOptimizer
-does this), and the updated lp params are all-gathered.
+masters and the optimizer state it creates are that rank's shard. At step time the gradients
+are summed over one flat buffer per communication dtype (each param's own dtype unless
+communication_dtype says otherwise, as Colossal-AI), all-reduced (stage 1) or reduce-scattered
+(stage 2; over gloo an all-reduce, see ZeroOptimizer); each rank keeps the chunk of the params
+it owns and no gradient of the others. The owner unscales, checks and steps its shard, the
+overflow flag is MAX-reduced over the group (MixedPrecisionOptimizer does this), and the
+updated lp params are all-gathered.
 
 Gradients are reduced once per step, not during backward: gradient accumulation needs no
 no_sync, and a micro-batch's backward costs no communication. The price: no overlap with
-backward, and the flat fp32 buffer (4 bytes per param) lives for the reduction.
+backward, and the flat buffer (the whole model's gradients) lives for the reduction.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from mixprec.scaling import ProcessGroup, default_group
 
 log = logging.getLogger("mixprec")
 STAGES = (1, 2)
+COMMUNICATION_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 
 
 def partition_params(numels: list[int], world: int) -> list[int]:
@@ -120,6 +122,9 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         reduce_scatter: stage 2's collective. False all-reduces and keeps this rank's chunk
             (the same values, the same memory after the step). None: reduce-scatter, except
             over gloo, whose reduce-scatter ran 1.5-3x slower than its all-reduce on 4 MiB.
+        communication_dtype: the dtype gradients are summed in. None: each param's own (fp16
+            and bf16 grads travel in half the bytes, divided by the world size first, as DDP's
+            comm hooks do); torch.float32: the exact sum of the lp grads, twice the bytes.
         Others: as MixedPrecisionOptimizer (the fused step is off: it reads unreduced grads).
     """
 
@@ -138,6 +143,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         log_num_zeros_in_grad: bool = False,
         max_consecutive_skips: int | None = 100,
         reduce_scatter: bool | None = None,
+        communication_dtype: torch.dtype | None = None,
     ) -> None:
         if isinstance(stage, bool) or stage not in STAGES:
             raise ValueError(
@@ -153,13 +159,28 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                 "ZeRO: the optimizer already holds state for the whole model; wrap it before "
                 "its first step so each rank creates only its own shard."
             )
+        if communication_dtype not in COMMUNICATION_DTYPES:
+            raise ValueError(
+                f"communication_dtype={communication_dtype!r}; valid: None (each gradient in "
+                "its param's dtype, as Colossal-AI), torch.float32, torch.float16, "
+                "torch.bfloat16."
+            )
         group = process_group or default_group()
         self.stage = stage
         self.norm_type = float(norm_type)
         self.rank, self.world = group_rank_and_world(group)
+        gloo = group is not None and dist.get_backend(group) == "gloo"
         if reduce_scatter is None:
-            reduce_scatter = group is None or dist.get_backend(group) != "gloo"
+            reduce_scatter = not gloo
         self.reduce_scatter = reduce_scatter
+        # Over gloo (measured on 1M elements, 2 and 4 ranks): an fp16 all-reduce ran 1.3-1.6x
+        # slower than fp32's on the same elements (gloo sums fp16 element by element) and bf16
+        # no faster than fp32, so gradients travel in fp32 there; and each owner broadcasting
+        # its chunk beat all_gather by 1.1-2x.
+        self.gather_by_broadcast = gloo
+        if communication_dtype is None and gloo:
+            communication_dtype = torch.float32
+        self.communication_dtype = communication_dtype
         self.all_params = [p for g in optimizer.param_groups for p in g["params"]]
         self.group_of = [k for k, g in enumerate(optimizer.param_groups) for _ in g["params"]]
         if len({id(p) for p in self.all_params}) != len(self.all_params):
@@ -196,74 +217,94 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     def _lp_grads_to_masters(self) -> None:
         reduced = self._reduce_grads()
         lp_to_hp = {id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
+        masters, means = [], []
         for i, p in enumerate(self.all_params):
             if not self.owns(i):
+                p.grad = None  # no rank keeps a gradient of a param another rank owns
                 continue
-            hp = lp_to_hp.get(id(p))
-            if hp is not None:  # an lp param: the fp32 mean goes to its master unrounded
-                hp.grad = reduced.get(i)
-                p.grad = None
-            else:
-                p.grad = reduced.get(i)  # None when no rank produced a gradient: no update
+            hp, mean = lp_to_hp.get(id(p)), reduced.get(i)
+            if hp is None:  # None when no rank produced a gradient: no update
+                p.grad = mean if mean is None or mean.dtype == p.dtype else mean.to(p.dtype)
+                continue
+            p.grad = None
+            if mean is None:
+                hp.grad = None
+                continue
+            if hp.grad is None:  # kept between steps on CPU (MixedPrecisionOptimizer's rule)
+                hp.grad = torch.empty_like(hp)
+            masters.append(hp.grad)
+            means.append(mean)
+        if masters:
+            torch._foreach_copy_(masters, means)  # lp -> fp32 is exact
+
+    def _comm_buckets(self) -> dict[torch.dtype, list[int]]:
+        """communication dtype -> indices of the params whose gradients travel in it."""
+        buckets: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(self.all_params):
+            buckets.setdefault(self.communication_dtype or p.dtype, []).append(i)
+        return buckets
 
     def _reduce_grads(self) -> dict[int, torch.Tensor]:
-        """index -> the group's mean gradient (fp32) of each param this rank owns.
+        """index -> the group's mean gradient of each param this rank owns, in its
+        communication dtype (one collective per dtype)."""
+        out: dict[int, torch.Tensor] = {}
+        for dtype, indices in self._comm_buckets().items():
+            out.update(self._reduce_bucket(dtype, indices))
+        return out
 
-        One flat fp32 buffer of rank-ordered chunks of equal length; a chunk holds its owner's
+    def _reduce_bucket(self, dtype: torch.dtype, indices: list[int]) -> dict[int, torch.Tensor]:
+        """One flat buffer of rank-ordered chunks of equal length: a chunk holds its owner's
         grads, then one presence count per param (a param no rank touched gets no gradient).
-        fp32 because a sum of scaled fp16 gradients can overflow where fp32 cannot. Stage 1
-        writes the other ranks' means back into their lp grads; stage 2 drops those grads.
+
+        Low-precision grads are divided by the world size before the sum, as DDP's comm hooks
+        do: the mean of finite values then cannot overflow in fp16 (exact for a power-of-2
+        world). fp32 sums first and divides after, as before. This rank keeps its own chunk.
         """
         params, world = self.all_params, self.world
-        chunks = [[i for i, r in enumerate(self.owners) if r == rank] for rank in range(world)]
+        chunks = [[i for i in indices if self.owners[i] == rank] for rank in range(world)]
         sizes = [sum(params[i].numel() for i in c) for c in chunks]
         length = max(s + len(c) for s, c in zip(sizes, chunks, strict=True))
-        device = params[0].device if params else torch.device("cpu")
-        flat = torch.zeros(world * length, dtype=torch.float32, device=device)
+        if length == 0:
+            return {}
+        device = params[indices[0]].device
+        pre = world > 1 and dtype != torch.float32
+        flat = torch.empty(world * length, dtype=dtype, device=device)
         for rank, chunk in enumerate(chunks):
-            offset, flags = rank * length, rank * length + sizes[rank]
-            for k, i in enumerate(chunk):
-                n = params[i].numel()
-                if params[i].grad is not None:
-                    flat[offset : offset + n].copy_(params[i].grad.reshape(-1))
-                    flat[flags + k] = 1.0
-                offset += n
-        if world > 1 and (self.stage == 1 or not self.reduce_scatter):
-            dist.all_reduce(flat, group=self.process_group)
-            if self.stage == 2:  # stage 2 over gloo: keep this rank's chunk only
-                flat = flat[self.rank * length : (self.rank + 1) * length].clone()
-        elif world > 1:
-            mine = torch.empty(length, dtype=torch.float32, device=device)
+            views = self._views(chunk, flat[rank * length :])
+            grads = [params[i].grad for i in chunk]
+            given = [(v, g) for v, g in zip(views, grads, strict=True) if g is not None]
+            if given:
+                torch._foreach_copy_([v for v, _ in given], [g for _, g in given])
+            for v, g in zip(views, grads, strict=True):
+                if g is None:
+                    v.zero_()
+            flat[rank * length + sizes[rank] : (rank + 1) * length].zero_()  # flags and padding
+        if pre:
+            flat.div_(world)  # before the flags are set: a flag is a count of ranks
+        for rank, chunk in enumerate(chunks):
+            present = [params[i].grad is not None for i in chunk]
+            if any(present):
+                start = rank * length + sizes[rank]
+                flat[start : start + len(chunk)].copy_(torch.tensor(present, dtype=dtype))
+        mine = flat[self.rank * length : (self.rank + 1) * length]
+        if world > 1 and self.stage == 2 and self.reduce_scatter:
+            mine = torch.empty(length, dtype=dtype, device=device)
             dist.reduce_scatter_single(mine, flat, group=self.process_group)
-            flat = mine  # the full buffer is freed: only this rank's chunk lives on
-        if world > 1:
-            flat.div_(world)  # the mean over ranks, as DDP takes (exact for powers of 2)
-        scattered = flat.numel() == length  # stage 2: only this rank's chunk came back
+        elif world > 1:
+            dist.all_reduce(flat, group=self.process_group)
+            mine = mine.clone()  # the whole buffer is freed: only this rank's chunk lives on
+        if world > 1 and not pre:
+            mine.div_(world)  # the mean over ranks (exact for powers of 2)
+        chunk = chunks[self.rank]
+        size = sizes[self.rank]
+        present = (mine[size : size + len(chunk)] > 0).tolist()  # one host sync
         out: dict[int, torch.Tensor] = {}
-        for rank, chunk in enumerate(chunks):
-            if scattered and rank != self.rank:
-                continue
-            base = 0 if scattered else rank * length
-            flags = base + sizes[rank]
-            present = (flat[flags : flags + len(chunk)] > 0).tolist()  # one host sync
-            offset = base
-            for i, has_grad in zip(chunk, present, strict=True):
-                p, n = params[i], params[i].numel()
-                grad = flat[offset : offset + n].view_as(p)
-                offset += n
-                if rank == self.rank:
-                    if has_grad:  # a clone lets the stage-1 buffer go; a stage-2 chunk is ours
-                        out[i] = grad if scattered else grad.clone()
-                elif not has_grad:
-                    p.grad = None
-                elif p.grad is None:
-                    p.grad = grad.to(p.dtype)
-                else:
-                    p.grad.copy_(grad)
-        if scattered:
-            for i, p in enumerate(params):
-                if not self.owns(i):
-                    p.grad = None  # stage 2 keeps no gradient of a param another rank owns
+        offset = 0
+        for i, has_grad in zip(chunk, present, strict=True):
+            n = params[i].numel()
+            if has_grad:
+                out[i] = mine[offset : offset + n].view_as(params[i])
+            offset += n
         return out
 
     def clip_grad_norm(self, max_norm: float, norm_type: float | None = None) -> torch.Tensor:
@@ -297,32 +338,68 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         return result
 
     def _all_gather_params(self) -> None:
-        """Each owner's updated params to every rank: one all-gather per param dtype."""
+        """Each owner's updated params to every rank: per param dtype, one all-gather (or,
+        over gloo, one broadcast from each owner)."""
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, p in enumerate(self.all_params):
             by_dtype.setdefault(p.dtype, []).append(i)
         for dtype, indices in by_dtype.items():
             chunks = [[i for i in indices if self.owners[i] == r] for r in range(self.world)]
-            length = max(sum(self.all_params[i].numel() for i in c) for c in chunks)
-            if length == 0:
+            sizes = [sum(self.all_params[i].numel() for i in c) for c in chunks]
+            if max(sizes) == 0:
                 continue
             device = self.all_params[indices[0]].device
+            if self.gather_by_broadcast:
+                self._broadcast_chunks(chunks, sizes, dtype, device)
+                continue
+            length = max(sizes)
             send = torch.zeros(length, dtype=dtype, device=device)
-            offset = 0
-            for i in chunks[self.rank]:
-                n = self.all_params[i].numel()
-                send[offset : offset + n].copy_(self.all_params[i].detach().reshape(-1))
-                offset += n
+            self._pack(chunks[self.rank], send)
             recv = torch.empty(self.world * length, dtype=dtype, device=device)
             dist.all_gather_single(recv, send, group=self.process_group)
             for rank, chunk in enumerate(chunks):
-                if rank == self.rank:
-                    continue
-                offset = rank * length
-                for i in chunk:
-                    p, n = self.all_params[i], self.all_params[i].numel()
-                    p.detach().copy_(recv[offset : offset + n].view_as(p))
-                    offset += n
+                if rank != self.rank:
+                    self._unpack(chunk, recv[rank * length : (rank + 1) * length])
+
+    def _broadcast_chunks(
+        self, chunks: list[list[int]], sizes: list[int], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Every owner broadcasts its packed params at once (async), then each rank unpacks."""
+        pending = []
+        for rank, chunk in enumerate(chunks):
+            if sizes[rank] == 0:
+                continue
+            buffer = torch.empty(sizes[rank], dtype=dtype, device=device)
+            if rank == self.rank:
+                self._pack(chunk, buffer)
+            src = dist.get_global_rank(self.process_group, rank)
+            work = dist.broadcast(buffer, src=src, group=self.process_group, async_op=True)
+            pending.append((rank, chunk, buffer, work))
+        for rank, chunk, buffer, work in pending:
+            work.wait()
+            if rank != self.rank:
+                self._unpack(chunk, buffer)
+
+    def _pack(self, chunk: list[int], buffer: torch.Tensor) -> None:
+        if chunk:
+            torch._foreach_copy_(
+                self._views(chunk, buffer), [self.all_params[i].detach() for i in chunk]
+            )
+
+    def _unpack(self, chunk: list[int], buffer: torch.Tensor) -> None:
+        if chunk:
+            torch._foreach_copy_(
+                [self.all_params[i].detach() for i in chunk], self._views(chunk, buffer)
+            )
+
+    def _views(self, chunk: list[int], buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Views of buffer shaped as the params of chunk, back to back from its start."""
+        views, offset = [], 0
+        for i in chunk:
+            p = self.all_params[i]
+            views.append(buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -508,6 +585,7 @@ def prepare_zero_optimizer(
     max_norm: float = 0.0,
     norm_type: float = 2.0,
     process_group: ProcessGroup | None = None,
+    communication_dtype: torch.dtype | None = None,
 ) -> ZeroOptimizer:
     """prepare_optimizer with ZeroOptimizer: wrap optimizer for policy, sharded."""
     optimizer = prepare_optimizer(
@@ -518,5 +596,6 @@ def prepare_zero_optimizer(
         optimizer_cls=ZeroOptimizer,
         stage=stage,
         norm_type=norm_type,
+        communication_dtype=communication_dtype,
     )
     return cast(ZeroOptimizer, optimizer)

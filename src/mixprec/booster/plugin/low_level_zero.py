@@ -20,7 +20,12 @@ from mixprec.mixed_precision import FP32Precision, MixedPrecision
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import Policy, ScalerConfig, preset
 from mixprec.scaling import default_group
-from mixprec.zero import ZeroOptimizer, check_cpu_offload, prepare_zero_optimizer
+from mixprec.zero import (
+    COMMUNICATION_DTYPES,
+    ZeroOptimizer,
+    check_cpu_offload,
+    prepare_zero_optimizer,
+)
 
 PRECISIONS = ("fp16", "bf16", "fp32")
 
@@ -29,11 +34,15 @@ class LowLevelZeroPlugin(Plugin):
     """ZeRO stage 1 or 2 with Colossal-AI's arguments.
 
     Args:
-        stage: 1 shards fp32 masters and optimizer state; 2 also reduce-scatters gradients.
+        stage: 1 shards fp32 masters and optimizer state, all-reducing gradients; 2
+            reduce-scatters them (over gloo an all-reduce, which ran faster). Both keep, after
+            step(), only the gradients of the params this rank owns.
         precision: 'fp16' (fp16 params, fp32 masters, dynamic loss scale), 'bf16' (bf16 params,
             fp32 masters, no scaling) or 'fp32'.
         initial_scale ... max_scale: the fp16 loss scaler (Megatron's hysteresis rule).
         max_norm, norm_type: clip the gradients by their norm over the whole model (0: off).
+        communication_dtype: the dtype gradients are summed in; None: each param's own (over
+            gloo fp32, whose sums ran faster than fp16's), or torch.float32/float16/bfloat16.
         cpu_offload: keep masters and optimizer state in CPU memory (on CPU already: no-op).
         master_weights: keep fp32 masters of fp16/bf16 params (False: step them directly).
     """
@@ -51,6 +60,7 @@ class LowLevelZeroPlugin(Plugin):
         max_scale: float = 2**32,
         max_norm: float = 0.0,
         norm_type: float = 2.0,
+        communication_dtype: torch.dtype | None = None,
         cpu_offload: bool = False,
         master_weights: bool = True,
     ) -> None:
@@ -81,6 +91,12 @@ class LowLevelZeroPlugin(Plugin):
         self.max_norm = float(max_norm)
         self.norm_type = norm_type
         self.cpu_offload = cpu_offload
+        if communication_dtype not in COMMUNICATION_DTYPES:
+            raise ValueError(
+                f"LowLevelZeroPlugin(communication_dtype={communication_dtype!r}); valid: "
+                f"{', '.join(map(str, COMMUNICATION_DTYPES))}."
+            )
+        self.communication_dtype = communication_dtype
 
     @property
     def process_group(self):  # noqa: ANN201 - a torch ProcessGroup or None
@@ -110,6 +126,7 @@ class LowLevelZeroPlugin(Plugin):
             max_norm=self.max_norm,
             norm_type=self.norm_type,
             process_group=self.process_group,
+            communication_dtype=self.communication_dtype,
         )
         return boosted, zero
 
