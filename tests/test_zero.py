@@ -91,6 +91,7 @@ def _equality_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> Non
         opt = _optimizer(model, precision)
         model, opt, criterion, *_ = booster.boost(model, opt, nn.MSELoss())
         assert isinstance(opt, ZeroOptimizer) and opt.world == world
+        assert opt.process_group is None  # the world group is looked up at use, never held
         assert not opt.reduce_scatter  # gloo's all-reduce is the faster of the two
         opt.reduce_scatter = precision == "fp16"  # both collectives of stage 2 are checked
         low = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]

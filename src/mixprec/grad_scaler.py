@@ -17,7 +17,13 @@ from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import ScalerConfig, did_you_mean
-from mixprec.scaling import ProcessGroup, all_reduce_found_inf_, default_group, update_scale_
+from mixprec.scaling import (
+    ProcessGroup,
+    all_reduce_found_inf_,
+    default_group,
+    group_to_hold,
+    update_scale_,
+)
 from mixprec.validate import check_bool
 
 
@@ -110,7 +116,7 @@ class GradScaler(torch.amp.GradScaler):
             growth_interval=growth_interval,
             enabled=enabled,
         )
-        self.process_group = process_group
+        self.process_group = group_to_hold(process_group)
         self._hysteresis_tracker: torch.Tensor | None = None
         self._init_hysteresis_tracker = self._base_cfg.hysteresis
 

@@ -25,6 +25,7 @@ from mixprec.scaling import (
     ProcessGroup,
     all_reduce_found_inf_,
     default_group,
+    group_to_hold,
     rank_and_world,
     unscale_and_check_,
 )
@@ -164,7 +165,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.fused_step = fused_step
         self.master_weights = master_weights
         self.max_norm = float(max_norm)
-        self.process_group = process_group
+        self.process_group = group_to_hold(process_group)
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
         self.max_consecutive_skips = max_consecutive_skips
         self.keep_master_grads = keep_master_grads

@@ -196,7 +196,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             loss_scale=loss_scale,
             master_weights=master_weights,
             max_norm=max_norm,
-            process_group=group,
+            process_group=group,  # stored as None when it is the default group
             log_num_zeros_in_grad=log_num_zeros_in_grad,
             max_consecutive_skips=max_consecutive_skips,
             fused_step=False,
@@ -209,6 +209,12 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             f"ZeroOptimizer(stage={self.stage}, rank={self.rank}/{self.world}, "
             f"{self.optim!r}, scaler={self.scaler.cfg})"
         )
+
+    def _global_rank(self, group_rank: int) -> int:
+        """The global rank of a rank of this optimizer's group (None: the default group)."""
+        if self.process_group is None:
+            return group_rank
+        return dist.get_global_rank(self.process_group, group_rank)
 
     def owns(self, index: int) -> bool:
         return self.owners[index] == self.rank
@@ -372,7 +378,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             buffer = torch.empty(sizes[rank], dtype=dtype, device=device)
             if rank == self.rank:
                 self._pack(chunk, buffer)
-            src = dist.get_global_rank(self.process_group, rank)
+            src = self._global_rank(rank)
             work = dist.broadcast(buffer, src=src, group=self.process_group, async_op=True)
             pending.append((rank, chunk, buffer, work))
         for rank, chunk, buffer, work in pending:
@@ -448,7 +454,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                 hp.detach().clone() if hp is not None else torch.empty_like(p, dtype=torch.float32)
             )
             if self.world > 1:
-                src = dist.get_global_rank(self.process_group, self.owners[i])
+                src = self._global_rank(self.owners[i])
                 dist.broadcast(value, src=src, group=self.process_group)
             out.append(value)
         return out
@@ -510,7 +516,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         parts: list[Any] = [local]
         if self.world > 1:
             parts = [None] * self.world if self.rank == 0 else []
-            dst = dist.get_global_rank(self.process_group, 0)
+            dst = self._global_rank(0)
             dist.gather_object(
                 local, parts if self.rank == 0 else None, dst=dst, group=self.process_group
             )

@@ -19,7 +19,13 @@ from mixprec.apex._optim import AmpOptimizer, UnscaleEvent
 from mixprec.module import prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import Policy
-from mixprec.scaling import LossScaler, ProcessGroup, all_reduce_found_inf_, default_group
+from mixprec.scaling import (
+    LossScaler,
+    ProcessGroup,
+    all_reduce_found_inf_,
+    default_group,
+    group_to_hold,
+)
 
 
 def _first_device(optimizer: torch.optim.Optimizer) -> torch.device:
@@ -54,7 +60,7 @@ class MultiLossOptimizer(AmpOptimizer):
             master_weights=policy.master_weights,
         )
         self.max_norm = float(max_norm)
-        self.process_group = process_group
+        self.process_group = group_to_hold(process_group)
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **kwargs: Any) -> None:
         """Backward of loss times scale `loss_id`; the new grads are unscaled and checked now."""
