@@ -367,17 +367,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.grads_to_masters()  # subclasses reduce here too (the pipeline's dp all-reduce)
         found_inf = self.scaler.scale_tensor.new_zeros(1)  # fp32, on the scale's device
         grads = self._hp_grads()
-        layout = self._layout()
-        if grads and layout.uniform and layout.probe.device == found_inf.device:
-            # one device and dtype, the flag's: one kernel, no bucketing
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found_inf, self.scaler.inv_scale()
-            )
-        elif grads:
-            unscale_and_check_(grads, self.scaler.inv_scale(), found_inf)
-        group = self.process_group or default_group()
-        if group is not None:
-            all_reduce_found_inf_(found_inf, group)
+        if grads:
+            layout = self._layout()
+            one_bucket = layout.uniform and layout.probe.device == found_inf.device
+            unscale_and_check_(grads, self.scaler.inv_scale(), found_inf, one_bucket=one_bucket)
+        all_reduce_found_inf_(found_inf, self.process_group or default_group())
         self._found_inf = found_inf
         return found_inf
 

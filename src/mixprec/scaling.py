@@ -91,9 +91,20 @@ def group_by_device_and_dtype(
 
 
 def unscale_and_check_(
-    grads: Iterable[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor
+    grads: Iterable[torch.Tensor],
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    one_bucket: bool = False,
 ) -> torch.Tensor:
-    """grads *= inv_scale in place and set found_inf to 1 if any entry is inf/nan (one pass)."""
+    """grads *= inv_scale in place and set found_inf to 1 if any entry is inf/nan (one pass).
+
+    one_bucket: the caller knows every grad has one dtype and found_inf's device (a cached
+    fact): one kernel call, without bucketing them again every step.
+    """
+    if one_bucket:
+        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, inv_scale)
+        return found_inf
     for (device, _), bucket in group_by_device_and_dtype(grads).items():
         flag = found_inf if found_inf.device == device else torch.zeros(1, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(bucket, flag, inv_scale.to(device))

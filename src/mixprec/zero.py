@@ -38,6 +38,14 @@ STAGES = (1, 2)
 COMMUNICATION_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 
 
+def check_communication_dtype(value: Any, who: str) -> None:
+    if value not in COMMUNICATION_DTYPES:
+        raise ValueError(
+            f"{who}(communication_dtype={value!r}); valid: None (each gradient in its param's "
+            "dtype, as Colossal-AI), torch.float32, torch.float16, torch.bfloat16."
+        )
+
+
 def partition_params(numels: list[int], world: int) -> list[int]:
     """Owner rank of each param: largest first to the least-loaded rank (ties: lowest rank).
 
@@ -159,12 +167,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                 "ZeRO: the optimizer already holds state for the whole model; wrap it before "
                 "its first step so each rank creates only its own shard."
             )
-        if communication_dtype not in COMMUNICATION_DTYPES:
-            raise ValueError(
-                f"communication_dtype={communication_dtype!r}; valid: None (each gradient in "
-                "its param's dtype, as Colossal-AI), torch.float32, torch.float16, "
-                "torch.bfloat16."
-            )
+        check_communication_dtype(communication_dtype, "ZeroOptimizer")
         group = process_group or default_group()
         self.stage = stage
         self.norm_type = float(norm_type)

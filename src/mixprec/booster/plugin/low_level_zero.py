@@ -21,8 +21,8 @@ from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import Policy, ScalerConfig, preset
 from mixprec.scaling import default_group
 from mixprec.zero import (
-    COMMUNICATION_DTYPES,
     ZeroOptimizer,
+    check_communication_dtype,
     check_cpu_offload,
     prepare_zero_optimizer,
 )
@@ -91,11 +91,7 @@ class LowLevelZeroPlugin(Plugin):
         self.max_norm = float(max_norm)
         self.norm_type = norm_type
         self.cpu_offload = cpu_offload
-        if communication_dtype not in COMMUNICATION_DTYPES:
-            raise ValueError(
-                f"LowLevelZeroPlugin(communication_dtype={communication_dtype!r}); valid: "
-                f"{', '.join(map(str, COMMUNICATION_DTYPES))}."
-            )
+        check_communication_dtype(communication_dtype, "LowLevelZeroPlugin")
         self.communication_dtype = communication_dtype
 
     @property
