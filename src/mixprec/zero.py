@@ -246,18 +246,20 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         if masters:
             torch._foreach_copy_(masters, means)  # lp -> fp32 is exact
 
-    def _comm_buckets(self) -> dict[torch.dtype, list[int]]:
-        """communication dtype -> indices of the params whose gradients travel in it."""
+    def _indices_by_dtype(
+        self, override: torch.dtype | None = None
+    ) -> dict[torch.dtype, list[int]]:
+        """dtype -> indices of the params in it (all of them in override, when given)."""
         buckets: dict[torch.dtype, list[int]] = {}
         for i, p in enumerate(self.all_params):
-            buckets.setdefault(self.communication_dtype or p.dtype, []).append(i)
+            buckets.setdefault(override or p.dtype, []).append(i)
         return buckets
 
     def _reduce_grads(self) -> dict[int, torch.Tensor]:
         """index -> the group's mean gradient of each param this rank owns, in its
         communication dtype (one collective per dtype)."""
         out: dict[int, torch.Tensor] = {}
-        for dtype, indices in self._comm_buckets().items():
+        for dtype, indices in self._indices_by_dtype(self.communication_dtype).items():
             out.update(self._reduce_bucket(dtype, indices))
         return out
 
@@ -279,7 +281,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         pre = world > 1 and dtype != torch.float32
         flat = torch.empty(world * length, dtype=dtype, device=device)
         for rank, chunk in enumerate(chunks):
-            views = self._views(chunk, flat[rank * length :])
+            start, flags = rank * length, rank * length + sizes[rank]
+            views = self._views(chunk, flat[start:])
             grads = [params[i].grad for i in chunk]
             given = [(v, g) for v, g in zip(views, grads, strict=True) if g is not None]
             if given:
@@ -287,14 +290,14 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             for v, g in zip(views, grads, strict=True):
                 if g is None:
                     v.zero_()
-            flat[rank * length + sizes[rank] : (rank + 1) * length].zero_()  # flags and padding
-        if pre:
-            flat.div_(world)  # before the flags are set: a flag is a count of ranks
-        for rank, chunk in enumerate(chunks):
-            present = [params[i].grad is not None for i in chunk]
+            if pre:
+                flat[start:flags].div_(world)  # the grads only: a flag is a count of ranks
+            present = [g is not None for g in grads]
             if any(present):
-                start = rank * length + sizes[rank]
-                flat[start : start + len(chunk)].copy_(torch.tensor(present, dtype=dtype))
+                flat[flags : flags + len(chunk)].copy_(torch.tensor(present, dtype=dtype))
+            else:
+                flat[flags : flags + len(chunk)].zero_()
+            flat[flags + len(chunk) : (rank + 1) * length].zero_()  # padding
         mine = flat[self.rank * length : (self.rank + 1) * length]
         if world > 1 and self.stage == 2 and self.reduce_scatter:
             mine = torch.empty(length, dtype=dtype, device=device)
@@ -349,10 +352,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     def _all_gather_params(self) -> None:
         """Each owner's updated params to every rank: per param dtype, one all-gather (or,
         over gloo, one broadcast from each owner)."""
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, p in enumerate(self.all_params):
-            by_dtype.setdefault(p.dtype, []).append(i)
-        for dtype, indices in by_dtype.items():
+        for dtype, indices in self._indices_by_dtype().items():
             chunks = [[i for i in indices if self.owners[i] == r] for r in range(self.world)]
             sizes = [sum(self.all_params[i].numel() for i in c) for c in chunks]
             if max(sizes) == 0:
