@@ -1,13 +1,13 @@
 """The whole training step as one compiled program with no host sync (seed 002's static graph).
 
 `compile_step(model, optimizer, criterion)` takes what any face returns and gives back
-`step(*inputs, target) -> loss`. One call runs forward and backward (torch.func.grad_and_value
-over functional_call: no `.backward()`, which would break the graph), unscales, checks for
-inf/nan, clips, all-reduces the overflow flag (multi-rank), updates the fp32 masters and the
-optimizer state with fused_step's math, writes the low-precision params, and advances the loss
-scale with scaling.update_scale_. A skipped step is a `torch.where` on the device over every
-tensor it would write, so nothing is read on the host: the returned loss is a 0-dim tensor and
-reading it is the caller's choice.
+`step(*inputs, target) -> loss`. One call runs forward and backward (torch.autograd.grad, which
+dynamo traces into the graph with its trace_autograd_ops switch, set for this call only;
+`.backward()` would break the graph), unscales, checks for inf/nan, clips, all-reduces the
+overflow flag (multi-rank), updates the fp32 masters and the optimizer state with fused_step's
+math, writes the low-precision params, and advances the loss scale with scaling.update_scale_. A
+skipped step is a `torch.where` on the device over every tensor it would write, so nothing is
+read on the host: the returned loss is a 0-dim tensor and reading it is the caller's choice.
 
 State stays where the eager step keeps it: params, masters (MixedPrecisionOptimizer.hp_masters),
 the inner optimizer's `state` (torch's own keys: step, exp_avg, exp_avg_sq, momentum_buffer)
@@ -15,15 +15,23 @@ and the scaler's tensors are read and written in place, so state_dict(), checkpo
 alternating compiled and eager steps keep working. Supported: torch.optim.SGD (dampening 0
 when momentum is on), Adam, AdamW, with no amsgrad/capturable/differentiable, no step hooks.
 
-Modes: fp32, bf16, fp16 (dynamic scale), fp16_naive / Apex O2 (fp32 masters, hysteresis), O3
-compile with no graph break: 0 per step measured (torch._dynamo counters, tests) for an MLP,
-and mixprec.bench.models' ViT and ResNet (BatchNorm's running stats are inputs, see _run);
-with 2+ ranks the found-inf MAX all-reduce is a traceable functional collective in the graph. Refused (CompileStepError): fp8 models (see below), multi-loss
-Apex, log_num_zeros_in_grad. Falling back to eager (one warning): models whose forward enters
-a mixprec op-list region (autocast with custom lists, fp32_region, Paddle dygraph O2's fp32
-norm layers), which keep per-thread state dynamo cannot trace. One call is one optimizer
-step: no gradient accumulation. Skipped steps are counted on the device; sync_counters()
-adds them to optimizer.skipped_steps, and the consecutive-skip guard is not run.
+Modes: fp32, bf16, fp16 (dynamic scale), fp16_naive / Apex O2 (fp32 masters, hysteresis), O3 and
+fp8 (Float8Linear, dynamic or delayed scaling: the amax histories are written in the graph, on
+skipped steps too, as the eager step writes them) compile with no graph break: 0 per step
+measured (torch._dynamo counters, tests) for an MLP, an fp8 MLP, and mixprec.bench.models' ViT
+and ResNet; with 2+ ranks the found-inf MAX all-reduce is a traceable functional collective in
+the graph. Why torch.autograd.grad and not torch.func.grad: dynamo traces an autograd.Function
+under torch.func.grad by inlining its forward and dropping its custom backward (torch 2.13,
+pytorch/pytorch#193279), silently wrong gradients for Float8Linear or any user Function;
+torch.autograd.grad keeps the custom backward (a test holds both). Under inductor an fp8 step
+rounds differently from eager, not worse: fused bf16 intermediates stay fp32, so an fp8 cast can
+round the other way; torch.compile's options={"emulate_precision_casts": True} rounds as eager
+does (tests: the two then agree within fp32 rounding). Refused (CompileStepError): multi-loss
+Apex, log_num_zeros_in_grad. Falling back to eager (one warning): models whose forward enters a
+mixprec op-list region (autocast with custom lists, fp32_region, Paddle dygraph O2's fp32 norm
+layers), which keep per-thread state dynamo cannot trace. One call is one optimizer step: no
+gradient accumulation. Skipped steps are counted on the device; sync_counters() adds them to
+optimizer.skipped_steps, and the consecutive-skip guard is not run.
 """
 
 from __future__ import annotations
@@ -34,7 +42,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value
 
 from mixprec import fused_step as fused
 from mixprec.optim import MixedPrecisionOptimizer
@@ -42,6 +49,9 @@ from mixprec.policy import ScalerConfig
 from mixprec.scaling import ProcessGroup, default_group, update_scale_
 
 _LAST = object()  # step(x, y): no target keyword, so the last positional is the target
+_TRACE_AUTOGRAD_GRAD = torch._dynamo.config.patch(trace_autograd_ops=True)
+"""dynamo traces torch.autograd.grad into the graph instead of breaking there (read while a
+call compiles; patched per call, so a user's own torch.compile keeps torch's default)."""
 CLIP_EPS = 1e-6
 """torch.nn.utils.clip_grad_norm_'s epsilon in max_norm / (norm + eps)."""
 
@@ -160,14 +170,6 @@ class CompiledStep:
             raise CompileStepError(
                 f"num_losses={len(optimizer.scalers)}: compile_step runs one loss per step."
             )
-        from mixprec.fp8.linear import Float8Linear
-
-        if any(isinstance(m, Float8Linear) for m in model.modules()):
-            raise CompileStepError(
-                "compile_step cannot run fp8 models yet: Float8Linear's autograd.Function "
-                "records delayed-scaling amax history inside its backward, a side effect "
-                "torch.func.grad cannot transform. Step fp8 models eagerly."
-            )
         if max_norm is None:
             max_norm = optimizer.max_norm if wrapped else 0.0
         if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or max_norm < 0:
@@ -222,10 +224,9 @@ class CompiledStep:
                 self.lp.append(lp)
                 self.states.append(_init_state(self.inner, group, hp))
                 self.group_of.append(index)
-        # the live tensors, looked up once: a step costs no walk over the module tree
-        wanted = set(self.train_names)
-        self._params = {n: p for n, p in self.model.named_parameters() if n in wanted}
-        self._buffers = dict(self.model.named_buffers())
+        # the live params, in optimizer order, looked up once: a step walks no module tree
+        params = dict(self.model.named_parameters())
+        self._train = [params[name] for name in self.train_names]
 
     def _hparams(self) -> list[torch.Tensor]:
         """Each group's hyperparameters as an fp64 tensor (an LR change recompiles nothing)."""
@@ -251,8 +252,7 @@ class CompiledStep:
     # ----- the step: everything below runs inside the compiled graph -----
     def _run(
         self,
-        params: dict[str, torch.Tensor],
-        buffers: dict[str, torch.Tensor],
+        params: list[torch.Tensor],
         hparams: list[torch.Tensor],
         inputs: tuple[Any, ...],
         target: Any,
@@ -260,17 +260,13 @@ class CompiledStep:
         scale = self.scale.reshape(1)
         inv_scale = scale.double().reciprocal().float()  # as LossScaler.inv_scale: exact in fp64
 
-        def scaled_loss(
-            train: dict[str, torch.Tensor], others: dict[str, torch.Tensor]
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            out = functional_call(self.model, {**others, **train}, inputs)
-            loss = self.criterion(out, target)
-            return (loss.float() * scale).sum(), loss.detach()
-
-        # buffers (BatchNorm's running stats) are inputs: the grad transform may not mutate a
-        # tensor it captured, only one it was handed
-        grads, (_, loss) = grad_and_value(scaled_loss, has_aux=True)(params, buffers)
-        grads = [grads[name] for name in self.train_names]
+        with torch.enable_grad():  # the model's own leaves; buffers (BatchNorm) update in place
+            loss = self.criterion(self.model(*inputs), target)
+            # materialize: a param the loss does not reach gets zeros, as the eager path's
+            grads = torch.autograd.grad(
+                (loss.float() * scale).sum(), params, materialize_grads=True
+            )
+        loss = loss.detach()
         if self.average_grads:
             grads = self._all_reduce_grads(grads)
         unscaled = [g.float() * inv_scale for g in grads]
@@ -350,11 +346,12 @@ class CompiledStep:
                     "model's inputs and then the target (or target=...)."
                 )
             *inputs, target = inputs
-        args = (self._params, self._buffers, self._hparams(), tuple(inputs), target)
-        with torch.no_grad():  # grad_and_value enables grad inside; the writes need none
+        args = (self._train, self._hparams(), tuple(inputs), target)
+        with torch.no_grad():  # _run enables grad for forward and backward; the writes need none
             if self._compiled is not None:
                 try:
-                    loss = self._compiled(*args)
+                    with _TRACE_AUTOGRAD_GRAD:
+                        loss = self._compiled(*args)
                 except Exception as exc:  # a missing compiler or an untraceable model
                     self._compiled = None
                     why = " ".join(str(exc).split())[:400]  # one line, the cause up front

@@ -14,11 +14,15 @@ from mixprec.fp8.kernels import cpu_has_scaled_mm, lp_gemm, resolve_emulate
 
 
 class _Float8LinearFn(torch.autograd.Function):
-    """input (M, K) @ weight (N, K)^T with all three GEMMs in float8; see the module docstring."""
+    """input (M, K) @ weight (N, K)^T with all three GEMMs in float8; see the module docstring.
+
+    forward / setup_context style (not forward(ctx, ...)): torch.func transforms (grad, vmap)
+    accept only this style. So the float8 copies and inverse scales backward reuses leave
+    forward as extra, non-differentiable outputs; Float8Linear.forward keeps the first.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
         hp_input: torch.Tensor,
         hp_weight: torch.Tensor,
         input_history: torch.Tensor | None,
@@ -28,7 +32,7 @@ class _Float8LinearFn(torch.autograd.Function):
         config: Float8Config,
         emulate: bool,
         record: bool,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, ...]:
         # Autocast off inside: the CPU _scaled_mm is upcast-scale-matmul, and autocast would run
         # that matmul in bf16 (measured: half the outputs moved); emulation's must stay fp32 too.
         with torch.autocast(hp_input.device.type, enabled=False):
@@ -38,18 +42,25 @@ class _Float8LinearFn(torch.autograd.Function):
             lp_weight, weight_inv = cast_to_fp8(
                 hp_weight, LP_FORWARD_DTYPE, weight_history, config, record=record
             )
-            # Saving the float8 copies (1 byte per element) is what backward needs: the spec'd GEMMs
-            # reuse the forward's e4m3 input and weight, not fresh casts.
-            ctx.save_for_backward(lp_input, lp_weight, input_inv, weight_inv)
-            ctx.grad_history = grad_history
-            ctx.hp_dtypes = (hp_input.dtype, hp_weight.dtype)
-            ctx.config, ctx.emulate, ctx.record = config, emulate, record
-            return lp_gemm(
+            out = lp_gemm(
                 lp_input, lp_weight.t(), input_inv, weight_inv, out_dtype, emulate=emulate
             )
+        return out, lp_input, lp_weight, input_inv, weight_inv
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        hp_input, hp_weight, _, _, grad_history, _, config, emulate, record = inputs
+        _, lp_input, lp_weight, input_inv, weight_inv = output
+        ctx.mark_non_differentiable(lp_input, lp_weight, input_inv, weight_inv)
+        # Saving the float8 copies (1 byte per element) is what backward needs: the spec'd GEMMs
+        # reuse the forward's e4m3 input and weight, not fresh casts.
+        ctx.save_for_backward(lp_input, lp_weight, input_inv, weight_inv)
+        ctx.grad_history = grad_history
+        ctx.hp_dtypes = (hp_input.dtype, hp_weight.dtype)
+        ctx.config, ctx.emulate, ctx.record = config, emulate, record
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
         with torch.autocast(grad_out.device.type, enabled=False):  # as in forward
             lp_input, lp_weight, input_inv, weight_inv = ctx.saved_tensors
             input_dtype, weight_dtype = ctx.hp_dtypes
@@ -149,7 +160,7 @@ class Float8Linear(nn.Linear):
         hp_2d = hp_input.reshape(-1, self.in_features)
         # Only a training step writes the history; see the class docstring for the exact rule.
         record = self.training and torch.is_grad_enabled()
-        out = _Float8LinearFn.apply(
+        out, *_ = _Float8LinearFn.apply(
             hp_2d,
             self.hp_weight_out_in(),
             self.input_amax_history,

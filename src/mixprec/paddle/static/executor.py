@@ -91,7 +91,7 @@ class ProgramModule(nn.Module):
             return leaf
         if leaf.kind == "var":
             return env[leaf.index]
-        return getattr(self, f"{leaf.kind}_{leaf.index}")  # functional_call swaps these
+        return getattr(self, f"{leaf.kind}_{leaf.index}")
 
     def forward(self, *feeds: torch.Tensor) -> torch.Tensor:
         device_type = feeds[0].device.type if feeds else "cpu"

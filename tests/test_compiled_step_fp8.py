@@ -1,0 +1,197 @@
+"""compile_step on models whose backward is custom: Float8Linear (fp8) and a user's Function.
+
+dynamo traces torch.func.grad over an autograd.Function by inlining its forward and dropping
+its custom backward (pytorch/pytorch#193279): the step differentiates with torch.autograd.grad,
+which keeps it. These tests compile with backend="eager" (dynamo's trace, no inductor codegen):
+what decides whether the custom backward survives tracing, at a fraction of inductor's cost.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+import mixprec
+from mixprec.compiled_step import compile_step
+from mixprec.fp8.config import Float8Config
+from mixprec.fp8.linear import HISTORY_NAMES, Float8Linear
+
+# The compiled update and torch's foreach AdamW differ by ~1 fp32 ulp per step (fused
+# multiply-adds, see test_compiled_step.FP32_ROUNDING); a 1-ulp different weight or amax lands
+# on the other side of an fp8 rounding boundary with probability ~2**-20 per element, so at
+# these sizes the fp8 casts agree and the states stay within fp32 rounding: 1e-6.
+FP32_ROUNDING = {"rtol": 1e-6, "atol": 1e-6}
+
+
+def fp8_model(scaling: str) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    precision = mixprec.FP8MixedPrecision(config=Float8Config(scaling=scaling))
+    model, opt, crit, _, _ = mixprec.Booster(mixed_precision=precision).boost(
+        model, opt, nn.MSELoss()
+    )
+    assert sum(isinstance(m, Float8Linear) for m in model.modules()) == 2
+    return model, opt, crit
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
+
+
+def state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Params, buffers (the amax histories), optimizer state."""
+    out = [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+    for s in opt.state.values():
+        out += [v.clone() for _, v in sorted(s.items()) if isinstance(v, torch.Tensor)]
+    return out
+
+
+def eager_steps(model, opt, crit, steps: range) -> None:
+    for i in steps:
+        x, y = batch(i)
+        opt.zero_grad()
+        opt.backward(crit(model(x), y))
+        opt.step()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["functional", "dynamo"])
+@pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
+def test_fp8_step_equals_the_eager_fp8_step(scaling, compiled):
+    model, opt, crit = fp8_model(scaling)
+    eager_steps(model, opt, crit, range(3))
+    reference = state(model, opt)
+    model, opt, crit = fp8_model(scaling)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    options = {"backend": "eager"} if compiled else {"compile": False}
+    step = compile_step(model, opt, crit, **options)
+    with warnings.catch_warnings():
+        # a fallback to eager warns: fail instead (dynamo's own DeprecationWarning, raised while
+        # it traces an autograd.Function, stays a warning)
+        warnings.filterwarnings("error", message="mixprec.compile_step")
+        for i in range(3):
+            step(*batch(i))
+    assert step.compiled == compiled
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    got = state(model, opt)
+    assert len(got) == len(reference)
+    for i, (a, b) in enumerate(zip(got, reference, strict=True)):
+        torch.testing.assert_close(a, b, msg=f"state tensor {i}", **FP32_ROUNDING)
+    if scaling == "delayed":  # three steps recorded: input, weight and grad amaxes
+        for layer in (m for m in model.modules() if isinstance(m, Float8Linear)):
+            for name in HISTORY_NAMES:
+                history = getattr(layer, name)
+                assert bool((history[:3] > 0).all()) and bool((history[3:] == 0).all()), name
+
+
+def test_fp8_skipped_step_changes_no_weight_or_optimizer_state_and_records_as_eager():
+    """A skip keeps params and AdamW state bitwise; the histories record as the eager step
+    does (its forward and backward ran): the compiled and eager runs stay identical."""
+    runs = []
+    for compiled in (False, True):
+        model, opt, crit = fp8_model("delayed")
+        torch._dynamo.reset()
+        step = compile_step(model, opt, crit, backend="eager") if compiled else None
+        for i in range(2):
+            if compiled:
+                step(*batch(i))
+            else:
+                eager_steps(model, opt, crit, range(i, i + 1))
+        n_params = len(list(model.parameters()))
+        before = state(model, opt)
+        x, y = batch(2)
+        y[0, 0] = float("inf")  # an inf target: the loss and every grad are inf/nan
+        if compiled:
+            step(x, y)
+            assert int(step.sync_counters()) == 1
+        else:
+            opt.zero_grad()
+            opt.backward(crit(model(x), y))
+            opt.step()
+            assert opt.skipped_steps == 1
+        after = state(model, opt)
+        n_buffers = len(list(model.buffers()))
+        kept = before[:n_params] + before[n_params + n_buffers :]
+        now = after[:n_params] + after[n_params + n_buffers :]
+        for i, (a, b) in enumerate(zip(kept, now, strict=True)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"state tensor {i} changed")
+        runs.append(after)
+    for i, (a, b) in enumerate(zip(*runs, strict=True)):
+        torch.testing.assert_close(a, b, msg=f"state tensor {i}", **FP32_ROUNDING)
+
+
+class _TripledWeightGrad(torch.autograd.Function):
+    """x @ w.t(), but backward triples the weight's gradient: a rule autograd cannot derive.
+
+    The weight goes in directly, as Float8Linear's does: under torch.func.grad dynamo saw that
+    wrapped parameter as not requiring grad and inlined the forward.
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x @ weight.t()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, weight = ctx.saved_tensors
+        return grad @ weight, 3 * grad.t() @ x
+
+
+class _UserModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.randn(8, 8) / 3), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_TripledWeightGrad.apply(x, self.a))
+
+
+def test_a_user_autograd_function_keeps_its_custom_backward_when_compiled():
+    """The torch.func.grad route gave `a` a third of its gradient here, silently."""
+    results = []
+    for options in ({"compile": False}, {"backend": "eager"}):
+        torch.manual_seed(0)
+        model = _UserModel()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch._dynamo.reset()
+        step = compile_step(model, opt, nn.MSELoss(), **options)
+        x, y = torch.randn(4, 8), torch.randn(4, 4)
+        step(x, y)
+        results.append([p.detach().clone() for p in model.parameters()])
+    torch.manual_seed(0)
+    model = _UserModel()
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    nn.MSELoss()(model(x), y).backward()
+    with torch.no_grad():
+        expected = [p - 0.1 * p.grad for p in model.parameters()]
+    for got in results:
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, **FP32_ROUNDING)
+
+
+@pytest.mark.slow
+def test_inductor_fp8_step_with_emulated_precision_casts_equals_the_eager_step():
+    """Inductor keeps fused bf16 intermediates in fp32 (what the fp8 casts then see moves by a
+    bf16 ulp, and fp8 rounding turns that into a few % on some grads: a different, not a worse,
+    rounding). Its emulate_precision_casts option rounds as eager does: then the runs agree."""
+    model, opt, crit = fp8_model("delayed")
+    eager_steps(model, opt, crit, range(3))
+    reference = state(model, opt)
+    model, opt, crit = fp8_model("delayed")
+    torch._dynamo.reset()
+    step = compile_step(model, opt, crit, options={"emulate_precision_casts": True})
+    for i in range(3):
+        step(*batch(i))
+    assert step.compiled
+    for i, (a, b) in enumerate(zip(state(model, opt), reference, strict=True)):
+        torch.testing.assert_close(a, b, msg=f"state tensor {i}", **FP32_ROUNDING)
