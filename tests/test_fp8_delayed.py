@@ -194,3 +194,46 @@ def test_device_moves_still_apply_to_histories():
     assert all(h.device.type == "cpu" and h.dtype == torch.float32 for h in histories(empty))
     dynamic = model(Float8Config()).half()  # no histories: nothing to keep
     assert dynamic[0].input_amax_history is None and dynamic[0].weight.dtype == torch.float16
+
+
+def _skipping_run(bias: bool, bad_step: int, steps: int) -> tuple[list[bool], list[torch.Tensor]]:
+    """An fp8-delayed Booster run with an inf target at bad_step: (skipped per step, params
+    after the bad step)."""
+    import mixprec
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 32, bias=bias), nn.ReLU(), nn.Linear(32, 16, bias=bias))
+    opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    precision = mixprec.FP8MixedPrecision(config=DELAYED)
+    mlp, opt, crit, _, _ = mixprec.Booster(mixed_precision=precision).boost(mlp, opt, nn.MSELoss())
+    skipped, after_bad = [], []
+    for i in range(steps):
+        gen = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
+        if i == bad_step:
+            y[0, 0] = float("inf")
+            before = [p.detach().clone() for p in mlp.parameters()]
+        opt.zero_grad()
+        opt.backward(crit(mlp(x), y))
+        skipped.append(opt.step().skipped)
+        if i == bad_step:
+            after_bad = [p.detach().clone() for p in mlp.parameters()]
+            assert_same(after_bad, before)
+    for history in histories(mlp):
+        assert bool(torch.isfinite(history).all()), history
+    return skipped, after_bad
+
+
+def test_an_inf_gradient_is_skipped_though_a_delayed_scale_is_finite():
+    """The cast saturates: with the history's finite scale an inf gradient left as +-fp8_max,
+    and a bias-free model (no high-precision grad to show the inf) stepped on an inf loss."""
+    skipped, _ = _skipping_run(bias=False, bad_step=2, steps=3)
+    assert skipped == [False, False, True]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_one_overflow_skips_one_step_not_the_next_history_len(bias):
+    """A non-finite amax is not recorded: before, an inf in the history zeroed every scale
+    and skipped the next amax_history_len steps as well."""
+    skipped, _ = _skipping_run(bias=bias, bad_step=1, steps=2 + 2 * DELAYED.amax_history_len)
+    assert skipped == [False, True] + [False] * (2 * DELAYED.amax_history_len)
