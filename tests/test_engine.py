@@ -601,3 +601,15 @@ def test_example_runs_under_mixprec_run_on_two_processes() -> None:
     assert "world_size=2" in proc.stdout and "DistributedDataParallel" in proc.stdout
     accuracies = _accuracies(proc.stdout)
     assert len(accuracies) == 1 and accuracies[0] > 0.3, proc.stdout  # rank 0 prints once
+
+
+def test_state_dict_keeps_fp64_buffers_fp64_and_resumes_them_bitwise() -> None:
+    """One rule with checkpoint.hp_model_state_dict: only fp16/bf16 are up-cast."""
+    config = {"fp16": {"mode": AMP_TYPE.NAIVE, "dtype": "bfloat16"}}
+    engine, model = make_engine(config)
+    model.register_buffer("calibration", torch.tensor([1.0 + 2.0**-40], dtype=torch.float64))
+    state = engine.state_dict()
+    assert state["model"]["calibration"].dtype == torch.float64
+    model.calibration.zero_()
+    engine.load_state_dict(state)
+    assert model.calibration.item() == 1.0 + 2.0**-40  # fp32 would have rounded it to 1.0

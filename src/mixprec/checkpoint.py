@@ -99,6 +99,17 @@ def hp_model_state_dict(
     return out
 
 
+def hp_model_state_copy(
+    model: nn.Module, optimizer: MixedPrecisionOptimizer | None = None
+) -> dict[str, Any]:
+    """hp_model_state_dict with every tensor a fresh copy: a snapshot that training (or a
+    checkpoint read into it) does not alias with the model or the masters."""
+    return {
+        k: v.clone() if isinstance(v, torch.Tensor) else v
+        for k, v in hp_model_state_dict(model, optimizer).items()
+    }
+
+
 def load_hp_model_state_dict(
     model: nn.Module,
     state_dict: dict[str, Any],

@@ -1,5 +1,7 @@
 """The Engine's checkpoint: fp32 weights, optimizer, schedule and the accumulation window.
 
+The weights follow checkpoint.hp_model_state_dict's one rule, as every face's checkpoint does.
+
 Engine.state_dict / load_state_dict hand their pieces to these functions, so the resume
 rules (what is saved, what must match on load) read in one place.
 """
@@ -11,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from mixprec.checkpoint import _lp_to_hp_master
+from mixprec.checkpoint import hp_model_state_copy
 from mixprec.optim import MixedPrecisionOptimizer
 
 ENGINE_STATE_KEYS: tuple[str, ...] = (
@@ -22,22 +24,6 @@ ENGINE_STATE_KEYS: tuple[str, ...] = (
     "accumulated_grads",
 )
 """Keys of Engine.state_dict(); load_state_dict requires all of them."""
-
-
-def model_state_fp32(module: nn.Module, optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
-    """The model's state with fp32 values: masters for cast params, up-casts elsewhere.
-
-    fp16/bf16 -> fp32 is exact, so loading this back into a cast model restores it bitwise.
-    """
-    lp_to_hp = _lp_to_hp_master(optimizer)
-    state = module.state_dict()
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) in lp_to_hp and name in state:
-            state[name] = lp_to_hp[id(param)]
-    return {
-        k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone()
-        for k, v in state.items()
-    }
 
 
 def engine_state_dict(
@@ -57,7 +43,8 @@ def engine_state_dict(
             if p.grad is not None
         }
     return {
-        "model": model_state_fp32(module, optimizer),
+        # masters for cast params, fp16/bf16 up-cast, other dtypes (fp64 buffers) as they are
+        "model": hp_model_state_copy(module, optimizer),
         "optimizer": optimizer.state_dict(),
         "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
         "accumulated_steps": accumulated_steps,

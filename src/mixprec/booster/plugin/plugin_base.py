@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from mixprec.checkpoint import (
+    hp_model_state_copy,
     hp_model_state_dict,
     load_checkpoint,
     load_hp_model_state_dict,
@@ -174,10 +175,8 @@ def _dcp_read_model_state(
     """Read a torch.distributed.checkpoint model directory into full fp32 CPU tensors."""
     import torch.distributed.checkpoint as dcp
 
-    template = {
-        k: v.clone() if isinstance(v, torch.Tensor) else v
-        for k, v in hp_model_state_dict(model, optimizer).items()
-    }  # fresh tensors: DCP reads into them, the model's own params stay untouched until loaded
+    # fresh tensors: DCP reads into them, the model's own params stay untouched until loaded
+    template = hp_model_state_copy(model, optimizer)
     with warnings.catch_warnings():  # single-process loading is intended here, not a mistake
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(template, checkpoint_id=os.fspath(path), no_dist=not is_distributed())
