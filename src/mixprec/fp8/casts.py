@@ -69,17 +69,22 @@ def delayed_amax(history: torch.Tensor, amax: torch.Tensor, *, record: bool = Tr
     The scale comes from the max over past calls only (the current amax is not waited for),
     except while the history is still all zeros, when this call's amax is used. record=False
     reads the history and leaves it bitwise unchanged (eval, no_grad).
+
+    A non-finite `amax` (the tensor holds inf/nan) gives nan: the history's finite scale would
+    let the saturating cast turn an inf into +-fp8_max and the overflow step be applied
+    (measured: a bias-free fp8 model stepped on an inf loss); a nan scale makes the cast nan,
+    so the overflow reaches the loss scaler as with dynamic scaling. It is recorded as 0 (no
+    entry): an inf kept in the history zeroed every scale and skipped the next
+    amax_history_len steps too (measured: 16 of 16).
     """
+    finite = torch.isfinite(amax)
     past = torch.max(history)
     # torch.where, not `if`: choosing on device keeps this free of host syncs.
-    chosen = torch.where(past > 0, past, amax)
+    chosen = torch.where(finite, torch.where(past > 0, past, amax), float("nan"))
     if record:
-        # A non-finite amax is recorded as 0 (no entry): an inf kept in the history made every
-        # scale 0 and skipped the next amax_history_len steps too (measured: 16 of 16); this
-        # call's overflow still reaches the loss scaler through cast_to_fp8.
-        kept = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
         with torch.no_grad():
-            history.copy_(torch.cat([kept.reshape(1).to(history.dtype), history[:-1]]))
+            kept = torch.where(finite, amax, 0.0).reshape(1).to(history.dtype)
+            history.copy_(torch.cat([kept, history[:-1]]))
     return chosen
 
 
@@ -96,14 +101,9 @@ def cast_to_fp8(
     With a delayed-scaling history, record says whether this call's amax is appended to it.
     """
     amax = tensor_to_amax(hp_tensor)
-    chosen = amax if history is None else delayed_amax(history, amax, record=record)
-    scale = amax_to_scale(
-        chosen, lp_dtype, margin=config.margin, power_of_two=config.power_of_two_scale
-    )
     if history is not None:
-        # A delayed scale is finite whatever this tensor holds, and the cast saturates: an inf
-        # would leave as +-fp8_max and the overflow step would be applied, not skipped
-        # (measured: a bias-free fp8 model stepped on an inf loss). A nan scale makes the whole
-        # cast nan, so the overflow reaches the loss scaler as it does with dynamic scaling.
-        scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+        amax = delayed_amax(history, amax, record=record)
+    scale = amax_to_scale(
+        amax, lp_dtype, margin=config.margin, power_of_two=config.power_of_two_scale
+    )
     return tensor_to_fp8(hp_tensor, scale, lp_dtype), scale.reciprocal()
