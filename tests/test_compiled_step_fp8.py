@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
+from test_compiled_step import FP32_ROUNDING, _core_eager, state_of
 from torch import nn
 
 import mixprec
@@ -20,11 +21,9 @@ from mixprec.compiled_step import compile_step
 from mixprec.fp8.config import Float8Config
 from mixprec.fp8.linear import HISTORY_NAMES, Float8Linear
 
-# The compiled update and torch's foreach AdamW differ by ~1 fp32 ulp per step (fused
-# multiply-adds, see test_compiled_step.FP32_ROUNDING); a 1-ulp different weight or amax lands
-# on the other side of an fp8 rounding boundary with probability ~2**-20 per element, so at
-# these sizes the fp8 casts agree and the states stay within fp32 rounding: 1e-6.
-FP32_ROUNDING = {"rtol": 1e-6, "atol": 1e-6}
+# FP32_ROUNDING holds for fp8 too: a 1-ulp different weight or amax lands on the other side of
+# an fp8 rounding boundary with probability ~2**-20 per element, so at these sizes the fp8
+# casts agree and only the update's fp32 rounding differs.
 
 
 def fp8_model(scaling: str) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module]:
@@ -44,20 +43,10 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
 
 
-def state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Params, buffers (the amax histories), optimizer state."""
-    out = [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
-    for s in opt.state.values():
-        out += [v.clone() for _, v in sorted(s.items()) if isinstance(v, torch.Tensor)]
-    return out
-
-
 def eager_steps(model, opt, crit, steps: range) -> None:
+    step = _core_eager(model, opt, crit)
     for i in steps:
-        x, y = batch(i)
-        opt.zero_grad()
-        opt.backward(crit(model(x), y))
-        opt.step()
+        step(*batch(i))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["functional", "dynamo"])
@@ -65,7 +54,7 @@ def eager_steps(model, opt, crit, steps: range) -> None:
 def test_fp8_step_equals_the_eager_fp8_step(scaling, compiled):
     model, opt, crit = fp8_model(scaling)
     eager_steps(model, opt, crit, range(3))
-    reference = state(model, opt)
+    reference = state_of(model, opt)
     model, opt, crit = fp8_model(scaling)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -79,7 +68,7 @@ def test_fp8_step_equals_the_eager_fp8_step(scaling, compiled):
             step(*batch(i))
     assert step.compiled == compiled
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
-    got = state(model, opt)
+    got = state_of(model, opt)
     assert len(got) == len(reference)
     for i, (a, b) in enumerate(zip(got, reference, strict=True)):
         torch.testing.assert_close(a, b, msg=f"state tensor {i}", **FP32_ROUNDING)
@@ -97,25 +86,19 @@ def test_fp8_skipped_step_changes_no_weight_or_optimizer_state_and_records_as_ea
     for compiled in (False, True):
         model, opt, crit = fp8_model("delayed")
         torch._dynamo.reset()
-        step = compile_step(model, opt, crit, backend="eager") if compiled else None
+        eager = _core_eager(model, opt, crit)
+        step = compile_step(model, opt, crit, backend="eager") if compiled else eager
         for i in range(2):
-            if compiled:
-                step(*batch(i))
-            else:
-                eager_steps(model, opt, crit, range(i, i + 1))
+            step(*batch(i))
         n_params = len(list(model.parameters()))
-        before = state(model, opt)
+        before = state_of(model, opt)
         x, y = batch(2)
         y[0, 0] = float("inf")  # an inf target: the loss and every grad are inf/nan
+        step(x, y)
         if compiled:
-            step(x, y)
-            assert int(step.sync_counters()) == 1
-        else:
-            opt.zero_grad()
-            opt.backward(crit(model(x), y))
-            opt.step()
-            assert opt.skipped_steps == 1
-        after = state(model, opt)
+            step.sync_counters()  # the device count joins opt.skipped_steps
+        assert opt.skipped_steps == 1
+        after = state_of(model, opt)
         n_buffers = len(list(model.buffers()))
         kept = before[:n_params] + before[n_params + n_buffers :]
         now = after[:n_params] + after[n_params + n_buffers :]
@@ -186,12 +169,12 @@ def test_inductor_fp8_step_with_emulated_precision_casts_equals_the_eager_step()
     rounding). Its emulate_precision_casts option rounds as eager does: then the runs agree."""
     model, opt, crit = fp8_model("delayed")
     eager_steps(model, opt, crit, range(3))
-    reference = state(model, opt)
+    reference = state_of(model, opt)
     model, opt, crit = fp8_model("delayed")
     torch._dynamo.reset()
     step = compile_step(model, opt, crit, options={"emulate_precision_casts": True})
     for i in range(3):
         step(*batch(i))
     assert step.compiled
-    for i, (a, b) in enumerate(zip(state(model, opt), reference, strict=True)):
+    for i, (a, b) in enumerate(zip(state_of(model, opt), reference, strict=True)):
         torch.testing.assert_close(a, b, msg=f"state tensor {i}", **FP32_ROUNDING)
