@@ -436,3 +436,13 @@ def test_compiled_function_matches_eager_under_op_lists() -> None:
     for c, e in zip(compiled, eager, strict=True):
         # inductor fuses softmax+add and rounds to bf16 once instead of twice: <= 2 bf16 ulps.
         torch.testing.assert_close(c, e, rtol=2 * 2**-7, atol=0)
+
+
+def test_op_lists_match_a_callable_by_its_op_name():
+    """The op-list mode looks an op up by name (dynamo can trace that): the name of every
+    callable of an op must be that op, or a listed op would miss one of its spellings."""
+    from mixprec.autocast import _op_name, _op_table
+
+    for name, fns in _op_table().items():
+        for fn in fns:
+            assert _op_name(fn) == name, (fn, name)

@@ -31,8 +31,11 @@ Regions:
 Autograd and compile: casts are recorded by autograd, so gradients reach parameters in their
 own dtype. Call backward outside the region, as torch.autocast advises: the mode does not see
 backward kernels, and torch's autocast would re-cast them. Under torch.compile, a context
-entered outside the compiled code is traced (fullgraph works); one entered inside compiled code
-graph-breaks at the `with`: dynamo runs that frame eagerly and compiles what it calls.
+entered outside the compiled code is traced (fullgraph works), and so is one built and entered
+inside it, and every decorated function, class and module: a region is a generator of plain
+`with` statements, its lists constants dynamo embeds. One exception: a context object built
+outside compiled code and entered inside it (`with self.ctx:`), which dynamo cannot enter
+(torch 2.13): build it where you enter it.
 
 Limits: ops called inside torch's own Python-level composites (e.g. the softmax inside
 F.multi_head_attention_forward) are not seen one by one, only the composite. The Python hook
@@ -45,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -226,22 +229,6 @@ def _resolve_op(op: str | Callable) -> str:
     raise TypeError(f"An op is a name (str) or a torch callable, got {op!r} ({type(op).__name__}).")
 
 
-def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """torch.compiler.disable(fn), made on first call: applying it at import time would import
-    torch._dynamo with mixprec (about 1 s in every process, compiled or not)."""
-    disabled: Callable[..., Any] | None = None
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        nonlocal disabled
-        if disabled is None:
-            disabled = torch.compiler.disable(fn)
-        return disabled(*args, **kwargs)
-
-    return call
-
-
-@_eager  # pure Python bookkeeping: run it eagerly, never trace it
 def resolve_ops(names: Iterable[str | Callable] | None) -> frozenset[str]:
     """Validate a custom op list and normalise it to plain torch op names.
 
@@ -255,7 +242,13 @@ def resolve_ops(names: Iterable[str | Callable] | None) -> frozenset[str]:
             f"A custom op list is a list/set/tuple of op names or callables, got {names!r}; "
             f"wrap a single op: [{names!r}]."
         )
-    return frozenset(_resolve_op(op) for op in names)
+    return frozenset(_resolved(tuple(names)))
+
+
+@torch.compiler.assume_constant_result  # bookkeeping on constants: run at trace time, baked in
+def _resolved(ops: tuple[str | Callable, ...]) -> tuple[str, ...]:
+    """The op names of ops (a tuple of str: a constant dynamo can embed in a graph)."""
+    return tuple(sorted({_resolve_op(op) for op in ops}))
 
 
 def _check_lists(white: frozenset[str], black: frozenset[str]) -> None:
@@ -293,18 +286,31 @@ def _low_to_fp32(obj: Any) -> Any:
     return obj
 
 
+def _op_name(func: Callable) -> str:
+    """The plain op name of a torch callable: torch.add, Tensor.add and Tensor.__add__ -> 'add'.
+
+    For every callable of _op_table() it is that table's key, so a lookup by name matches
+    exactly the callables of a listed op; by name because dynamo can trace a str-keyed dict
+    but cannot hash Tensor's slot wrappers (Tensor.__add__) as dict keys.
+    """
+    name = getattr(func, "__name__", "")
+    name = OPERATOR_DUNDERS.get(name, name)
+    return ALIASES.get(name, name)
+
+
 class _OpListMode(TorchFunctionMode):
     """Runs listed ops with their floating inputs cast to the list's dtype and autocast off."""
 
-    def __init__(self, op_dtypes: dict[Callable, torch.dtype], device_type: str) -> None:
+    def __init__(self, region: _Region) -> None:
         super().__init__()
-        self.op_dtypes = op_dtypes
-        self.device_type = device_type
+        self.op_dtypes = {op: torch.float32 for op in region.hp_ops}
+        self.op_dtypes.update({op: region.lp_dtype for op in region.lp_ops})
+        self.device_type = region.device_type
         self.shadowed = 0  # > 0 while an inner mixprec region decides instead
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        dtype = None if self.shadowed else self.op_dtypes.get(func)
+        dtype = None if self.shadowed else self.op_dtypes.get(_op_name(func))
         if dtype is None:
             return func(*args, **kwargs)
         args = _cast_floating(args, dtype, self.device_type)
@@ -344,7 +350,7 @@ class _State(threading.local):
     def __init__(self) -> None:
         self.regions: list[_Region] = []
         self.active_mode: _OpListMode | None = None  # innermost installed op-list mode
-        self.exits: list[tuple[int, contextlib.ExitStack]] = []  # (owner id, its exit)
+        self.exits: list[tuple[int, contextlib.AbstractContextManager]] = []  # (owner, scope)
 
 
 _STATE = _State()
@@ -359,36 +365,30 @@ def _outer_region(device_type: str | None) -> _Region:
     )
 
 
-@_eager
-def _enter_region(region: _Region) -> contextlib.ExitStack:
-    """Push region: set torch's autocast, shadow the outer op-list mode, install our own."""
-    stack = contextlib.ExitStack()
-    try:
-        stack.enter_context(
-            torch.autocast(region.device_type, dtype=region.lp_dtype, enabled=region.enabled)
-        )
-        outer_mode = _STATE.active_mode
+@contextlib.contextmanager
+def _region_scope(region: _Region) -> Iterator[None]:
+    """Push region: set torch's autocast, shadow the outer op-list mode, install our own.
+
+    Plain `with` statements in a generator, so dynamo traces a region entered inside a compiled
+    forward (compile_step, torch.compile) instead of breaking the graph there.
+    """
+    outer_mode = _STATE.active_mode
+    mode = None
+    if region.enabled and (region.lp_ops or region.hp_ops):
+        mode = _OpListMode(region)
+    with torch.autocast(region.device_type, dtype=region.lp_dtype, enabled=region.enabled):
         if outer_mode is not None:
             outer_mode.shadowed += 1
-            stack.callback(_unshadow, outer_mode)
-        mode = None
-        if region.enabled and (region.lp_ops or region.hp_ops):
-            table = _op_table()
-            op_dtypes = {fn: torch.float32 for op in region.hp_ops for fn in table[op]}
-            op_dtypes.update({fn: region.lp_dtype for op in region.lp_ops for fn in table[op]})
-            mode = stack.enter_context(_OpListMode(op_dtypes, region.device_type))
         _STATE.regions.append(region)
-        stack.callback(_STATE.regions.pop)
         _STATE.active_mode = mode or outer_mode
-        stack.callback(setattr, _STATE, "active_mode", outer_mode)
-    except BaseException:
-        stack.close()
-        raise
-    return stack
-
-
-def _unshadow(mode: _OpListMode) -> None:
-    mode.shadowed -= 1
+        try:
+            with mode or contextlib.nullcontext():
+                yield
+        finally:
+            _STATE.active_mode = outer_mode
+            _STATE.regions.pop()
+            if outer_mode is not None:
+                outer_mode.shadowed -= 1
 
 
 class _RegionContext(contextlib.ContextDecorator):
@@ -398,23 +398,28 @@ class _RegionContext(contextlib.ContextDecorator):
         raise NotImplementedError
 
     def __enter__(self) -> _RegionContext:
-        _STATE.exits.append((id(self), _enter_region(self._region())))
+        _push_scope(id(self), self._region())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _pop_exit(id(self))
+        _pop_scope(id(self))
 
     def __call__(self, target: T) -> T:
         return _decorate(target, self, cast_to_fp32=False)
 
 
-@_eager
-def _pop_exit(owner: int) -> None:
+def _push_scope(owner: int, region: _Region) -> None:
+    scope = _region_scope(region)
+    scope.__enter__()
+    _STATE.exits.append((owner, scope))
+
+
+def _pop_scope(owner: int) -> None:
     if not _STATE.exits or _STATE.exits[-1][0] != owner:
         raise RuntimeError(
             "mixprec precision regions must be exited in the reverse order of entry."
         )
-    _STATE.exits.pop()[1].close()
+    _STATE.exits.pop()[1].__exit__(None, None, None)
 
 
 class autocast(_RegionContext):  # noqa: N801 - mirrors torch.autocast
@@ -557,8 +562,12 @@ def _wrap(fn: Callable, region: _RegionContext, cast_to_fp32: bool, *, skip_self
         if cast_to_fp32:
             head, rest = (args[:1], args[1:]) if skip_self else ((), args)
             args, kwargs = head + _low_to_fp32(rest), _low_to_fp32(kwargs)
-        with region:
+        # not `with region:` — dynamo cannot enter a context object built outside the graph
+        _push_scope(id(wrapper), region._region())
+        try:
             return fn(*args, **kwargs)
+        finally:
+            _pop_scope(id(wrapper))
 
     return wrapper
 
@@ -566,9 +575,7 @@ def _wrap(fn: Callable, region: _RegionContext, cast_to_fp32: bool, *, skip_self
 def _enter_hook(
     region: _RegionContext, cast_to_fp32: bool, module: nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict] | None:
-    stack = contextlib.ExitStack()
-    stack.enter_context(region)
-    _STATE.exits.append((id(module), stack))
+    _push_scope(id(module), region._region())
     if cast_to_fp32:
         return _low_to_fp32(args), _low_to_fp32(kwargs)
     return None
@@ -577,7 +584,7 @@ def _enter_hook(
 def _exit_hook(module: nn.Module, args: tuple, output: Any) -> None:
     # always_call hooks also run when an earlier pre-hook raised before ours pushed anything.
     if _STATE.exits and _STATE.exits[-1][0] == id(module):
-        _STATE.exits.pop()[1].close()
+        _pop_scope(id(module))
 
 
 def fp32(target: T) -> T:

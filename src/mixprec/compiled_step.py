@@ -27,10 +27,14 @@ torch.autograd.grad keeps the custom backward (a test holds both). Under inducto
 rounds differently from eager, not worse: fused bf16 intermediates stay fp32, so an fp8 cast can
 round the other way; torch.compile's options={"emulate_precision_casts": True} rounds as eager
 does (tests: the two then agree within fp32 rounding). Refused (CompileStepError): multi-loss
-Apex, log_num_zeros_in_grad. Falling back to eager (one warning): models whose forward enters a
-mixprec op-list region (autocast with custom lists, fp32_region, Paddle dygraph O2's fp32 norm
-layers), which keep per-thread state dynamo cannot trace. One call is one optimizer step: no
-gradient accumulation. Skipped steps are counted on the device; sync_counters() adds them to
+Apex, log_num_zeros_in_grad. mixprec's precision regions trace into the graph (autocast with
+custom lists, fp32_region, fp16_guard, @fp32 functions, classes and modules, Paddle dygraph O2's
+fp32 norm layers); a region object built outside the forward and entered in it (`with
+self.ctx:`) falls back to eager with one warning: dynamo cannot enter a context manager created
+outside the graph (torch 2.13). A caller's region around `step(...)` (Paddle's auto_cast around
+the loop body) reaches the forward and the loss and ends there: scaling, backward and the update
+run in an fp32_region, as an eager loop runs them outside auto_cast. One call is one optimizer
+step: no gradient accumulation. Skipped steps are counted on the device; sync_counters() adds them to
 optimizer.skipped_steps, and the consecutive-skip guard is not run.
 """
 
@@ -44,6 +48,7 @@ import torch
 from torch import nn
 
 from mixprec import fused_step as fused
+from mixprec.autocast import fp32_region
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import ScalerConfig
 from mixprec.scaling import ProcessGroup, default_group, update_scale_
@@ -185,6 +190,7 @@ class CompiledStep:
         self.max_norm = float(max_norm)
         self._plan()
         device = self.hp[0].device if self.hp else torch.device("cpu")
+        self.device_type = device.type
         self.scale, self.growth, self.hysteresis, self.cfg = _scaler_tensors(
             optimizer, scaler, device
         )
@@ -257,11 +263,19 @@ class CompiledStep:
         inputs: tuple[Any, ...],
         target: Any,
     ) -> torch.Tensor:
-        scale = self.scale.reshape(1)
-        inv_scale = scale.double().reciprocal().float()  # as LossScaler.inv_scale: exact in fp64
-
         with torch.enable_grad():  # the model's own leaves; buffers (BatchNorm) update in place
             loss = self.criterion(self.model(*inputs), target)
+        # The caller's autocast and op lists end at the loss, as in an eager loop: scaling,
+        # backward and the update are fp32 math (a white-listed 'mul' must not round them).
+        with fp32_region(self.device_type):
+            return self._backward_and_update(params, hparams, loss)
+
+    def _backward_and_update(
+        self, params: list[torch.Tensor], hparams: list[torch.Tensor], loss: torch.Tensor
+    ) -> torch.Tensor:
+        scale = self.scale.reshape(1)
+        inv_scale = scale.double().reciprocal().float()  # as LossScaler.inv_scale: exact in fp64
+        with torch.enable_grad():
             # materialize: a param the loss does not reach gets zeros, as the eager path's
             grads = torch.autograd.grad(
                 (loss.float() * scale).sum(), params, materialize_grads=True
