@@ -34,8 +34,8 @@ self.ctx:`) falls back to eager with one warning: dynamo cannot enter a context 
 outside the graph (torch 2.13). A caller's region around `step(...)` (Paddle's auto_cast around
 the loop body) reaches the forward and the loss and ends there: scaling, backward and the update
 run in an fp32_region, as an eager loop runs them outside auto_cast. One call is one optimizer
-step: no gradient accumulation. Skipped steps are counted on the device; sync_counters() adds them to
-optimizer.skipped_steps, and the consecutive-skip guard is not run.
+step: no gradient accumulation. Skipped steps are counted on the device; sync_counters() adds
+them to optimizer.skipped_steps, and the consecutive-skip guard is not run.
 """
 
 from __future__ import annotations
