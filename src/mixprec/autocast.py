@@ -171,11 +171,6 @@ def _op_table() -> dict[str, frozenset[Callable]]:
     return {name: frozenset(fns) for name, fns in groups.items()}
 
 
-@functools.cache
-def _callable_to_name() -> dict[Callable, str]:
-    return {fn: name for name, fns in _op_table().items() for fn in fns}
-
-
 def _unknown_op(shown: object, why: str = "") -> ValueError:
     pool = sorted(set(COMMON_OPS) | set(ALIASES))
     tail = (
@@ -215,9 +210,11 @@ def _resolve_op(op: str | Callable) -> str:
             raise _inplace_error(op, base)
         raise _unknown_op(op)
     if callable(op):
+        name = _op_name(op)
         try:
-            return _callable_to_name()[op]
-        except (KeyError, TypeError):  # TypeError: an unhashable callable is no torch op
+            if op in _op_table().get(name, ()):
+                return name
+        except TypeError:  # an unhashable callable is no torch op
             pass
         name = getattr(op, "__name__", repr(op))
         if isinstance(op, type) and issubclass(op, nn.Module):
