@@ -102,7 +102,8 @@ def lp_gemm(
 
     emulate=True upcasts to fp32, where products of two float8 values are exact and sums
     accumulate in fp32 as in the kernel: the two differ only by summation order and the
-    final rounding to out_dtype.
+    final rounding to out_dtype. It also takes a or b already upcast to fp32 (exactly, from
+    float8), which it uses as they are.
     """
     if emulate:
         hp_out = (lp_a.to(torch.float32) @ lp_b.to(torch.float32)) * (a_inv_scale * b_inv_scale)
