@@ -14,6 +14,7 @@ import logging
 import pytest
 import torch
 from conftest import tiny_mlp
+from tolerances import EXACT
 from torch import nn
 
 from mixprec import AMP_TYPE, convert_to_amp, to_policy
@@ -21,7 +22,6 @@ from mixprec.apex import FP16_Optimizer, amp
 from mixprec.apex._optim import AmpOptimizer
 from mixprec.optim import ScaleCollapseError
 
-EXACT = {"rtol": 0, "atol": 0}
 X = torch.tensor([[1.0, 2.0]])
 W0 = [[0.5, -1.0], [2.0, 0.25]]
 W1 = [[-0.5, 1.0], [1.0, 0.5]]

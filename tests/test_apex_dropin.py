@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from tolerances import EXACT
 from torch import nn
 
 from mixprec.apex import amp
 
-EXACT = {"rtol": 0, "atol": 0}
 X = torch.tensor([[1.0, 2.0]])
 W = [[0.5, -1.0], [2.0, 0.25]]
 A = torch.tensor([[1.0, -2.0]])  # loss = sum(A * model(X)): dL/dW = A^T X

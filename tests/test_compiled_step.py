@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch._dynamo
 from dist_utils import assert_same_on_every_rank, spawn
+from tolerances import FP32_ROUNDING
 from torch import nn
 
 import mixprec
@@ -21,11 +22,6 @@ from mixprec.apex import amp as apex_amp
 from mixprec.bench.models import ModelSpec, build_model, make_batch, make_criterion
 from mixprec.compiled_step import CompileStepError, compile_step
 
-# The functional step and the face's eager step do the same math in the same order; they
-# differ where eager torch contracts p + alpha * g into one fused multiply-add (foreach SGD /
-# Adam kernels) and the functional update does not, or the reverse: ~1 ulp of fp32 (2**-23
-# relative) per update, 3 steps of |p| < 4: within 1e-6.
-FP32_ROUNDING = {"rtol": 1e-6, "atol": 1e-6}
 # fp16 params written from fp32 masters: a 1-ulp master difference moves the fp16 rounding
 # by at most one fp16 ulp (2**-10 relative) where it sits on a rounding boundary.
 FP16_PARAM_ROUNDING = {"rtol": 2**-10, "atol": 2**-14}

@@ -13,7 +13,8 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
-from test_compiled_step import FP32_ROUNDING, _core_eager, state_of
+from test_compiled_step import _core_eager, state_of
+from tolerances import FP32_ROUNDING
 from torch import nn
 
 import mixprec

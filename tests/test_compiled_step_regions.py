@@ -16,15 +16,14 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
-from test_compiled_step import FP32_ROUNDING, state_of
+from test_compiled_step import state_of
+from tolerances import EXACT, FP32_ROUNDING
 from torch import nn
 
 import mixprec
 import mixprec.paddle as paddle_amp
 from mixprec.autocast import autocast, fp16_guard, fp32, fp32_region
 from mixprec.compiled_step import compile_step
-
-EXACT = {"rtol": 0, "atol": 0}
 
 
 @fp32

@@ -13,12 +13,12 @@ import logging
 import pytest
 import torch
 from conftest import tiny_mlp
+from tolerances import EXACT
 
 from mixprec import MixedPrecisionOptimizer, cast_module
 from mixprec.apex import amp
 from mixprec.policy import ScalerConfig
 
-EXACT = {"rtol": 0, "atol": 0}
 TORCH_KEYS = {"state", "param_groups"}
 MIXPREC_KEYS = {"master_weights", "master_index", "scaler", "steps", "skipped_steps"}
 

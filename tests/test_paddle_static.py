@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch._dynamo
+from tolerances import FP32_ROUNDING
 from torch import nn
 
 import mixprec
@@ -24,9 +25,6 @@ from mixprec.paddle.static import executor
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "paddle_static"
 TINY = ["--input-size", "16", "--batch-size", "8", "--nums-batch", "3", "--epochs", "1"]
-# The compiled SGD update p + (-lr) * g and torch's foreach SGD may differ by the FMA
-# contraction, ~1 ulp of fp32 per step; 3 steps of |p| < 1: within 1e-6.
-FP32_ROUNDING = {"rtol": 1e-6, "atol": 1e-6}
 
 
 @pytest.fixture(autouse=True)
