@@ -20,7 +20,9 @@ Two tables, measured in one process and one sitting (ratios are the result, not 
    bfloat16 (the default here: the CPU has bf16 GEMMs and no fast fp16 ones).
 
 Loops of one row are timed round-robin, so load from other processes on a shared machine
-hits them alike; by default the clock is the process's CPU time with one torch thread, which
+hits them alike, in a fresh shuffled order each round (seeded), so no loop always runs after
+the same neighbour (a loop timed right after its near-twin finds the same kernels warm in the
+caches: in a fixed order the raw loop with the check always followed the raw loop); by default the clock is the process's CPU time with one torch thread, which
 that load does not inflate (--clock wall for wall time). Each compiled loop compiles once in its warm-up (~20 s on an idle 2-core
 CPU): the default (tiny size, bf16 + naive + fp8, the static table at width 256) compiles 9 times,
 about 4 minutes on the shared 2-core CPU.
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import random
 import statistics
 import sys
 import time
@@ -103,16 +106,19 @@ def mode_config(mode: str) -> tuple[object, dict, torch.dtype, bool]:
 def interleaved_medians(
     steps: dict[str, Callable[[], object]], warmup: int, rounds: int, bar: tqdm
 ) -> dict[str, float]:
-    """Median seconds per step of each loop, timed round-robin (one step of each per round),
-    so a neighbour's load on a shared machine hits every loop alike."""
+    """Median seconds per step of each loop, timed round-robin (one step of each per round, in
+    a shuffled order), so a neighbour's load on a shared machine hits every loop alike."""
     for name, step in steps.items():
         bar.set_postfix_str(f"warm-up {name}")
         for _ in range(warmup):
             step()
             bar.update()
     times: dict[str, list[float]] = {name: [] for name in steps}
+    order, shuffle = list(steps), random.Random(0).shuffle
     for _ in range(rounds):
-        for name, step in steps.items():
+        shuffle(order)
+        for name in order:
+            step = steps[name]
             t0 = CLOCK()
             step()
             times[name].append(CLOCK() - t0)
