@@ -18,9 +18,15 @@ from torch import nn
 
 import mixprec
 import mixprec.paddle as paddle_amp
+from mixprec import compiled_step
 from mixprec.apex import amp as apex_amp
 from mixprec.bench.models import ModelSpec, build_model, make_batch, make_criterion
-from mixprec.compiled_step import CompileStepError, compile_step
+from mixprec.compiled_step import (
+    CPU_INDUCTOR_OPTIONS,
+    CompileStepError,
+    _with_cpu_options,
+    compile_step,
+)
 
 # fp16 params written from fp32 masters: a 1-ulp master difference moves the fp16 rounding
 # by at most one fp16 ulp (2**-10 relative) where it sits on a rounding boundary.
@@ -317,6 +323,7 @@ def test_inductor_step_equals_the_eager_step():
         reference = state_of(model, opt)
         model, opt, crit, _, _ = FACES[name](torch.optim.SGD, SGD)
         step = compile_step(model, opt, crit)
+        assert step.compile_options["options"] == CPU_INDUCTOR_OPTIONS  # the C++ wrapper
         for i in range(3):
             step(*batch(i))
         assert step.compiled
@@ -329,6 +336,36 @@ def test_inductor_step_equals_the_eager_step():
         n_model = len(list(model.parameters())) + len(list(model.buffers()))
         for a, b in zip(before[:n_model], after[:n_model], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_cpu_options_join_only_an_inductor_compile_without_mode():
+    plain = {"fullgraph": True}
+    assert _with_cpu_options(plain, "cpu") == {**plain, "options": CPU_INDUCTOR_OPTIONS}
+    mine = {"options": {"cpp_wrapper": False, "max_autotune": True}}
+    assert _with_cpu_options(mine, "cpu")["options"] == mine["options"]  # the caller's win
+    for options, device in [
+        (plain, "cuda"),
+        ({"backend": "eager"}, "cpu"),
+        ({"backend": "aot_eager"}, "cpu"),
+        ({"mode": "max-autotune-no-cudagraphs"}, "cpu"),  # torch.compile: mode or options
+    ]:
+        assert _with_cpu_options(options, device) is options
+
+
+@pytest.mark.slow
+def test_a_cpu_options_build_failure_compiles_again_without_them(monkeypatch, caplog):
+    """No eager fallback (nor its warning) while inductor's Python wrapper still compiles."""
+    model, opt, crit, _, _ = FACES["bf16"](torch.optim.SGD, SGD)
+    broken = {**CPU_INDUCTOR_OPTIONS, "cpp.cxx": (None, "/nonexistent/c++")}
+    monkeypatch.setattr(compiled_step, "CPU_INDUCTOR_OPTIONS", broken)
+    torch._dynamo.reset()
+    step = compile_step(model, opt, crit)
+    assert step.compile_options["options"] == broken
+    with warnings.catch_warnings(), caplog.at_level("INFO", logger="mixprec"):
+        warnings.simplefilter("error", RuntimeWarning)
+        step(*batch(0))
+    assert step.compiled and "options" not in step.compile_options
+    assert "compiling without them" in caplog.text
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning():
