@@ -21,9 +21,10 @@ Two tables, measured in one process and one sitting (ratios are the result, not 
 
 Loops of one row are timed round-robin, so load from other processes on a shared machine
 hits them alike, in a fresh shuffled order each round (seeded), so no loop always runs after
-the same neighbour (a loop timed right after its near-twin finds the same kernels warm in the
-caches: in a fixed order the raw loop with the check always followed the raw loop); by default the clock is the process's CPU time with one torch thread, which
-that load does not inflate (--clock wall for wall time). Each compiled loop compiles once in its warm-up (~20 s on an idle 2-core
+the same neighbour (in a fixed order the raw loop with the check always ran right after its
+near-twin, the raw loop, and may have found its kernels warm); by default the clock is the
+process's CPU time with one torch thread, which that load does not inflate (--clock wall for
+wall time). Each compiled loop compiles once in its warm-up (~20 s on an idle 2-core
 CPU): the default (tiny size, bf16 + naive + fp8, the static table at width 256) compiles 9 times,
 about 4 minutes on the shared 2-core CPU.
 
