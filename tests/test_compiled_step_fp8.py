@@ -181,6 +181,21 @@ def test_inductor_fp8_step_with_emulated_precision_casts_equals_the_eager_step()
         torch.testing.assert_close(a, b, msg=f"state tensor {i}", **FP32_ROUNDING)
 
 
+def test_warnings_as_errors_do_not_stop_the_compile_at_torchs_own_deprecation(caplog):
+    """Under -W error (or pytest's filterwarnings = error) the DeprecationWarning dynamo itself
+    raises while tracing an autograd.Function stopped the compile: eager fallback, whose own
+    warning was then an error too. The step compiles again with torch's deprecations ignored."""
+    model, opt, crit = fp8_model("dynamic")
+    torch._dynamo.reset()
+    step = compile_step(model, opt, crit, backend="eager")
+    with warnings.catch_warnings(), caplog.at_level("INFO", logger="mixprec"):
+        warnings.simplefilter("error")
+        for i in range(2):
+            step(*batch(i))
+    assert step.compiled
+    assert "DeprecationWarnings ignored" in caplog.text
+
+
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 

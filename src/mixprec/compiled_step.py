@@ -40,6 +40,7 @@ them to optimizer.skipped_steps, and the consecutive-skip guard is not run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Callable
@@ -58,6 +59,7 @@ _LAST = object()  # step(x, y): no target keyword, so the last positional is the
 _TRACE_AUTOGRAD_GRAD = torch._dynamo.config.patch(trace_autograd_ops=True)
 """dynamo traces torch.autograd.grad into the graph instead of breaking there (read while a
 call compiles; patched per call, so a user's own torch.compile keeps torch's default)."""
+_NO_SCOPE = contextlib.nullcontext()
 CLIP_EPS = 1e-6
 """torch.nn.utils.clip_grad_norm_'s epsilon in max_norm / (norm + eps)."""
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
@@ -69,6 +71,16 @@ fp8) and ~1.01x on the bench ViT (2-core AMD EPYC, one thread). The first compil
 fail to build, the step compiles once more without these options before any eager fallback."""
 
 log = logging.getLogger("mixprec")
+
+
+@contextlib.contextmanager
+def _torch_deprecations_ignored():
+    """torch's own DeprecationWarnings ignored: under `-W error` (or pytest's filterwarnings =
+    error) the one dynamo raises while tracing an autograd.Function (Float8Linear, a user's
+    Function) became an error that stopped the compile."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch(\.|$)")
+        yield
 
 
 class CompileStepError(ValueError):
@@ -208,6 +220,7 @@ class CompiledStep:
         """Steps this object skipped, counted on the device (see sync_counters)."""
         self._compiled = None
         self._plain_options: dict[str, Any] | None = None  # a second try, without CPU options
+        self._quiet_torch_deprecations = False  # set once one of them stopped a compile
         self.compile_options: dict[str, Any] | None = None
         """What torch.compile was given (None: the step runs eagerly)."""
         if compile:
@@ -387,8 +400,9 @@ class CompiledStep:
         """The compiled step; if compiling fails, once more without the CPU options, then the
         same step eagerly (a compile error comes before the graph runs: nothing is written)."""
         while self._compiled is not None:
+            quiet = self._quiet_torch_deprecations
             try:
-                with _TRACE_AUTOGRAD_GRAD:
+                with _TRACE_AUTOGRAD_GRAD, _torch_deprecations_ignored() if quiet else _NO_SCOPE:
                     return self._compiled(*args)
             except Exception as exc:  # a missing compiler or an untraceable model
                 self._compile_failed(exc)
@@ -396,6 +410,17 @@ class CompiledStep:
 
     def _compile_failed(self, exc: Exception) -> None:
         why = " ".join(str(exc).split())[:400]  # one line, the cause up front
+        deprecation = isinstance(exc, DeprecationWarning) or why.startswith("DeprecationWarning:")
+        if deprecation and not self._quiet_torch_deprecations:
+            log.info(
+                "mixprec.compile_step: torch's own deprecation warning (%s...) became an error "
+                "under your warning filters; compiling again with torch's DeprecationWarnings "
+                "ignored.",
+                why[:160],
+            )
+            self._quiet_torch_deprecations = True
+            self._compiled = torch.compile(self._run, **self.compile_options)
+            return
         if self._plain_options is not None:
             log.info(
                 "mixprec.compile_step: compiling with %s failed (%s: %s); compiling without them.",
