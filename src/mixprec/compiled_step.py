@@ -59,7 +59,7 @@ _LAST = object()  # step(x, y): no target keyword, so the last positional is the
 _TRACE_AUTOGRAD_GRAD = torch._dynamo.config.patch(trace_autograd_ops=True)
 """dynamo traces torch.autograd.grad into the graph instead of breaking there (read while a
 call compiles; patched per call, so a user's own torch.compile keeps torch's default)."""
-_NO_SCOPE = contextlib.nullcontext()
+_NO_SCOPE = contextlib.nullcontext()  # the step's usual warning scope: none
 CLIP_EPS = 1e-6
 """torch.nn.utils.clip_grad_norm_'s epsilon in max_norm / (norm + eps)."""
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
@@ -397,7 +397,8 @@ class CompiledStep:
         return loss
 
     def _step(self, args: tuple[Any, ...]) -> torch.Tensor:
-        """The compiled step; if compiling fails, once more without the CPU options, then the
+        """The compiled step. If compiling fails: once more with torch's own deprecations ignored
+        (when one of them, made an error, was the cause) or without the CPU options, then the
         same step eagerly (a compile error comes before the graph runs: nothing is written)."""
         while self._compiled is not None:
             quiet = self._quiet_torch_deprecations
