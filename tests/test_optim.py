@@ -11,6 +11,7 @@ from conftest import tiny_mlp
 from mixprec.casting import cast_module
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import ScalerConfig
+from mixprec.scaling import LossScaler
 
 SCALE = ScalerConfig(dynamic=False, init_scale=2.0**10)
 
@@ -334,3 +335,89 @@ def test_master_grads_freed_between_steps_unless_kept(keep: bool) -> None:
     assert all((m.grad is not None) == keep for m in opt.hp_masters)
     for a, b in zip(opt.hp_masters, kept.hp_masters, strict=True):  # same numbers either way
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class CountReads:
+    """Counts Tensor.item / tolist calls (the step's host reads) while active."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[str] = []
+        for name in ("item", "tolist"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _original=original, _name=name, **k):
+                self.calls.append(_name)
+                return _original(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def dynamic_run(monkeypatch, *, mirror: bool) -> list:
+    """Steps through clean runs, growth and overflows (growth_interval 3); what each reported
+    and the final state. mirror=False: the scaler never knows its values on the host."""
+    torch.manual_seed(0)
+    model = cast_module(tiny_mlp(norm=False), torch.float16)
+    cfg = ScalerConfig(init_scale=2.0**8, growth_interval=3, hysteresis=1)
+    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), loss_scale=cfg)
+    if not mirror:
+        monkeypatch.setattr(opt.scaler, "host_state", lambda: None)
+    seen = []
+    for i in range(12):
+        x, y = batch(dtype=torch.float16)
+        if i in (4, 5, 9):
+            x[0, 0] = float("inf")
+        opt.backward(loss_fn(model, x, y))
+        result = opt.step()
+        opt.zero_grad()
+        seen.append((result.skipped, result.scale, opt.scaler.growth_tracker.item()))
+    return [seen, snapshot(model, opt), opt.scaler.state_dict()]
+
+
+def test_the_scale_known_on_the_host_reports_and_steps_as_a_read_one(monkeypatch) -> None:
+    known, read = dynamic_run(monkeypatch, mirror=True), dynamic_run(monkeypatch, mirror=False)
+    assert [s for s, _, _ in known[0]] == [False] * 4 + [True] * 2 + [False] * 3 + [
+        True,
+        False,
+        False,
+    ]
+    assert len({scale for _, scale, _ in known[0]}) > 2  # it grew and backed off
+    assert known[0] == read[0]
+    assert_snapshots_equal(known[1], read[1])
+    for key, value in read[2].items():
+        assert (
+            torch.equal(known[2][key], value)
+            if isinstance(value, torch.Tensor)
+            else (known[2][key] == value)
+        )
+
+
+def test_a_clean_step_reads_the_overflow_flag_alone(monkeypatch) -> None:
+    model = cast_module(tiny_mlp(norm=False), torch.float16)
+    cfg = ScalerConfig(init_scale=2.0**8, growth_interval=100)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=1e-2), loss_scale=cfg)
+    for _ in range(2):  # the first step reads scale and growth tracker with the flag
+        opt.backward(loss_fn(model, *batch(dtype=torch.float16)))
+        opt.step()
+    reads = CountReads(monkeypatch)
+    opt.backward(loss_fn(model, *batch(dtype=torch.float16)))
+    assert opt.step().scale == 2.0**8
+    assert reads.calls == ["item"]
+
+
+def test_the_host_copy_of_the_scale_is_dropped_by_any_write() -> None:
+    scaler = LossScaler(ScalerConfig(init_scale=4.0, growth_interval=10))
+    assert scaler.host_state() is None  # never read yet
+    scaler.remember_host_state(4.0, 0.0)
+    scaler.update(torch.zeros(1), clean_growth=0.0)  # a counted clean step keeps it current
+    assert scaler.host_state() == (4.0, 1.0) and scaler.growth_tracker.item() == 1
+    scaler.update(torch.ones(1))  # the device-side rule wrote both tensors
+    assert scaler.host_state() is None
+    scaler.remember_host_state(scaler.scale, float(scaler.growth_tracker.item()))
+    scaler.load_state_dict(LossScaler(ScalerConfig(init_scale=64.0)).state_dict())
+    assert scaler.host_state() is None
+    scaler.remember_host_state(64.0, 0.0)
+    scaler.scale_tensor.mul_(2)  # anyone's in-place write
+    assert scaler.host_state() is None
+    scaler.remember_host_state(128.0, 0.0)
+    scaler.to("cpu")  # same device: the same tensors, still known
+    assert scaler.host_state() == (128.0, 0.0)

@@ -334,7 +334,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         the overflow flag is reduced over the group afterwards, so the check stays exact.
         """
         grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-        return local_shards(grads) if self._layout().sharded else grads
+        return self._local(grads)
+
+    def _local(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """local_shards(tensors) of held params (or their masters, lp params, grads, which shard
+        alike), skipping the walk when no held param is sharded (the cached layout says so)."""
+        return local_shards(tensors) if self._layout().sharded else tensors
 
     def _lp_grads_to_masters(self) -> None:
         lp_grads, hp_grads = [], []
@@ -348,7 +353,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             hp_grads.append(hp.grad)
             lp.grad = None  # the lp gradient lives only from backward to step
         if hp_grads:
-            torch._foreach_copy_(local_shards(hp_grads), local_shards(lp_grads))
+            torch._foreach_copy_(self._local(hp_grads), self._local(lp_grads))
 
     def grads_to_masters(self) -> None:
         """Hand this step's lp grads to the fp32 masters, once (an outside GradScaler calls this
@@ -510,19 +515,27 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     ) -> tuple[bool, float]:
         """(skip?, the scale this step ran under), read in the one host sync of a step.
 
-        With the own dynamic scaler, the growth tracker rides the same sync: kept (for a clean
-        step) in self._clean_growth for the scaler's update, None otherwise.
+        The scale and the growth tracker ride the same sync, or are known on the host already
+        (LossScaler.host_state: then the flag is read alone). With the own dynamic scaler the
+        tracker is kept (for a clean step) in self._clean_growth for the scaler's update, None
+        otherwise.
         """
-        if scale is None and self.scaler.is_unit:  # 1.0 on the host: read the flag alone
+        scaler = self.scaler
+        if scale is None and scaler.is_unit:  # 1.0 on the host: read the flag alone
             self._clean_growth = None
             return found_inf.item() > 0, 1.0
-        own = scale is None and self.scaler.dynamic
-        scale = self.scaler.scale_tensor if scale is None else scale
-        parts = [found_inf, scale.to(found_inf)]
-        if own:
-            parts.append(self.scaler.growth_tracker.to(found_inf))
-        flag, scale_value, *growth = torch.cat(parts).tolist()
-        self._clean_growth = growth[0] if growth and not flag > 0 else None
+        own = scale is None  # the own scaler's scale (else an outside GradScaler's)
+        known = scaler.host_state() if own else None
+        if known is not None:  # both unchanged since the host read them: read the flag alone
+            flag = found_inf.item()
+            scale_value, growth_value = known
+        else:
+            scale = scaler.scale_tensor if own else scale
+            parts = [found_inf, scale.to(found_inf), scaler.growth_tracker.to(found_inf)]
+            flag, scale_value, growth_value = torch.cat(parts).tolist()
+            if own:
+                scaler.remember_host_state(scale_value, growth_value)
+        self._clean_growth = growth_value if own and scaler.dynamic and not flag > 0 else None
         return flag > 0, scale_value
 
     def _commit(
@@ -544,7 +557,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         elif not skipped:
             self.optim.step()
             if self.hp_masters:
-                torch._foreach_copy_(local_shards(self.lp_params), local_shards(self.hp_masters))
+                torch._foreach_copy_(self._local(self.lp_params), self._local(self.hp_masters))
         keep = self.keep_master_grads
         if self.hp_masters and not (self._device().type == "cpu" if keep is None else keep):
             for hp in self.hp_masters:

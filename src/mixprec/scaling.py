@@ -138,6 +138,7 @@ class LossScaler:
         self._inv: torch.Tensor | None = None  # inv_scale's cache, of this tensor at this version
         self._inv_of: torch.Tensor | None = None
         self._inv_version = -1
+        self._host: tuple | None = None  # see host_state
 
     @property
     def dynamic(self) -> bool:
@@ -174,6 +175,32 @@ class LossScaler:
             self._inv_of, self._inv_version = scale, version
         return self._inv
 
+    def host_state(self) -> tuple[float, float] | None:
+        """(scale, growth tracker) as the host last read them, while both are the tensors read
+        and neither was written since (their version counters, host ints, which every in-place
+        write bumps, a compiled step's too); None when a read is due.
+
+        A clean step short of growth_interval only counts (update), which keeps this current:
+        the optimizer then reads the overflow flag alone, not the scale and tracker with it.
+        """
+        known = self._host
+        if known is None:
+            return None
+        scale, growth, scale_tensor, tracker, scale_version, tracker_version = known
+        if (
+            scale_tensor is not self._scale
+            or tracker is not self._growth_tracker
+            or scale_tensor._version != scale_version
+            or tracker._version != tracker_version
+        ):
+            return None
+        return scale, growth
+
+    def remember_host_state(self, scale: float, growth: float) -> None:
+        """Keep the scale and growth tracker just read on the host (see host_state)."""
+        s, g = self._scale, self._growth_tracker
+        self._host = (scale, growth, s, g, s._version, g._version)
+
     def to(self, device: torch.device | str) -> LossScaler:
         self._scale = self._scale.to(device)
         self._growth_tracker = self._growth_tracker.to(device)
@@ -198,7 +225,10 @@ class LossScaler:
             return
         # < 2**24: the count came through an fp32 tensor exactly
         if clean_growth is not None and clean_growth + 1 < min(cfg.growth_interval, 2**24):
+            known = self.host_state()
             self._growth_tracker.add_(1)
+            if known is not None:  # the count is known on the host: it stays known
+                self.remember_host_state(known[0], clean_growth + 1)
             if cfg.consecutive_hysteresis:
                 self._hysteresis_tracker.fill_(cfg.hysteresis)
             return
