@@ -64,9 +64,12 @@ CLOCK = time.process_time  # set by --clock
 TARGETS = {
     "step / mixprec eager (tiny; bf16, naive)": 1.3,
     "step / raw compile": 1.0,
-    "mixprec eager / raw eager": 0.97,
     "mixprec eager / raw eager + check": 0.97,
 }
+"""The issue's goals. Its baseline (b) for the eager face is torch.autocast + GradScaler + a
+foreach optimizer: the CHECKED loop (in bf16 and fp8 a GradScaler(init_scale=1.0), which checks
+and skips as the face does; the scaled modes' raw eager loop is already that loop). The
+unchecked raw bf16/fp8 loop stays in the ratio table: its gap is the price of the check."""
 
 
 def tiny_model() -> nn.Module:
@@ -251,13 +254,12 @@ def ratio_rows(speed: dict[str, dict[str, dict[str, float]]]) -> list[dict]:
 
 
 def targets(rows: list[dict]) -> list[tuple[str, str, float, float, bool]]:
-    """(target, where, measured worst, goal, met) for the issue's three targets."""
+    """(target, where, measured worst, goal, met) for the issue's three targets (TARGETS)."""
     out = []
     tiny = [r for r in rows if r["size"] == "tiny" and r["mode"] in ("bf16", "naive")]
     checks = [
         ("step / mixprec eager (tiny; bf16, naive)", tiny, "step / mixprec eager"),
         ("step / raw compile", rows, "step / raw compile"),
-        ("mixprec eager / raw eager", rows, "mixprec eager / raw eager"),
         ("mixprec eager / raw eager + check", rows, "mixprec eager / raw eager + check"),
     ]
     for name, subset, key in checks:
@@ -293,9 +295,11 @@ def render(args, speed, rows, static, where: str) -> str:
         )
     lines += [
         "",
-        "Targets (issue #12), worst case over the rows measured; the last holds the eager face "
-        "to the 0.97x goal against the raw loop doing its math (raw eager + check: bf16 and fp8 "
-        "raw with torch.amp.GradScaler(init_scale=1.0), the raw way to check grads and skip):",
+        "Targets (issue #12), worst case over the rows measured. The last holds the eager face "
+        "to the issue's baseline, autocast + GradScaler + foreach AdamW (raw eager + check: in "
+        "bf16 and fp8 torch.amp.GradScaler(init_scale=1.0), which checks grads and skips as "
+        "the face does). mixprec eager / raw eager in bf16 and fp8 is not a target: that raw "
+        "loop applies an inf/nan step, and the gap is what the face's check costs.",
         "",
     ]
     lines += ["| target | worst at | measured | goal | met |", "|---|---|---:|---:|---|"]

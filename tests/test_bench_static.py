@@ -57,7 +57,7 @@ def test_ratios_and_targets_take_the_worst_row_against_each_goal(bench):
         }
 
     speed = {
-        "tiny": {"bf16": row(1.0, 1.5, 2.0, 1.4, 1.5), "naive": row(1.0, 1.2, 1.1, 1.2, 1.2)},
+        "tiny": {"bf16": row(1.0, 1.5, 2.0, 1.4, 1.5), "naive": row(1.0, 1.2, 1.1, 1.15, 1.15)},
         "vit": {"fp8": row(10.0, 12.0, 9.9, 12.0, 12.0)},
     }
     rows = bench.ratio_rows(speed)
@@ -71,6 +71,7 @@ def test_ratios_and_targets_take_the_worst_row_against_each_goal(bench):
     assert verdicts["step / mixprec eager (tiny; bf16, naive)"] == ("tiny naive", 1.2, False)
     where, value, met = verdicts["step / raw compile"]
     assert (where, round(value, 2), met) == ("vit fp8", 0.99, False)
-    where, value, met = verdicts["mixprec eager / raw eager"]
-    assert (where, round(value, 3), met) == ("tiny bf16", 0.933, False)
-    assert verdicts["mixprec eager / raw eager + check"][2] is True
+    assert "mixprec eager / raw eager" not in verdicts  # a ratio, not a goal (see TARGETS)
+    assert round(tiny_bf16["mixprec eager / raw eager"], 3) == 0.933
+    where, value, met = verdicts["mixprec eager / raw eager + check"]
+    assert (where, round(value, 3), met) == ("tiny naive", 0.958, False)
