@@ -1,4 +1,4 @@
-"""Shared fixtures: deterministic seeds and a tiny model factory."""
+"""Shared fixtures: deterministic seeds, a tiny model factory, a host-sync counter."""
 
 from __future__ import annotations
 
@@ -21,3 +21,20 @@ def tiny_mlp(width: int = 8, norm: bool = True) -> torch.nn.Module:
         layers.append(torch.nn.LayerNorm(2 * width))
     layers += [torch.nn.ReLU(), torch.nn.Linear(2 * width, 4)]
     return torch.nn.Sequential(*layers)
+
+
+class CountHostSyncs:
+    """Counts Tensor.item / __bool__ / tolist / __float__ / __int__ calls while active."""
+
+    NAMES = ("item", "__bool__", "tolist", "__float__", "__int__")
+
+    def __init__(self, monkeypatch):
+        self.calls: list[str] = []
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _original=original, _name=name, **k):
+                self.calls.append(_name)
+                return _original(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)

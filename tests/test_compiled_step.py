@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
+from conftest import CountHostSyncs
 from dist_utils import assert_same_on_every_rank, spawn
 from tolerances import FP32_ROUNDING
 from torch import nn
@@ -248,23 +249,6 @@ def test_switching_between_compiled_and_eager_steps_continues_one_run():
     step(*batch(3))
     assert_states_close(state_of(model, opt), reference, **FP16_PARAM_ROUNDING)
     assert opt.state_dict()["state"][0]["step"] == 4
-
-
-class CountHostSyncs:
-    """Counts Tensor.item / __bool__ / tolist / __float__ / __int__ calls while active."""
-
-    NAMES = ("item", "__bool__", "tolist", "__float__", "__int__")
-
-    def __init__(self, monkeypatch):
-        self.calls: list[str] = []
-        for name in self.NAMES:
-            original = getattr(torch.Tensor, name)
-
-            def counted(t, *a, _original=original, _name=name, **k):
-                self.calls.append(_name)
-                return _original(t, *a, **k)
-
-            monkeypatch.setattr(torch.Tensor, name, counted)
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "fp16", "fp16_naive", "apex_O2", "paddle_O2"])
