@@ -521,21 +521,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         otherwise.
         """
         scaler = self.scaler
-        if scale is None and scaler.is_unit:  # 1.0 on the host: read the flag alone
+        if scale is not None:  # an outside scale (Apex's per-loss scalers): read with the flag
+            self._clean_growth = None
+            flag, scale_value = torch.cat([found_inf, scale.to(found_inf)]).tolist()
+            return flag > 0, scale_value
+        if scaler.is_unit:  # 1.0 on the host: read the flag alone
             self._clean_growth = None
             return found_inf.item() > 0, 1.0
-        own = scale is None  # the own scaler's scale (else an outside GradScaler's)
-        known = scaler.host_state() if own else None
-        if known is not None:  # both unchanged since the host read them: read the flag alone
+        known = scaler.host_state()
+        if known is None:
+            scale, growth = scaler.scale_tensor, scaler.growth_tracker
+            flag, scale_value, growth_value = torch.cat(
+                [found_inf, scale.to(found_inf), growth.to(found_inf)]
+            ).tolist()
+            scaler.remember_host_state(scale_value, growth_value)
+        else:  # both unchanged since the host read them: read the flag alone
             flag = found_inf.item()
             scale_value, growth_value = known
-        else:
-            scale = scaler.scale_tensor if own else scale
-            parts = [found_inf, scale.to(found_inf), scaler.growth_tracker.to(found_inf)]
-            flag, scale_value, growth_value = torch.cat(parts).tolist()
-            if own:
-                scaler.remember_host_state(scale_value, growth_value)
-        self._clean_growth = growth_value if own and scaler.dynamic and not flag > 0 else None
+        self._clean_growth = growth_value if scaler.dynamic and not flag > 0 else None
         return flag > 0, scale_value
 
     def _commit(

@@ -138,8 +138,8 @@ class FP16_Optimizer(StashingOptimizer):  # noqa: N801 - Apex's name, which scri
         self.update_master_grads()
         found_inf = self.unscale_grads()
         self._check_no_unscaled_lp_grads()
-        self.overflow, scale = self._decide(found_inf, self.scaler.scale_tensor)
-        self.scaler.update(found_inf)
+        self.overflow, scale = self._decide(found_inf)
+        self.scaler.update(found_inf, clean_growth=self._clean_growth)
         return self._commit(self.overflow, scale)
 
     def _report_skip(self, scale: float) -> None:
