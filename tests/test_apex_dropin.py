@@ -205,4 +205,4 @@ def test_amp_state_loss_scalers_answer_per_loss() -> None:
     opt.step()  # skipped: loss 1 overflowed
     assert [s.loss_scale() for s in amp._amp_state.loss_scalers] == [SCALE, SCALE / 2]
     amp.initialize(linear(), opt_level="O1", enabled=False)
-    assert amp._amp_state.loss_scalers == []  # disabled amp has no scalers
+    assert amp._amp_state.loss_scalers == ()  # disabled amp has no scalers

@@ -207,6 +207,51 @@ def apex_policy(
     )
 
 
+# Apex's Properties as each opt level reports them before overrides (amp._amp_state.opt_properties)
+LEVEL_PROPERTIES: dict[str, dict[str, Any]] = {
+    "O0": {"cast_model_type": torch.float32, "patch_torch_functions": False,
+           "keep_batchnorm_fp32": None, "master_weights": False, "loss_scale": 1.0},
+    "O1": {"cast_model_type": None, "patch_torch_functions": True,
+           "keep_batchnorm_fp32": None, "master_weights": None, "loss_scale": "dynamic"},
+    "O2": {"cast_model_type": torch.float16, "patch_torch_functions": False,
+           "keep_batchnorm_fp32": True, "master_weights": True, "loss_scale": "dynamic"},
+    "O3": {"cast_model_type": torch.float16, "patch_torch_functions": False,
+           "keep_batchnorm_fp32": False, "master_weights": False, "loss_scale": 1.0},
+}  # fmt: skip
+DISABLED_PROPERTIES: dict[str, Any] = {
+    "enabled": False, "opt_level": None, "cast_model_type": None, "patch_torch_functions": False,
+    "keep_batchnorm_fp32": None, "master_weights": None, "loss_scale": 1.0,
+}  # fmt: skip
+
+
+def apex_properties(
+    *,
+    enabled: bool | str = True,
+    opt_level: str = "O1",
+    cast_model_type: torch.dtype | bool | None = None,
+    patch_torch_functions: bool | str | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | str | None = None,
+    loss_scale: float | str | None = None,
+) -> dict[str, Any]:
+    """Apex's opt_properties for (already validated) initialize arguments: the level's
+    defaults, then each override that is not None, normalised as Apex's setters did."""
+    if not _as_bool("enabled", enabled):
+        return dict(DISABLED_PROPERTIES)
+    props: dict[str, Any] = {"enabled": True, "opt_level": opt_level, **LEVEL_PROPERTIES[opt_level]}
+    overrides = {
+        "cast_model_type": cast_model_type,
+        "patch_torch_functions": _as_bool("patch_torch_functions", patch_torch_functions),
+        "keep_batchnorm_fp32": _as_bool("keep_batchnorm_fp32", keep_batchnorm_fp32),
+        "master_weights": _as_bool("master_weights", master_weights),
+        "loss_scale": loss_scale,
+    }
+    props.update({k: v for k, v in overrides.items() if v is not None})
+    if props["loss_scale"] != "dynamic":
+        props["loss_scale"] = float(props["loss_scale"])
+    return props
+
+
 def uncast_master_weights(opt_level: str, master_weights: bool | str | None) -> bool | None:
     """The optimizer's master_weights under cast_model_type=False: None (masters for whatever
     params arrive in fp16/bf16) when the level or the override asks for masters, else False."""

@@ -74,7 +74,8 @@ from torch import nn
 from mixprec.apex import functions
 from mixprec.apex._optim import AmpOptimizer, UnscaleEvent, is_rank_zero, reduce_found_inf_
 from mixprec.apex._optimizer_like import REQUIRED, OptimizerLike, missing_members
-from mixprec.apex.amp_state import AmpStateHandle
+from mixprec.apex.amp._amp_state import _amp_state, master_params
+from mixprec.apex.amp_state import AmpHandle, Properties
 from mixprec.apex.functions import (  # Apex's amp namespace holds these too
     float_function,
     half_function,
@@ -83,7 +84,8 @@ from mixprec.apex.functions import (  # Apex's amp namespace holds these too
     register_half_function,
     register_promote_function,
 )
-from mixprec.apex.policy import _as_bool, apex_policy, uncast_master_weights
+from mixprec.apex.policy import _as_bool, apex_policy, apex_properties, uncast_master_weights
+from mixprec.autocast import fp32_region
 from mixprec.casting import cast_call_args, cast_floating, cast_module
 from mixprec.debugging.amp_warning import warn_if_amp_cannot_help
 from mixprec.module import autocast_context, param_probe, probe_device_type
@@ -110,8 +112,6 @@ class _AmpState:
 
 
 _state: _AmpState | None = None
-_amp_state = AmpStateHandle()
-"""Apex's `amp._amp_state`: set allow_incoming_model_not_fp32, read loss_scalers[i].loss_scale()."""
 # optimizers an initialize call wrapped: their param_groups now hold that call's fp32 masters
 _wrapped_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -134,11 +134,16 @@ def _amp_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         inner = functools.partial(type(self).forward, self)  # dynamo cannot trace MethodType()
     if policy.casts_params:
         args, kwargs = cast_call_args(args, kwargs, policy.param_dtype)
-    with autocast_context(policy, probe_device_type(self._mixprec_amp_probe)):
+    casts = autocast_context if self._mixprec_amp_handle.is_active() else _no_autocast
+    with casts(policy, probe_device_type(self._mixprec_amp_probe)):
         out = inner(*args, **kwargs)
     if policy.cast_outputs_to is not None:
         out = cast_floating(out, policy.cast_outputs_to)
     return out
+
+
+def _no_autocast(policy: Policy, device_type: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()  # O1 after handle._deactivate(): Apex's unpatched torch
 
 
 def _lp_state_to_fp32_hook(
@@ -223,12 +228,13 @@ def _wrap_optimizer(
     return amp_opt
 
 
-def _cast_and_patch(model: nn.Module, policy: Policy) -> None:
+def _cast_and_patch(model: nn.Module, policy: Policy, handle: AmpHandle) -> None:
     if policy.casts_params:
         cast_module(model, policy.param_dtype, keep_norm_fp32=policy.keep_norm_fp32)
         for module in model.modules():
             module.register_state_dict_post_hook(_lp_state_to_fp32_hook)
     model._mixprec_amp_policy = policy
+    model._mixprec_amp_handle = handle  # O1 autocasts while handle.is_active()
     model._mixprec_amp_probe = param_probe(model)
     model._mixprec_amp_inner_forward = model.__dict__.get("forward")
     # bound to the instance (not a closure): deepcopy(model) rebinds it to the copy
@@ -295,18 +301,36 @@ def initialize(
         optimizer_list, optimizers_was_list = [], False
     else:
         optimizer_list, optimizers_was_list = _optimizer_list(optimizers)
+    properties = Properties(
+        apex_properties(
+            enabled=enabled,
+            opt_level=opt_level,
+            cast_model_type=cast_model_type,
+            patch_torch_functions=patch_torch_functions,
+            keep_batchnorm_fp32=keep_batchnorm_fp32,
+            master_weights=master_weights,
+            loss_scale=loss_scale,
+        )
+    )
     if not _as_bool("enabled", enabled):  # Apex: every amp call becomes a no-op
         functions.apply_to(False)  # registered functions run as they were
         _state = _AmpState(policy, False, verbosity, [])
-        _amp_state.bind([])
+        _amp_state.bind([], properties, verbosity=verbosity)
         return models if optimizers is None else (models, optimizers)
     for index, model in enumerate(model_list):
         _check_model(model, index)
     device = next((p.device for m in model_list for p in m.parameters()), torch.device("cpu"))
     warn_if_amp_cannot_help(policy, device, "amp.initialize")  # once per device and dtype
     scalers = [LossScaler(policy.loss_scale, device) for _ in range(num_losses)]
+    patches = policy.compute_dtype is not None
+    handle = AmpHandle(
+        active=patches,
+        device_type=device.type,
+        on_deactivate=functions.restore_functions,
+        verbose=verbosity > 0,
+    )
     for model in model_list:
-        _cast_and_patch(model, policy)
+        _cast_and_patch(model, policy, handle)
     # after the casts: the masters copy the cast weights
     masters = policy.master_weights
     if cast_model_type is False:  # uncast: masters for the params that arrive in fp16/bf16
@@ -319,10 +343,10 @@ def initialize(
                 {id(held): prefix + name for name, held in _held_by(opt, model.named_parameters())}
             )
     _state = _AmpState(policy, True, verbosity, scalers)
-    _amp_state.bind(scalers)
+    _amp_state.bind(scalers, properties, handle, verbosity)
     for opt in amp_optimizers:  # an earlier call's optimizers keep their own scalers
         opt.amp_state = _state
-    functions.apply_to(policy.compute_dtype is not None)  # O1: patch the registered functions
+    functions.apply_to(patches)  # O1: patch the registered functions
     if verbosity > 0 and is_rank_zero():
         log.info("amp.initialize: opt_level %s -> %s", opt_level, describe(policy))
     out_models = model_list if models_was_list else model_list[0]
@@ -405,10 +429,15 @@ def scale_loss(
         opt.events.append(event)
 
 
-def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """The params the optimizer steps: fp32 masters where there are any (clip these grads)."""
-    for group in optimizer.param_groups:
-        yield from group["params"]
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """Apex's `amp.disable_casts()`: no autocast (and no registered-function casts) inside."""
+    if _state is None or not _state.enabled:
+        with fp32_region():
+            yield
+        return
+    with _amp_state.handle._disable_casts():
+        yield
 
 
 # ----- checkpoints -----
@@ -462,6 +491,7 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
 
 
 __all__ = [
+    "disable_casts",
     "float_function",
     "half_function",
     "initialize",
