@@ -113,4 +113,91 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self.register_comm_hook(state, _apex_allreduce_hook)
 
 
-__all__ = ["DistributedDataParallel"]
+class LARC:
+    """apex.parallel.LARC: layer-wise adaptive rate control around any torch optimizer.
+
+    Per parameter p with grad g and weight decay wd, the local rate is
+    trust_coefficient * |p| / (|g| + wd * |p| + eps); g becomes (g + wd * p) times that rate
+    (clip=False) or times min(rate / lr, 1) (clip=True: the step uses min(local rate, lr)).
+    A parameter or gradient of norm 0 keeps its gradient. The wrapped optimizer then steps
+    with its weight decay set to 0 for the call (LARC applied it). Everything is computed on
+    the device: no host sync per parameter. amp.initialize takes it like an optimizer.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        trust_coefficient: float = 0.02,
+        clip: bool = True,
+        eps: float = 1e-8,
+    ) -> None:
+        if not trust_coefficient > 0:
+            raise ValueError(f"trust_coefficient={trust_coefficient!r} must be > 0.")
+        if not eps >= 0:
+            raise ValueError(f"eps={eps!r} must be >= 0.")
+        self.optim = optimizer
+        self.trust_coefficient = trust_coefficient
+        self.clip = clip
+        self.eps = eps
+
+    @property
+    def state(self) -> Any:
+        return self.optim.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = value
+
+    def __repr__(self) -> str:
+        return repr(self.optim)  # as Apex's LARC
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optim.add_param_group(param_group)
+
+    @torch.no_grad()
+    def _scale_grads(self, group: dict[str, Any], weight_decay: float) -> None:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            param_norm = torch.linalg.vector_norm(p)
+            grad_norm = torch.linalg.vector_norm(p.grad)
+            rate = (
+                self.trust_coefficient
+                * param_norm
+                / (grad_norm + param_norm * weight_decay + self.eps)
+            )
+            if self.clip:
+                rate = torch.clamp(rate / group["lr"], max=1.0)
+            both = (param_norm != 0) & (grad_norm != 0)
+            rate = torch.where(both, rate, torch.ones_like(rate))
+            if weight_decay != 0:
+                decayed = p.grad + weight_decay * p
+                p.grad.copy_(torch.where(both, decayed, p.grad))
+            p.grad.mul_(rate.to(p.grad.dtype))
+
+    def step(self, closure: Any = None) -> Any:
+        weight_decays = [group.get("weight_decay", 0) for group in self.optim.param_groups]
+        for group, weight_decay in zip(self.optim.param_groups, weight_decays, strict=True):
+            group["weight_decay"] = 0  # LARC applies it to the gradient itself
+            self._scale_grads(group, weight_decay)
+        try:
+            return self.optim.step(closure) if closure is not None else self.optim.step()
+        finally:
+            for group, weight_decay in zip(self.optim.param_groups, weight_decays, strict=True):
+                group["weight_decay"] = weight_decay
+
+
+__all__ = ["LARC", "DistributedDataParallel"]
