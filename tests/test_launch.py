@@ -259,3 +259,52 @@ def test_launch_world_of_two_all_reduces_across_processes(tmp_path):
     assert [r["batch"] for r in results] == [16, 16]
     # one seed on every rank (as Colossal-AI): replicated inits agree bit for bit
     assert results[0]["rand"] == results[1]["rand"]
+
+
+# Colossal-AI today: no config (launch(rank, world_size, host, port), launch_from_torch(), ...)
+def test_launch_without_config_in_todays_colossal_signature(teardown):
+    config = launch(0, 1, "127.0.0.1", free_port(), "gloo", verbose=False)
+    assert config == {} and gpc.is_initialized and (gpc.rank, gpc.world_size) == (0, 1)
+    destroy()
+    launch(rank=0, world_size=1, host="127.0.0.1", port=free_port(), config=CONFIG)
+    assert gpc.config["BATCH_SIZE"] == 8  # config= by keyword still loads one
+
+
+def test_launch_from_torch_without_config(monkeypatch, teardown):
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in {**env, "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    launch_from_torch("gloo", 7, False)  # Colossal today: (backend, seed, verbose)
+    assert gpc.config == {} and dist.get_backend() == "gloo"
+    assert torch.initial_seed() == 7
+    destroy()
+    launch_from_torch()
+    assert gpc.is_initialized and gpc.config == {}
+
+
+def test_host_launchers_without_config(monkeypatch, teardown):
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NPROCS", "1")
+    monkeypatch.delenv("SLURM_LOCALID", raising=False)
+    launch_from_slurm("127.0.0.1", free_port())
+    assert gpc.config == {} and gpc.world_size == 1
+    destroy()
+    for name in ("RANK", "LOCAL_RANK", "SIZE"):
+        monkeypatch.setenv(f"OMPI_COMM_WORLD_{name}", "1" if name == "SIZE" else "0")
+    launch_from_openmpi(host="127.0.0.1", port=free_port(), config=CONFIG)
+    assert gpc.config["BATCH_SIZE"] == 8
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: launch(0, 1, "127.0.0.1"), "missing a required argument: 'port'"),
+        (lambda: launch({}, 0, 1), "legacy: the config first"),
+        (lambda: launch_from_torch("gloo", backend="nccl"), "multiple values"),
+        (lambda: launch_from_slurm("127.0.0.1"), r"launch_from_slurm\(host, port"),
+    ],
+)
+def test_a_call_matching_neither_signature_names_both(call, match):
+    with pytest.raises(TypeError, match=match):
+        call()
+    assert not dist.is_initialized()

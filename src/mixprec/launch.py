@@ -3,6 +3,13 @@
 `launch` is the general one; `launch_from_torch`, `launch_from_slurm` and
 `launch_from_openmpi` read rank and world size from the variables each launcher exports.
 
+Both of Colossal-AI's signatures work: today's, without a config
+(`launch(rank, world_size, host, port)`, `launch_from_torch()`,
+`launch_from_slurm(host, port)`), and the legacy one with the config first
+(`launch(config, rank, world_size, host, port)`, `launch_from_torch(config)`, ...). Without a
+config gpc.config is empty (`config=` may still be given by keyword); `initialize` then takes
+its settings from its own `config=` argument.
+
 Seeding: every rank gets the same `seed` (as Colossal-AI does), so replicated models are
 initialised identically on every rank, which data parallelism needs; draw per-rank randomness
 (dropout masks, data shuffles) from `seed + gpc.rank` yourself where it must differ.
@@ -12,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import logging
 import os
 import random
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,7 +77,75 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device's generator
 
 
-def launch(
+def _is_backend_name(value: object) -> bool:
+    """A backend spelling ('gloo', 'cpu:gloo,cuda:nccl'), as opposed to a config path."""
+    return isinstance(value, str) and (value in BACKENDS or ":" in value)
+
+
+def _plain(fn: Callable[..., Any]) -> inspect.Signature:
+    """fn's signature as a user reads it: names and defaults, no annotations."""
+    sig = inspect.signature(fn)
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    return sig.replace(parameters=params, return_annotation=inspect.Signature.empty)
+
+
+def _bind(
+    who: str, modern: Callable[..., Any], legacy: Callable[..., Any], is_modern: bool, args, kwargs
+) -> dict[str, Any]:
+    """The call's arguments by name, read in Colossal-AI's current or legacy signature."""
+    form = modern if is_modern else legacy
+    try:
+        bound = inspect.signature(form).bind(*args, **kwargs)
+    except TypeError as err:
+        raise TypeError(
+            f"{who}: {err}. Call it as {who}{_plain(modern)} (Colossal-AI today) "
+            f"or {who}{_plain(legacy)} (legacy: the config first)."
+        ) from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _launch_today(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    backend: str | None = None,
+    local_rank: int | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: timedelta | None = None,
+    *,
+    config: ConfigLike = None,
+) -> None: ...
+
+
+def _launch_legacy(
+    config: ConfigLike,
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    backend: str | None = None,
+    local_rank: int | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: timedelta | None = None,
+) -> None: ...
+
+
+def launch(*args: Any, **kwargs: Any) -> Config:
+    """launch(rank, world_size, host, port, backend=None, local_rank=None, seed=1024,
+    verbose=True, timeout=None, *, config=None), or the legacy launch(config, rank, ...).
+
+    Both Colossal-AI signatures: the legacy one is recognised by a first positional argument
+    that is not an int (the config). See `_launch` for the arguments.
+    """
+    modern = not args or (isinstance(args[0], int) and not isinstance(args[0], bool))
+    return _launch(**_bind("launch", _launch_today, _launch_legacy, modern, args, kwargs))
+
+
+def _launch(
     config: ConfigLike,
     rank: int,
     world_size: int,
@@ -173,15 +251,57 @@ def _env_str(name: str, launcher: str) -> str:
     return raw
 
 
-def launch_from_torch(
-    config: ConfigLike,
+def _from_torch_today(
+    backend: str | None = None, seed: int = 1024, verbose: bool = True, *, config: ConfigLike = None
+) -> None: ...
+
+
+def _from_torch_legacy(
+    config: ConfigLike, backend: str | None = None, seed: int = 1024, verbose: bool = True
+) -> None: ...
+
+
+def _host_launcher_today(
+    host: str,
+    port: int,
     backend: str | None = None,
     seed: int = 1024,
     verbose: bool = True,
-) -> Config:
-    """launch() from torchrun's (and `mixprec run`'s) RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*."""
+    *,
+    config: ConfigLike = None,
+) -> None: ...
+
+
+def _host_launcher_legacy(
+    config: ConfigLike,
+    host: str,
+    port: int,
+    backend: str | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+) -> None: ...
+
+
+def _host_launcher_args(who: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    # legacy: (config, host, port, ...) -- a second positional str, or a positional before host=
+    legacy = (len(args) >= 2 and isinstance(args[1], str)) or (bool(args) and "host" in kwargs)
+    return _bind(who, _host_launcher_today, _host_launcher_legacy, not legacy, args, kwargs)
+
+
+def launch_from_torch(*args: Any, **kwargs: Any) -> Config:
+    """launch() from torchrun's (and `mixprec run`'s) RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*.
+
+    launch_from_torch(backend=None, seed=1024, verbose=True, *, config=None) as Colossal-AI
+    today, or the legacy launch_from_torch(config, backend=None, seed=1024, verbose=True).
+    """
+    modern = not args or _is_backend_name(args[0])
+    bound = _bind("launch_from_torch", _from_torch_today, _from_torch_legacy, modern, args, kwargs)
+    return _launch_from_torch(**bound)
+
+
+def _launch_from_torch(config: ConfigLike, backend: str | None, seed: int, verbose: bool) -> Config:
     who = "launch_from_torch (torchrun / mixprec run)"
-    return launch(
+    return _launch(
         config,
         rank=_env_int("RANK", who),
         world_size=_env_int("WORLD_SIZE", who),
@@ -194,18 +314,18 @@ def launch_from_torch(
     )
 
 
-def launch_from_slurm(
-    config: ConfigLike,
-    host: str,
-    port: int,
-    backend: str | None = None,
-    seed: int = 1024,
-    verbose: bool = True,
-) -> Config:
-    """launch() from srun's SLURM_PROCID, SLURM_NPROCS (or SLURM_NTASKS), SLURM_LOCALID."""
+def launch_from_slurm(*args: Any, **kwargs: Any) -> Config:
+    """launch() from srun's SLURM_PROCID, SLURM_NPROCS (or SLURM_NTASKS), SLURM_LOCALID.
+
+    launch_from_slurm(host, port, backend=None, seed=1024, verbose=True, *, config=None), or
+    the legacy launch_from_slurm(config, host, port, ...).
+    """
+    bound = _host_launcher_args("launch_from_slurm", args, kwargs)
+    config, host, port = bound["config"], bound["host"], bound["port"]
+    backend, seed, verbose = bound["backend"], bound["seed"], bound["verbose"]
     who = "launch_from_slurm (srun)"
     local_rank = _env_int("SLURM_LOCALID", who) if "SLURM_LOCALID" in os.environ else None
-    return launch(
+    return _launch(
         config,
         rank=_env_int("SLURM_PROCID", who),
         world_size=_env_int("SLURM_NPROCS", who, fallback="SLURM_NTASKS"),
@@ -218,17 +338,17 @@ def launch_from_slurm(
     )
 
 
-def launch_from_openmpi(
-    config: ConfigLike,
-    host: str,
-    port: int,
-    backend: str | None = None,
-    seed: int = 1024,
-    verbose: bool = True,
-) -> Config:
-    """launch() from mpirun's OMPI_COMM_WORLD_RANK, _LOCAL_RANK and _SIZE."""
+def launch_from_openmpi(*args: Any, **kwargs: Any) -> Config:
+    """launch() from mpirun's OMPI_COMM_WORLD_RANK, _LOCAL_RANK and _SIZE.
+
+    launch_from_openmpi(host, port, backend=None, seed=1024, verbose=True, *, config=None), or
+    the legacy launch_from_openmpi(config, host, port, ...).
+    """
+    bound = _host_launcher_args("launch_from_openmpi", args, kwargs)
+    config, host, port = bound["config"], bound["host"], bound["port"]
+    backend, seed, verbose = bound["backend"], bound["seed"], bound["verbose"]
     who = "launch_from_openmpi (mpirun)"
-    return launch(
+    return _launch(
         config,
         rank=_env_int("OMPI_COMM_WORLD_RANK", who),
         world_size=_env_int("OMPI_COMM_WORLD_SIZE", who),
