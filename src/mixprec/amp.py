@@ -49,4 +49,42 @@ def convert_to_amp(
     return model, optimizer, (None if criterion is None else FP32Criterion(criterion))
 
 
-__all__ = ["AMP_TYPE", "AMPOptimizer", "convert_to_amp", "prepare_optimizer"]
+def convert_to_naive_amp(
+    model: nn.Module, optimizer: torch.optim.Optimizer, amp_config: Mapping[str, Any] | None = None
+) -> tuple[PrecisionModule, AMPOptimizer]:
+    """Colossal-AI's legacy `convert_to_naive_amp(model, optimizer, amp_config)`: AMP_TYPE.NAIVE.
+
+    amp_config: initial_scale, growth_factor, ..., clip_grad_norm (clip the unscaled fp32
+    master grads in step(); 0: off), dynamic_grad_scale (False: a constant initial_scale).
+    """
+    model, optimizer, _ = convert_to_amp(model, optimizer, None, AMP_TYPE.NAIVE, amp_config)
+    return model, optimizer
+
+
+def convert_to_apex_amp(
+    model: nn.Module, optimizer: torch.optim.Optimizer, amp_config: Mapping[str, Any] | None = None
+) -> tuple[PrecisionModule, AMPOptimizer | MultiLossOptimizer]:
+    """Colossal-AI's legacy `convert_to_apex_amp(model, optimizer, amp_config)`: Apex's keys."""
+    model, optimizer, _ = convert_to_amp(model, optimizer, None, AMP_TYPE.APEX, amp_config)
+    return model, optimizer
+
+
+def convert_to_torch_amp(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: Callable[..., torch.Tensor] | None = None,
+    amp_config: Mapping[str, Any] | None = None,
+) -> tuple[PrecisionModule, AMPOptimizer, FP32Criterion | None]:
+    """Colossal-AI's legacy `convert_to_torch_amp(model, optimizer, criterion, amp_config)`."""
+    return convert_to_amp(model, optimizer, criterion, AMP_TYPE.TORCH, amp_config)
+
+
+__all__ = [
+    "AMP_TYPE",
+    "AMPOptimizer",
+    "convert_to_amp",
+    "convert_to_apex_amp",
+    "convert_to_naive_amp",
+    "convert_to_torch_amp",
+    "prepare_optimizer",
+]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mixprec.policy import AMP_TYPE, Policy, did_you_mean, to_policy
+from mixprec.policy import AMP_TYPE, Policy, clip_norm_for, did_you_mean, to_policy
 from mixprec.zero import to_zero_config
 
 CONFIG_SUFFIXES: tuple[str, ...] = (".py", ".json", ".toml")
@@ -246,7 +246,7 @@ def config_to_pipeline(config: Mapping[str, Any]) -> tuple[int, int] | None:
 
 def validate_config(config: Mapping[str, Any]) -> None:
     """Fail early on a bad fp16 section, clip_grad_norm or gradient_accumulation."""
-    config_to_policy(config)
+    policy = config_to_policy(config)
     to_zero_config(config.get("zero"))
     for key, why in UNSUPPORTED_SECTIONS.items():
         if key in config:
@@ -258,6 +258,7 @@ def validate_config(config: Mapping[str, Any]) -> None:
         raise ValueError(
             f"clip_grad_norm={clip!r} must be a real number >= 0 (0 or None: no clipping)."
         )
+    clip_norm_for(policy, float(clip or 0.0))  # and agrees with fp16's own clip_grad_norm
     accum = config.get("gradient_accumulation")
     if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int) or accum < 1):
         raise ValueError(f"gradient_accumulation={accum!r} must be an int >= 1.")

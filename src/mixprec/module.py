@@ -12,7 +12,7 @@ from torch import nn
 
 from mixprec.casting import cast_call_args, cast_floating, cast_module
 from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import Policy
+from mixprec.policy import Policy, clip_norm_for
 from mixprec.scaling import ProcessGroup
 from mixprec.validate import check_callable, check_module_has_parameters
 
@@ -170,7 +170,7 @@ def prepare_optimizer(
         optimizer,
         loss_scale=policy.loss_scale,
         master_weights=policy.master_weights,
-        max_norm=max_norm,
+        max_norm=clip_norm_for(policy, max_norm),
         process_group=process_group,
         log_num_zeros_in_grad=policy.log_num_zeros_in_grad,
         **cls_kwargs,

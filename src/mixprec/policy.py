@@ -156,6 +156,9 @@ class Policy:
     """Loss scalers, one per loss_id (Apex's num_losses); > 1 unscales after each backward."""
     verbosity: int = 1
     """0: no skip/overflow messages; 1: skipped steps; 2: also every scale change (a sync)."""
+    max_norm: float = 0.0
+    """Clip the unscaled gradients to this global L2 norm at every step; 0: off (Colossal
+    NAIVE's clip_grad_norm; an optimizer built with its own max_norm must agree)."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype",):
@@ -175,6 +178,9 @@ class Policy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"Policy.{name}={value!r} must be an int >= {least}.")
+        check_real("Policy.max_norm", self.max_norm)
+        if not 0 <= self.max_norm < float("inf"):
+            raise ValueError(f"Policy.max_norm={self.max_norm!r} must be >= 0 (0: no clipping).")
         overlap = self.custom_white_list & self.custom_black_list
         if overlap:
             raise ValueError(f"Ops {sorted(overlap)} are in both the white and the black list.")
@@ -263,7 +269,19 @@ NAIVE_KEYS = (
     "verbose",
     "dtype",
     "keep_norm_fp32",
+    "clip_grad_norm",
+    "dynamic_grad_scale",
 )
+NAIVE_DYNAMIC_KEYS = (
+    "min_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "max_scale",
+)
+"""Colossal's DynamicGradScaler keys: with dynamic_grad_scale=False (its ConstantGradScaler,
+which takes initial_scale only) they are refused."""
 
 
 def torch_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
@@ -294,12 +312,47 @@ def naive_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
         if key in config:
             check_bool(key, config[key])  # bool('no') would be True
             extra[key] = config.pop(key)
+    if "clip_grad_norm" in config:  # Colossal: clip the fp32 master grads in step(); 0: off
+        max_norm = config.pop("clip_grad_norm")
+        check_real("clip_grad_norm", max_norm)
+        if not 0 <= max_norm < float("inf"):
+            raise ValueError(f"clip_grad_norm={max_norm!r} must be >= 0 (0: no clipping).")
+        extra["max_norm"] = float(max_norm)
+    dynamic = config.pop("dynamic_grad_scale", True)
+    check_bool("dynamic_grad_scale", dynamic)
     if "initial_scale" in config:
         check_real("initial_scale", config["initial_scale"])  # named as the user wrote it
         config["init_scale"] = config.pop("initial_scale")
-    if config:
+    if not dynamic:  # Colossal's ConstantGradScaler: a fixed scale (overflowing steps still skip)
+        dynamic_keys = sorted(k for k in config if k in NAIVE_DYNAMIC_KEYS)
+        if dynamic_keys:
+            raise ValueError(
+                f"dynamic_grad_scale=False with {dynamic_keys}: those set a dynamic scaler's "
+                "rule; a constant scale takes initial_scale only."
+            )
+        if "init_scale" not in config:
+            raise ValueError(
+                "dynamic_grad_scale=False needs initial_scale=... (the constant loss scale), "
+                "as Colossal-AI's ConstantGradScaler does."
+            )
+        extra["loss_scale"] = ScalerConfig(dynamic=False, init_scale=config.pop("init_scale"))
+    elif config:
         extra["loss_scale"] = replace(NAIVE_SCALER, **config)
     return replace(policy, **extra)
+
+
+def clip_norm_for(policy: Policy, max_norm: float) -> float:
+    """The clipping norm an optimizer for policy uses: its own max_norm or the policy's.
+
+    Both set and different is an error (Colossal clips once, in the NAIVE optimizer's step).
+    """
+    if max_norm and policy.max_norm and float(max_norm) != policy.max_norm:
+        raise ValueError(
+            f"Two clipping norms: max_norm={max_norm!r} (clip_grad_norm of the config or the "
+            f"caller) and the {policy.name!r} mode's clip_grad_norm={policy.max_norm!r}; set "
+            "one of them, or the same value in both."
+        )
+    return float(max_norm or policy.max_norm)
 
 
 MODE_PARSERS: dict[str, Callable[[Mapping[str, Any]], Policy]] = {

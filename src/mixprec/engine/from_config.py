@@ -30,7 +30,7 @@ from mixprec.data import dataloader_to_distributed
 from mixprec.engine.engine import Engine, _check_compile
 from mixprec.module import FP32Criterion, prepare_model
 from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import Policy
+from mixprec.policy import Policy, clip_norm_for
 from mixprec.scaling import rank_and_world
 from mixprec.validate import check_bool
 from mixprec.zero import check_cpu_offload, prepare_zero_optimizer, to_zero_config
@@ -88,7 +88,8 @@ def initialize(
     else:
         config = load_config(config)
     policy = config_to_policy(config)
-    max_norm = float(config.get("clip_grad_norm") or 0.0)
+    # fp16=dict(mode=NAIVE, clip_grad_norm=...) or the top-level clip_grad_norm: clipped once
+    max_norm = clip_norm_for(policy, float(config.get("clip_grad_norm") or 0.0))
     accumulation = int(config.get("gradient_accumulation") or 1)
     compile_flag = _check_compile(config.get("compile", False), accumulation, lr_scheduler)
     pipeline = config_to_pipeline(config)

@@ -1,0 +1,153 @@
+"""Colossal-AI's legacy AMP: the NAIVE amp_config keys `clip_grad_norm` and
+`dynamic_grad_scale`, `convert_to_naive_amp` / `convert_to_apex_amp`, and a port of
+ColossalAI's tests/test_legacy/test_amp/test_naive_fp16.py.
+
+The port's changes, each for a stated reason: `mixprec.amp` for `colossalai.legacy.amp`; CPU
+instead of CUDA, one process (Colossal spawned one rank); Colossal's test-component models
+(repeated_computed_layers, nested_model, resnet18) are not a package: a small conv + batchnorm
++ MLP stands in; `assert_close_loose` is Colossal's rtol=1e-3, atol=1e-3. Colossal compared
+the fp16 params' scaled grads; mixprec moves each fp16 grad into its fp32 master (Apex and
+Colossal left it scaled on the fp16 param; mixprec's core moves them at step), so the grads are compared unscaled, on the
+masters of both optimizers, after `unscale_grads()`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import AMP_TYPE, convert_to_amp
+from mixprec.amp import convert_to_apex_amp, convert_to_naive_amp
+from mixprec.apex import amp as apex_amp
+
+LOOSE = {"rtol": 1e-3, "atol": 1e-3}  # Colossal's assert_close_loose: fp16 vs fp16 paths
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Sequential(nn.Linear(4 * 4 * 4, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def unscaled_master_grads(optimizer) -> list[torch.Tensor]:
+    return [p.grad for p in apex_amp.master_params(optimizer)]
+
+
+def test_naive_fp16_matches_apex_o2_with_clipping() -> None:
+    torch.manual_seed(0)
+    naive_model = Net()
+    apex_model = copy.deepcopy(naive_model)
+    naive_opt = torch.optim.SGD(naive_model.parameters(), lr=1e-3)
+    apex_opt = torch.optim.SGD(apex_model.parameters(), lr=1e-3)
+    naive_model, naive_opt = convert_to_naive_amp(
+        naive_model, naive_opt, dict(initial_scale=128, clip_grad_norm=1.0)
+    )
+    apex_model, apex_opt = convert_to_apex_amp(
+        apex_model, apex_opt, dict(opt_level="O2", loss_scale=128, keep_batchnorm_fp32=False)
+    )
+    data = torch.randn(8, 3, 4, 4)
+    naive_out, apex_out = naive_model(data), apex_model(data)
+    torch.testing.assert_close(naive_out, apex_out, **LOOSE)
+    naive_opt.backward(naive_out.sum())  # sum(): big gradients, so clipping acts
+    apex_opt.backward(apex_out.sum())
+    for opt in (naive_opt, apex_opt):  # fp16 grads reach the masters at step: now, to compare
+        opt.unscale_grads()
+    for naive_grad, apex_grad in zip(
+        unscaled_master_grads(naive_opt), unscaled_master_grads(apex_opt), strict=True
+    ):
+        torch.testing.assert_close(naive_grad, apex_grad, **LOOSE)
+    apex_opt.clip_grad_norm(model=apex_model, max_norm=1.0)
+    naive_opt.step()  # clips inside step: amp_config's clip_grad_norm
+    apex_opt.step()
+    for naive_param, apex_param in zip(
+        naive_model.parameters(), apex_model.parameters(), strict=True
+    ):
+        # compared in fp32: mixprec's NAIVE keeps batchnorm fp32 (Colossal's halved it)
+        torch.testing.assert_close(naive_param.float(), apex_param.float(), **LOOSE)
+
+
+# ---- the NAIVE amp_config keys Colossal's legacy initialize writes (clip_grad_norm) ----
+def naive_step(amp_config: dict, data: torch.Tensor, *, scale_loss_by: float = 1.0):
+    torch.manual_seed(0)
+    model = Net()
+    model, opt = convert_to_naive_amp(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), amp_config
+    )
+    opt.zero_grad()
+    opt.backward(model(data).sum() * scale_loss_by)
+    return model, opt
+
+
+def test_naive_clip_grad_norm_clips_the_unscaled_grads_in_step() -> None:
+    data = torch.randn(8, 3, 4, 4)
+    _, ref = naive_step({"initial_scale": 128}, data)
+    before = [p.detach().clone() for p in apex_amp.master_params(ref)]
+    ref.unscale_grads()
+    grads = [p.grad.clone() for p in apex_amp.master_params(ref)]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert norm > 0.5  # the clip below acts
+    _, opt = naive_step({"initial_scale": 128, "clip_grad_norm": 0.5}, data)
+    assert opt.max_norm == 0.5
+    opt.step()
+    coef = 0.5 / (norm + 1e-6)  # torch's clip_grad_norm_ coefficient
+    for p, p0, g in zip(apex_amp.master_params(opt), before, grads, strict=True):
+        # fp32 rounding: the clipped update against the same math written here (one rounding
+        # of the coefficient and of each product differs at most)
+        torch.testing.assert_close(p.detach(), p0 - 0.5 * coef * g, rtol=1e-5, atol=1e-6)
+
+
+def test_naive_dynamic_grad_scale_false_keeps_a_constant_scale_and_still_skips() -> None:
+    data = torch.randn(8, 3, 4, 4)
+    model, opt = naive_step(
+        {"dynamic_grad_scale": False, "initial_scale": 8}, data, scale_loss_by=float("inf")
+    )
+    assert not opt.scaler.dynamic and opt.scaler.scale == 8.0
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()  # inf grads: skipped, the constant scale stays
+    assert opt.scaler.scale == 8.0
+    for p, p0 in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, p0)
+
+
+@pytest.mark.parametrize(
+    ("config", "error", "match"),
+    [
+        ({"dynamic_grad_scale": False}, ValueError, "needs initial_scale"),
+        (
+            {"dynamic_grad_scale": False, "initial_scale": 8, "growth_interval": 10},
+            ValueError,
+            r"dynamic_grad_scale=False with \['growth_interval'\]",
+        ),
+        ({"dynamic_grad_scale": "no"}, TypeError, "dynamic_grad_scale"),
+        ({"clip_grad_norm": -1.0}, ValueError, "clip_grad_norm=-1.0 must be >= 0"),
+        ({"clip_grad_norm": "1"}, TypeError, "clip_grad_norm"),
+    ],
+)
+def test_bad_naive_keys_are_refused_naming_them(config, error, match) -> None:
+    model = Net()
+    with pytest.raises(error, match=match):
+        convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=1.0), None, "naive", config)
+
+
+def test_initialize_honours_fp16_clip_grad_norm_and_refuses_two_different_norms() -> None:
+    from mixprec.engine import initialize
+
+    def engine_for(config):
+        model = Net()
+        engine, *_ = initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), config=config)
+        return engine
+
+    naive = {"mode": AMP_TYPE.NAIVE, "clip_grad_norm": 1.0}
+    assert engine_for({"fp16": naive}).optimizer.max_norm == 1.0
+    # Colossal's legacy initialize writes the top-level clip_grad_norm into the NAIVE config
+    assert engine_for({"fp16": naive, "clip_grad_norm": 1.0}).optimizer.max_norm == 1.0
+    with pytest.raises(ValueError, match="Two clipping norms"):
+        engine_for({"fp16": naive, "clip_grad_norm": 2.0})
