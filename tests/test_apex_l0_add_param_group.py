@@ -78,9 +78,7 @@ def test_add_param_group(opt_level, zero_before_add, try_accumulation) -> None:
 
     for how_to_zero in "none", "model", "optimizer":
         model0, model1 = MyModel(1), MyModel(2)
-        optimizer = torch.optim.SGD(
-            [{"params": model0.parameters(), "lr": 0.25}], momentum=0.125
-        )
+        optimizer = torch.optim.SGD([{"params": model0.parameters(), "lr": 0.25}], momentum=0.125)
         _amp_state.allow_incoming_model_not_fp32 = True
         [model0, model1], optimizer = amp.initialize(
             [model0, model1], optimizer, opt_level=opt_level, verbosity=0, cast_model_type=False

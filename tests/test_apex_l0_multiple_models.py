@@ -149,7 +149,9 @@ def test_2models2losses1optimizer(opt_level, how_to_zero, use_multiple_loss_scal
                 if i == inject_inf and which_backward == 1:
                     inject(model1, loc)
             if i != inject_inf:
-                for param, ref in zip(amp.master_params(optimizer), reference_grads[unskipped]):
+                for param, ref in zip(
+                    amp.master_params(optimizer), reference_grads[unskipped], strict=True
+                ):
                     assert torch.allclose(param.grad.float(), ref.float())
                 unskipped += 1
             optimizer.step()
@@ -206,7 +208,9 @@ def test_3models2losses1optimizer(opt_level, how_to_zero, use_multiple_loss_scal
                 if i == inject_inf and which_backward == 1:
                     inject(models[which_model], loc)
             if i != inject_inf:
-                for param, ref in zip(amp.master_params(optimizer), reference_grads[unskipped]):
+                for param, ref in zip(
+                    amp.master_params(optimizer), reference_grads[unskipped], strict=True
+                ):
                     assert torch.allclose(param.grad.float(), ref.float())
                 unskipped += 1
             optimizer.step()
@@ -284,7 +288,7 @@ def test_2models2losses2optimizers(opt_level, how_to_zero, use_multiple_loss_sca
                     inject(model1, loc)
             if i != inject_inf:
                 masters = list(amp.master_params(optimizer0)) + list(amp.master_params(optimizer1))
-                for param, ref in zip(masters, reference_grads[skipped][unskipped]):
+                for param, ref in zip(masters, reference_grads[skipped][unskipped], strict=True):
                     assert torch.allclose(param.grad.float(), ref.float())
                 unskipped += 1
             optimizer0.step()
