@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from torch.utils.data import (
@@ -98,3 +99,31 @@ def dataloader_to_distributed(loader: DataLoader, rank: int, world_size: int) ->
         pin_memory_device=loader.pin_memory_device,
         **kwargs,
     )
+
+
+def shard_loader(
+    loader: Iterable[Any] | None, rank: int, world_size: int, who: str
+) -> Iterable[Any] | None:
+    """What initialize hands back for one data iterable in a world of world_size ranks.
+
+    A DataLoader gets this rank's shard (dataloader_to_distributed). Any other iterable (a
+    generator, a list of batches, a custom loader) cannot be sharded by mixprec: it is returned
+    as it is, with a WARNING, and each rank iterates what it yields to that rank, as Colossal-AI's
+    initialize (which never shards) did. None stays None.
+    """
+    if loader is None:
+        return None
+    if isinstance(loader, DataLoader):
+        return dataloader_to_distributed(loader, rank, world_size)
+    if not isinstance(loader, Iterable):
+        raise TypeError(f"{who}: the data must be an iterable of batches, got {loader!r}.")
+    if world_size > 1:
+        log.warning(
+            "%s: a %s is not a torch DataLoader, so mixprec cannot shard it over the %d ranks: "
+            "every rank iterates whatever it yields to that rank. Make it yield each rank its "
+            "own shard (e.g. index by torch.distributed.get_rank()), or pass a DataLoader.",
+            who,
+            type(loader).__name__,
+            world_size,
+        )
+    return loader

@@ -8,14 +8,13 @@ docstring.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
 from mixprec.apex.multi_loss import prepare_loss_optimizer
 from mixprec.config import (
@@ -26,7 +25,7 @@ from mixprec.config import (
     load_config,
     validate_config,
 )
-from mixprec.data import dataloader_to_distributed
+from mixprec.data import shard_loader
 from mixprec.engine.engine import Engine, _check_compile
 from mixprec.module import FP32Criterion, prepare_model
 from mixprec.optim import MixedPrecisionOptimizer
@@ -49,13 +48,13 @@ def initialize(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     criterion: Callable[..., torch.Tensor] | None = None,
-    train_dataloader: DataLoader | None = None,
-    test_dataloader: DataLoader | None = None,
+    train_dataloader: Iterable[Any] | None = None,
+    test_dataloader: Iterable[Any] | None = None,
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     *,
     config: ConfigLike = None,
     verbose: bool = True,
-) -> tuple[Engine, DataLoader | None, DataLoader | None, Any]:
+) -> tuple[Engine, Iterable[Any] | None, Iterable[Any] | None, Any]:
     """Colossal-AI's `initialize`: the config's precision applied to model, optimizer, criterion.
 
     config: a mapping or a .py/.json/.toml path; None reads `gpc.config` (set by launch).
@@ -66,7 +65,10 @@ def initialize(
     lr_scheduler: when given, the engine steps it after every optimizer step that was not
     skipped; it is returned unchanged. Leave it out to step a schedule yourself.
     On CUDA the model moves to the current device first. With world size > 1 the prepared
-    model is wrapped in DistributedDataParallel and the dataloaders get DistributedSamplers.
+    model is wrapped in DistributedDataParallel and DataLoaders get DistributedSamplers; any
+    other data iterable is returned as it is, with a WARNING: each rank then iterates what it
+    yields to that rank (shard it yourself, as under Colossal-AI's initialize, which never
+    shards).
     Returns (engine, train_dataloader, test_dataloader, lr_scheduler). With
     `parallel=dict(pipeline=N)` and NUM_MICRO_BATCHES the engine is a PipelineEngine
     (mixprec.engine.pipeline_engine).
@@ -135,8 +137,11 @@ def initialize(
             device_ids = None if device is None else [device.index]
             wrapped = DistributedDataParallel(precision_model, device_ids=device_ids)
         train_dataloader, test_dataloader = (
-            None if loader is None else dataloader_to_distributed(loader, rank, world_size)
-            for loader in (train_dataloader, test_dataloader)
+            shard_loader(loader, rank, world_size, f"mixprec.engine.initialize({which})")
+            for loader, which in (
+                (train_dataloader, "train_dataloader"),
+                (test_dataloader, "test_dataloader"),
+            )
         )
     if zero is None:
         mp_optimizer = prepare_loss_optimizer(optimizer, policy, max_norm=max_norm)  # num_losses

@@ -16,14 +16,13 @@ mixprec.pipeline (the core), with torch's Schedule1F1B.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
-from mixprec.data import dataloader_to_distributed
+from mixprec.data import shard_loader
 from mixprec.engine.base import EngineBase
 from mixprec.module import FP32Criterion
 from mixprec.optim import StepResult
@@ -109,7 +108,7 @@ def initialize_pipeline(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     criterion: Callable[..., torch.Tensor] | None,
-    loaders: tuple[DataLoader | None, DataLoader | None],
+    loaders: tuple[Iterable[Any] | None, Iterable[Any] | None],
     lr_scheduler: Any,
     *,
     policy: Policy,
@@ -118,7 +117,7 @@ def initialize_pipeline(
     max_norm: float,
     accumulation: int,
     device: torch.device | None,
-) -> tuple[PipelineEngine, DataLoader | None, DataLoader | None, Any]:
+) -> tuple[PipelineEngine, Iterable[Any] | None, Iterable[Any] | None, Any]:
     """initialize's pipeline branch: stages, optimizer and loaders for a (dp, pp) world.
 
     device: the launched rank's CUDA device, or None on CPU.
@@ -138,7 +137,7 @@ def initialize_pipeline(
     # A replica's stages must read the same batches in the same order: shard over dp only.
     dp_rank, dp_size = data_shard(pp_size)
     train, test = (
-        None if loader is None else dataloader_to_distributed(loader, dp_rank, dp_size)
+        shard_loader(loader, dp_rank, dp_size, "mixprec.engine.initialize (pipeline)")
         for loader in loaders
     )
     engine = PipelineEngine(
