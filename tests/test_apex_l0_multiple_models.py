@@ -5,8 +5,7 @@ Changes from Apex's file, each for a stated reason: `from mixprec.apex import am
 loss-scaler count parametrize; the reference runs are shared helpers. The models (an fp32 and
 an fp16 weight each), `cast_model_type=False`, the loss-scale writes, the infs injected into
 fp16 or fp32 grads inside `scale_loss`, the per-iteration master-grad checks and the final
-comparisons (torch.allclose at its defaults, as Apex) are Apex's. Not ported (time):
-test_3models2losses2optimizers.
+comparisons (torch.allclose at its defaults, as Apex) are Apex's.
 """
 
 from __future__ import annotations
@@ -288,6 +287,100 @@ def test_2models2losses2optimizers(opt_level, how_to_zero, use_multiple_loss_sca
                     inject(model1, loc)
             if i != inject_inf:
                 masters = list(amp.master_params(optimizer0)) + list(amp.master_params(optimizer1))
+                for param, ref in zip(masters, reference_grads[skipped][unskipped], strict=True):
+                    assert torch.allclose(param.grad.float(), ref.float())
+                unskipped += 1
+            optimizer0.step()
+            optimizer1.step()
+        check_final(models, [optimizer0, optimizer1], final_params[skipped])
+        if opt_level == "O1":
+            _amp_state.handle._deactivate()
+
+
+@pytest.mark.parametrize("use_multiple_loss_scalers", [True, False])
+@pytest.mark.parametrize("how_to_zero", HOW_TO_ZERO)
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_3models2losses2optimizers(opt_level, how_to_zero, use_multiple_loss_scalers) -> None:
+    def build():
+        ms = [MyModel(1), MyModel(2), MyModel(3)]
+        opt0 = torch.optim.SGD(
+            [{"params": ms[0].parameters(), "lr": 0.25}, {"params": ms[1].parameters(), "lr": 1.0}],
+            momentum=0.5,
+        )
+        opt1 = torch.optim.SGD([{"params": ms[2].parameters(), "lr": 0.5}], momentum=0.25)
+        return ms, opt0, opt1
+
+    def what_got_skipped(which_iter, which_backward, which_model):
+        table = {(0, 0): 1, (0, 1): 2, (1, 2): 3, (1, 1): 4}  # (which_backward, which_model)
+        if which_iter in (0, 1) and (which_backward, which_model) in table:
+            return table[(which_backward, which_model)] + 4 * which_iter
+        return 0
+
+    def losses(m0, m1, m2):
+        return m0(X) + m1(X), m2(X) + m1(X)
+
+    reference_grads: list[list] = [[] for _ in range(9)]
+    final_params: list = [None] * 9
+    (model0, model1, model2), optimizer0, optimizer1 = build()
+    for _ in range(2):
+        optimizer0.zero_grad()
+        optimizer1.zero_grad()
+        for loss in losses(model0, model1, model2):
+            loss.backward()
+        reference_grads[0].append(grads(model0, model1))  # Apex's: model0's and model1's only
+        optimizer0.step()
+        optimizer1.step()
+    final_params[0] = params(model0, model1, model2)
+    for which_iter in (0, 1):
+        for which_backward, which_models in ((0, (0, 1)), (1, (2, 1))):
+            for which_model in which_models:
+                (model0, model1, model2), optimizer0, optimizer1 = build()
+                skipped = what_got_skipped(which_iter, which_backward, which_model)
+                for i in range(3):
+                    optimizer0.zero_grad()
+                    optimizer1.zero_grad()
+                    for loss in losses(model0, model1, model2):
+                        loss.backward()
+                    if i != which_iter:
+                        reference_grads[skipped].append(grads(model0, model1))
+                    if i == which_iter:
+                        if which_backward == 0:  # loss0 reaches optimizer0 only
+                            optimizer1.step()
+                        # loss1 reaches both optimizers: both skip
+                    else:
+                        optimizer0.step()
+                        optimizer1.step()
+                final_params[skipped] = params(model0, model1, model2)
+
+    num_losses, loss_ids = (2, [0, 1]) if use_multiple_loss_scalers else (1, [0, 0])
+    for inject_inf, loc, which_backward, which_model in injections(
+        opt_level, which_models_for={0: (0, 1), 1: (2, 1)}
+    ):
+        iters = 3 if inject_inf >= 0 else 2
+        models, optimizer0, optimizer1 = build()
+        models, [optimizer0, optimizer1] = initialize(
+            models, [optimizer0, optimizer1], opt_level, num_losses
+        )
+        model0, model1, model2 = models
+        skipped = what_got_skipped(inject_inf, which_backward, which_model)
+        unskipped = 0
+        for i in range(iters):
+            zero(how_to_zero, models, [optimizer0, optimizer1])
+            loss0, loss1 = losses(model0, model1, model2)
+            with amp.scale_loss(loss0, optimizer0, loss_id=loss_ids[0]) as scaled_loss:
+                scaled_loss.backward()
+                if i == inject_inf and which_backward == 0:
+                    inject(models[which_model], loc)
+            with amp.scale_loss(
+                loss1, [optimizer0, optimizer1], loss_id=loss_ids[1]
+            ) as scaled_loss:
+                scaled_loss.backward()
+                if i == inject_inf and which_backward == 1:
+                    inject(models[which_model], loc)
+            if i != inject_inf:
+                # Apex zipped all masters with model0's and model1's reference grads: the
+                # comparison covers optimizer0's masters (model0 and model1)
+                masters = list(amp.master_params(optimizer0))
                 for param, ref in zip(masters, reference_grads[skipped][unskipped], strict=True):
                     assert torch.allclose(param.grad.float(), ref.float())
                 unskipped += 1
