@@ -151,3 +151,49 @@ def test_initialize_honours_fp16_clip_grad_norm_and_refuses_two_different_norms(
     assert engine_for({"fp16": naive, "clip_grad_norm": 1.0}).optimizer.max_norm == 1.0
     with pytest.raises(ValueError, match="Two clipping norms"):
         engine_for({"fp16": naive, "clip_grad_norm": 2.0})
+
+
+def test_torch_fp16_matches_apex_o1_with_clipping_after_a_configless_launch() -> None:
+    """ColossalAI's tests/test_legacy/test_amp/test_torch_fp16.py, ported: its world of one
+    is `launch(rank=0, world_size=1, host, port)` without a config (Colossal's legacy launch in
+    that test), gloo on CPU. Colossal's Apex grads were unscaled after backward (compared times
+    the loss scale); mixprec's core keeps both optimizers' grads scaled until `unscale_grads()`
+    or step, so both are compared after unscale_grads()."""
+    from dist_utils import free_port
+
+    from mixprec.amp import convert_to_torch_amp
+    from mixprec.launch import destroy, launch
+
+    launch(rank=0, world_size=1, host="127.0.0.1", port=free_port(), verbose=False)
+    try:
+        torch.manual_seed(0)
+        torch_model = Net()
+        apex_model = copy.deepcopy(torch_model)
+        torch_opt = torch.optim.SGD(torch_model.parameters(), lr=1e-3)
+        apex_opt = torch.optim.SGD(apex_model.parameters(), lr=1e-3)
+        torch_model, torch_opt, _ = convert_to_torch_amp(
+            torch_model, torch_opt, amp_config=dict(init_scale=128, enabled=True)
+        )
+        apex_model, apex_opt = convert_to_apex_amp(
+            apex_model, apex_opt, dict(opt_level="O1", loss_scale=128)
+        )
+        data = torch.randn(8, 3, 4, 4)
+        torch_out, apex_out = torch_model(data), apex_model(data)
+        torch.testing.assert_close(torch_out, apex_out, **LOOSE)
+        for p, q in zip(torch_model.parameters(), apex_model.parameters(), strict=True):
+            torch.testing.assert_close(p, q, **LOOSE)
+        torch_opt.backward(torch_out.sum())  # sum(): big gradients
+        apex_opt.backward(apex_out.sum())
+        for opt in (torch_opt, apex_opt):
+            opt.unscale_grads()
+        for p, q in zip(torch_model.parameters(), apex_model.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, **LOOSE)
+        apex_opt.clip_grad_norm(model=apex_model, max_norm=1.0)
+        torch_opt.clip_grad_norm(model=torch_model, max_norm=1.0)
+        torch_opt.step()
+        apex_opt.step()
+        for p, q in zip(torch_model.parameters(), apex_model.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, **LOOSE)
+            torch.testing.assert_close(p, q, **LOOSE)
+    finally:
+        destroy()
