@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 
@@ -394,3 +395,113 @@ def test_config_file_bf16_sr() -> None:
         model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config
     )
     assert engine.optimizer.lean.cfg.state == "int8"
+
+
+def test_lightning_plugin_bf16_sr_with_int8_state() -> None:
+    L = pytest.importorskip("lightning")
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    plugin = MixprecPrecision("bf16_sr", optimizer_state="int8")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=plugin)
+    model = mlp()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    losses = []
+    for x, y in batches(1) * 15:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        fabric.backward(loss)
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.8 * losses[0]
+    assert plugin.optimizer.lean.cfg == LeanConfig(rounding="stochastic", state="int8")
+    assert model.module[0].weight.dtype == torch.bfloat16
+
+
+def test_compile_step_refuses_the_lean_write_back() -> None:
+    from mixprec.compiled_step import CompileStepError, compile_step
+
+    model, opt = lean_setup("int8")
+    with pytest.raises(CompileStepError, match="lean write-back"):
+        compile_step(model, opt, torch.nn.functional.mse_loss)
+
+
+@pytest.mark.xfail(
+    reason="compile_step traces the inner optimizer's own step: the lean "
+    "write-back (low-bit state, stochastic rounding) is not in its graph yet",
+    raises=Exception,
+    strict=True,
+)
+def test_compile_step_runs_the_lean_modes() -> None:
+    from mixprec.compiled_step import compile_step
+
+    model, opt = lean_setup("int8")
+    compile_step(model, opt, torch.nn.functional.mse_loss)
+
+
+def _zero_worker(rank: int, world: int) -> None:
+    import torch.distributed as dist
+    from dist_utils import assert_same_on_every_rank
+
+    from mixprec.booster.plugin.low_level_zero import LowLevelZeroPlugin
+
+    x, y = batches(1)[0]
+    mine = slice(rank * 8, (rank + 1) * 8)
+    for rounding in ("nearest", "stochastic"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)
+        )
+        ref_model = copy.deepcopy(model)
+        plugin = LowLevelZeroPlugin(
+            stage=2, precision="bf16", master_weights=False, optimizer_state="int8",
+            update_rounding=rounding,
+        )  # fmt: skip
+        booster = mixprec.Booster(plugin=plugin)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, opt, *_ = booster.boost(model, sgd)
+        assert opt.lean is not None and opt.lean.cfg.state == "int8"
+        ref = prepare_model(ref_model, plugin.policy)
+        ref_opt = prepare_optimizer(
+            torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9), plugin.policy
+        )
+        for _ in range(4):
+            booster.backward(torch.nn.functional.mse_loss(model(x[mine]).float(), y[mine]), opt)
+            ref_opt.backward(torch.nn.functional.mse_loss(ref(x).float(), y))
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        assert_same_on_every_rank(list(model.parameters()), f"{rounding} params")
+        # Sharded: each rank holds the int8 buffers of the params it owns, their sum the whole.
+        mine_bytes = torch.tensor(opt.shard_bytes()["optimizer_state"])
+        dist.all_reduce(mine_bytes)
+        whole = sum(state_bytes(t) for s in ref_opt.optim.state.values() for t in s.values())
+        assert int(mine_bytes) == whole
+        big = opt.optim.state.get(opt.all_params[0])
+        if big is not None:
+            assert type(big["momentum_buffer"]).__name__ == "OptimState8bit"
+        if rounding == "nearest":
+            # Half-batch bf16 grads sum in another order than the full batch's: a weight may
+            # round to the neighbouring bf16 value (2**-8 relative), momentum carries it on.
+            for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+                torch.testing.assert_close(p.float(), q.float(), rtol=2**-6, atol=2e-3)
+        # a skip on one rank: nothing moves anywhere, the rounding stream included
+        before = [p.detach().clone() for p in model.parameters()]
+        rng = opt.lean.generator.get_state()
+        booster.backward(torch.nn.functional.mse_loss(model(x[mine]).float(), y[mine]), opt)
+        if rank == 1:
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float(
+                "inf"
+            )
+        assert opt.step().skipped
+        opt.zero_grad()
+        for b, p in zip(before, model.parameters(), strict=True):
+            torch.testing.assert_close(p, b, **EXACT)
+        assert torch.equal(opt.lean.generator.get_state(), rng)
+
+
+@pytest.mark.distributed
+def test_zero_shards_lean_state_and_matches_one_process() -> None:
+    from dist_utils import spawn
+
+    spawn(_zero_worker, 2)

@@ -28,7 +28,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from mixprec.lean import LeanConfig
+from mixprec.lean import LeanConfig, state_bytes
 from mixprec.module import prepare_optimizer
 from mixprec.optim import LOW_DTYPES, MixedPrecisionOptimizer
 from mixprec.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
@@ -572,8 +572,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     # ----- what this rank holds -----
     def shard_bytes(self) -> dict[str, int]:
         """Bytes of fp32 masters and optimizer state this rank holds, read from the state."""
-        state = sum(
-            t.numel() * t.element_size()
+        state = sum(  # a low-bit state's real bytes (codes + scales), not its fp32 appearance
+            state_bytes(t)
             for s in self.optim.state.values()
             for t in s.values()
             if isinstance(t, torch.Tensor)
