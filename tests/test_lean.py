@@ -397,6 +397,7 @@ def test_config_file_bf16_sr() -> None:
     assert engine.optimizer.lean.cfg.state == "int8"
 
 
+@pytest.mark.slow  # importing Lightning takes most of its ~10 s
 def test_lightning_plugin_bf16_sr_with_int8_state() -> None:
     L = pytest.importorskip("lightning")
     from mixprec.integrations.lightning import MixprecPrecision
@@ -500,6 +501,7 @@ def _zero_worker(rank: int, world: int) -> None:
         assert torch.equal(opt.lean.generator.get_state(), rng)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_zero_shards_lean_state_and_matches_one_process() -> None:
     from dist_utils import spawn
