@@ -31,6 +31,7 @@ from mixprec.launch import (
 )
 from mixprec.mixed_precision import (
     BF16MixedPrecision,
+    BF16SRMixedPrecision,
     FP8MixedPrecision,
     FP16ApexMixedPrecision,
     FP16NaiveMixedPrecision,
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BF16MixedPrecision",
+    "BF16SRMixedPrecision",
     "Booster",
     "Engine",
     "FP16ApexMixedPrecision",

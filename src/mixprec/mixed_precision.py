@@ -193,6 +193,14 @@ class BF16MixedPrecision(MixedPrecision):
         super().__init__(to_policy("bf16"))
 
 
+class BF16SRMixedPrecision(MixedPrecision):
+    """'bf16_sr': bf16 weights without fp32 masters, updates stochastically rounded into them
+    (mixprec.lean); optimizer_state: 'fp32' (default), 'bf16', 'int8', 'int4' or 'fp8'."""
+
+    def __init__(self, optimizer_state: str = "fp32") -> None:
+        super().__init__(to_policy("bf16_sr", {"optimizer_state": optimizer_state}))
+
+
 class FP8MixedPrecision(MixedPrecision):
     """'fp8': eligible Linear layers become Float8Linear; the rest runs under bf16 autocast.
 
@@ -221,6 +229,7 @@ MODE_TO_PRECISION: dict[str, type[MixedPrecision]] = {
     "fp16_naive": FP16NaiveMixedPrecision,
     "fp16_apex": FP16ApexMixedPrecision,
     "fp8": FP8MixedPrecision,
+    "bf16_sr": BF16SRMixedPrecision,
 }
 """Booster's mixed_precision names -> classes; its keys are exactly policy.MODES."""
 if set(MODE_TO_PRECISION) != set(MODES):  # one vocabulary: a new mode must get a class here

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from mixprec.casting import cast_call_args, cast_floating, cast_module
+from mixprec.lean import lean_config
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import Policy, clip_norm_for
 from mixprec.scaling import ProcessGroup
@@ -173,6 +174,7 @@ def prepare_optimizer(
         max_norm=clip_norm_for(policy, max_norm),
         process_group=process_group,
         log_num_zeros_in_grad=policy.log_num_zeros_in_grad,
+        **({"lean": lean} if (lean := lean_config(policy)) is not None else {}),
         **cls_kwargs,
     )
     set_verbosity(mp_optimizer, policy.verbosity)

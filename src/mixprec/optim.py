@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mixprec import fused_step as fused
+from mixprec import lean as lean_step
 from mixprec.optim_state import place_masters, saved_masters, upgrade_optimizer_checkpoint
 from mixprec.policy import UNIT_SCALE, ScalerConfig
 from mixprec.scaling import (
@@ -116,6 +117,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             (mixprec.fused_step: SGD, Adam, AdamW; no fp32 master grads at all). None: on CPU
             steps of at least fused_step.AUTO_MIN_ELEMENTS elements. A step whose grads were
             already unscaled (clip_grad_norm(), an outside GradScaler) runs unfused.
+        lean: step through mixprec.lean's write-back instead of the inner optimizer's step():
+            low-bit optimizer state and/or stochastic rounding into bf16 params (None: off).
     """
 
     # Why mixprec.compile_step must not run this optimizer's step (None: it may). A subclass
@@ -134,6 +137,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         max_consecutive_skips: int | None = 100,
         keep_master_grads: bool | None = None,
         fused_step: bool | None = None,
+        lean: lean_step.LeanConfig | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
@@ -190,6 +194,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.last_result: StepResult | None = None
         self._warned_no_grads = False
         self._clean_growth: float | None = None  # see _decide
+        self.lean = None if lean is None else lean_step.LeanUpdate(lean, optimizer)
+        if self.lean is not None:  # compile_step traces the inner optimizer's own step
+            self.whole_step_refusal = (
+                "its lean write-back (mixprec.lean) runs outside torch.compile"
+            )
         self.skip_monitor = SkipMonitor()  # says when a run starts by skipping, or skips too often
         # torch.optim.Optimizer's bookkeeping, for hooks and LR schedulers.
         self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
@@ -447,6 +456,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         None; the cheap refusals come first, so an unfused step gathers nothing."""
         if self.fused_step is False or self._found_inf is not None or self._grads_on_masters:
             return None
+        if self.lean is not None:  # the lean write-back is its own pass
+            return None
         if self.fused_step is None:
             layout = self._layout()
             if layout.numel < fused.AUTO_MIN_ELEMENTS or layout.probe.device.type != "cpu":
@@ -558,7 +569,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if not skipped and apply is not None:
             apply()
         elif not skipped:
-            self.optim.step()
+            self.lean.step(self.optim) if self.lean is not None else self.optim.step()
             if self.hp_masters:
                 torch._foreach_copy_(self._local(self.lp_params), self._local(self.hp_masters))
         keep = self.keep_master_grads
@@ -650,6 +661,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         state["scaler"] = self.scaler.state_dict()
         state["steps"] = self.steps
         state["skipped_steps"] = self.skipped_steps
+        if self.lean is not None:  # compact low-bit state and the rounding's random stream
+            self.lean.state_dict_into(state)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -663,7 +676,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         master_to_lp = self._master_to_lp()
         own = [i for i, p in enumerate(held) if id(p) in master_to_lp]
         saved = saved_masters(state_dict, held, own)
-        self.optim.load_state_dict(state_dict)
+        if self.lean is not None:  # loads its own state: torch would cast it to the params'
+            state_dict, lean_saved, lean_entry = lean_step.split_state(state_dict)
+            self.optim.load_state_dict(state_dict)
+            self.lean.load_state(self.optim, lean_saved, lean_entry)
+        else:
+            self.optim.load_state_dict(lean_step.unpack_state_dict(state_dict))
         rebuilt = place_masters(held, master_to_lp, saved)
         if rebuilt and _is_rank_zero():
             log.info(

@@ -17,10 +17,16 @@ import torch
 
 from mixprec.validate import check_bool, check_real
 
-Mode = Literal["fp32", "fp16", "bf16", "fp16_naive", "fp16_apex", "fp8"]
+Mode = Literal["fp32", "fp16", "bf16", "fp16_naive", "fp16_apex", "fp8", "bf16_sr"]
 MODES: tuple[str, ...] = get_args(Mode)
 OptLevel = Literal["O0", "O1", "O2", "O3"]
 OPT_LEVELS: tuple[str, ...] = get_args(OptLevel)
+OptimizerState = Literal["fp32", "bf16", "int8", "int4", "fp8"]
+OPTIMIZER_STATES: tuple[str, ...] = get_args(OptimizerState)
+Rounding = Literal["nearest", "stochastic"]
+ROUNDINGS: tuple[str, ...] = get_args(Rounding)
+MASTER_WEIGHTS = {"fp32": True, "none": False}
+"""master_weights spelled as a precision: 'fp32' masters, or 'none' (step the params)."""
 LOW_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
@@ -137,7 +143,14 @@ class Policy:
     compute_dtype: torch.dtype | None = None
     """dtype autocast computes in; None runs no autocast."""
     master_weights: bool = False
-    """Keep fp32 master copies in the optimizer (only meaningful when param_dtype is low)."""
+    """Keep fp32 master copies in the optimizer (only meaningful when param_dtype is low).
+    Also spelled 'fp32' (True) or 'none' (False); stored as the bool."""
+    update_rounding: Rounding = "nearest"
+    """How an update is written back to low-precision params without masters: 'nearest'
+    (a cast) or 'stochastic' (bf16 params only; unbiased, see mixprec.lean)."""
+    optimizer_state: OptimizerState | None = None
+    """Format of the optimizer's moments: 'fp32', 'bf16', 'int8', 'int4', 'fp8' (mixprec.lean
+    steps SGD/Adam/AdamW itself); None: the optimizer's own (torch's: the held params' dtype)."""
     keep_norm_fp32: bool = True
     """Leave Batch/Layer/Group/InstanceNorm parameters (and their math) in fp32."""
     cast_outputs_to: torch.dtype | None = None
@@ -161,6 +174,15 @@ class Policy:
     NAIVE's clip_grad_norm; an optimizer built with its own max_norm must agree)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.master_weights, str):
+            if self.master_weights not in MASTER_WEIGHTS:
+                raise ValueError(
+                    f"Policy.master_weights={self.master_weights!r}; valid: True, False, "
+                    f"{', '.join(repr(k) for k in MASTER_WEIGHTS)}."
+                )
+            object.__setattr__(self, "master_weights", MASTER_WEIGHTS[self.master_weights])
+        check_bool("Policy.master_weights", self.master_weights)
+        self._check_lean()
         for name in ("param_dtype",):
             dt = getattr(self, name)
             if dt not in (torch.float32, torch.float16, torch.bfloat16):
@@ -184,6 +206,32 @@ class Policy:
         overlap = self.custom_white_list & self.custom_black_list
         if overlap:
             raise ValueError(f"Ops {sorted(overlap)} are in both the white and the black list.")
+
+    def _check_lean(self) -> None:
+        if self.update_rounding not in ROUNDINGS:
+            raise ValueError(
+                f"Policy.update_rounding={self.update_rounding!r}."
+                + did_you_mean(self.update_rounding, ROUNDINGS)
+            )
+        if self.optimizer_state is not None and self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"Policy.optimizer_state={self.optimizer_state!r}."
+                + did_you_mean(self.optimizer_state, OPTIMIZER_STATES)
+            )
+        if self.update_rounding == "stochastic":
+            if self.param_dtype == torch.float16:
+                raise ValueError(
+                    f"Policy {self.name!r}: update_rounding='stochastic' needs bfloat16 params; "
+                    "fp16 params have 5 exponent bits, so tiny updates underflow before any "
+                    "rounding. Use dtype='bfloat16', or fp32 masters (master_weights='fp32')."
+                )
+            if self.param_dtype != torch.bfloat16 or self.master_weights:
+                raise ValueError(
+                    f"Policy {self.name!r}: update_rounding='stochastic' rounds the update into "
+                    "bf16 params stepped without masters; this policy has "
+                    f"param_dtype={self.param_dtype}, master_weights={self.master_weights}. "
+                    "Use param_dtype=torch.bfloat16 with master_weights='none' (mode 'bf16_sr')."
+                )
 
     @property
     def low_dtype(self) -> torch.dtype | None:
@@ -223,6 +271,14 @@ PRESETS: dict[str, Policy] = {
         loss_scale=NAIVE_SCALER,
     ),
     "fp8": Policy(name="fp8", compute_dtype=torch.bfloat16, fp8=True),
+    # Lean: bf16 params without masters, updates stochastically rounded (mixprec.lean).
+    "bf16_sr": Policy(
+        name="bf16_sr",
+        param_dtype=torch.bfloat16,
+        cast_outputs_to=torch.float32,
+        update_rounding="stochastic",
+        optimizer_state="fp32",
+    ),
     # Apex's opt levels; 'fp16_apex' alone means Apex's default, O1.
     "O0": Policy(name="O0"),
     "O1": Policy(name="O1", compute_dtype=torch.float16, loss_scale=APEX_SCALER),
@@ -407,12 +463,22 @@ def to_policy(
         raise TypeError(
             f"A mixed-precision mode must be a str, AMP_TYPE, dict or Policy, got {spec!r}."
         )
+    config = dict(config or {})
+    state = config.pop("optimizer_state", None)  # accepted next to every mode's own keys
     parser = MODE_PARSERS.get(spec)
     if parser is not None:
-        return parser(config or {})
-    config = dict(config or {})
-    check_keys(f"{spec!r} mode config", config, ("dtype",))
-    return preset(spec, dtype=config.get("dtype"))
+        policy = parser(config)
+    else:
+        check_keys(f"{spec!r} mode config", config, ("dtype", "optimizer_state"))
+        policy = preset(spec, dtype=config.get("dtype"))
+    return policy if state is None else with_optimizer_state(policy, state)
+
+
+def with_optimizer_state(policy: Policy, state: str) -> Policy:
+    """policy with its optimizer state in `state` ('fp32', 'bf16', 'int8', 'int4', 'fp8')."""
+    if state not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer_state={state!r}." + did_you_mean(state, OPTIMIZER_STATES))
+    return replace(policy, optimizer_state=state)
 
 
 def describe(policy: Policy) -> dict[str, str]:

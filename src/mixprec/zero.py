@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from mixprec.lean import LeanConfig, state_bytes
 from mixprec.module import prepare_optimizer
 from mixprec.optim import LOW_DTYPES, MixedPrecisionOptimizer
 from mixprec.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
@@ -152,6 +153,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         max_consecutive_skips: int | None = 100,
         reduce_scatter: bool | None = None,
         communication_dtype: torch.dtype | None = None,
+        lean: LeanConfig | None = None,
     ) -> None:
         if isinstance(stage, bool) or stage not in STAGES:
             raise ValueError(
@@ -203,6 +205,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             log_num_zeros_in_grad=log_num_zeros_in_grad,
             max_consecutive_skips=max_consecutive_skips,
             fused_step=False,
+            lean=lean,  # each owner's low-bit state is its shard, as fp32 state is
         )
         if self.world == 1:
             log.warning("mixprec ZeRO: a world of 1 rank, so ZeRO shards nothing.")
@@ -569,8 +572,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     # ----- what this rank holds -----
     def shard_bytes(self) -> dict[str, int]:
         """Bytes of fp32 masters and optimizer state this rank holds, read from the state."""
-        state = sum(
-            t.numel() * t.element_size()
+        state = sum(  # a low-bit state's real bytes (codes + scales), not its fp32 appearance
+            state_bytes(t)
             for s in self.optim.state.values()
             for t in s.values()
             if isinstance(t, torch.Tensor)

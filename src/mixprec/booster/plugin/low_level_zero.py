@@ -45,6 +45,12 @@ class LowLevelZeroPlugin(Plugin):
             gloo fp32, whose sums ran faster than fp16's), or torch.float32/float16/bfloat16.
         cpu_offload: keep masters and optimizer state in CPU memory (on CPU already: no-op).
         master_weights: keep fp32 masters of fp16/bf16 params (False: step them directly).
+        update_rounding: how updates are written into params without masters: 'stochastic'
+            (bf16 only, mixprec.lean) or 'nearest'. None: stochastic for bf16 without masters
+            (round-to-nearest drops updates below ~2**-8 of a weight), else nearest.
+        optimizer_state: 'fp32', 'bf16', 'int8', 'int4' or 'fp8' moments (sharded like fp32
+            state: each owner quantizes its own); None: the optimizer's own, except fp32
+            under stochastic rounding.
     """
 
     def __init__(
@@ -63,6 +69,8 @@ class LowLevelZeroPlugin(Plugin):
         communication_dtype: torch.dtype | None = None,
         cpu_offload: bool = False,
         master_weights: bool = True,
+        update_rounding: str | None = None,
+        optimizer_state: str | None = None,
     ) -> None:
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(
@@ -88,6 +96,15 @@ class LowLevelZeroPlugin(Plugin):
         self.stage = stage
         self.precision = precision
         self.policy = zero_policy(precision, scaler, master_weights)
+        if update_rounding is None and precision == "bf16" and not master_weights:
+            update_rounding = "stochastic"
+        if update_rounding is not None or optimizer_state is not None:
+            self.policy = replace(
+                self.policy,
+                update_rounding=update_rounding or "nearest",
+                optimizer_state=optimizer_state
+                or ("fp32" if update_rounding == "stochastic" else None),
+            )  # Policy validates both, naming the value and the valid ones
         self.max_norm = float(max_norm)
         self.norm_type = norm_type
         self.cpu_offload = cpu_offload

@@ -1,0 +1,461 @@
+"""Lean precision (bf16 without masters + stochastic rounding, low-bit state) vs fp32 and NAIVE.
+
+Measured in one run, each mode through the core's own prepare_model / prepare_optimizer:
+
+    bytes   weights + grads + fp32 masters + optimizer state per parameter, summed exactly from
+            the tensors a transformer holds at its step (AdamW), and the fp32 master grads
+            NAIVE keeps as well; peak RSS of that transformer's step, one fresh process per
+            mode (`--mem-width/--mem-depth`: 768/12 is ~100M params), vs fp32 and vs NAIVE
+    quality the digits classifier (sklearn) and a byte-level GPT on the Python standard
+            library's own source, fixed steps, AdamW with a cosine schedule: final validation
+            loss / accuracy per mode; fp32 masters over several seeds give the seed-to-seed
+            spread each lean mode must land in; bf16 without masters and round-to-nearest is
+            the baseline that stalls
+    time    one GPT training step per mode, modes interleaved in a shuffled order each round
+            (load from other processes falls on all alike); speed = NAIVE time / mode time
+
+Writes a fresh folder (default benchmarks/results/lean-<UTC time>/) with lean.md, lean.json
+and lean.png.
+
+    python benchmarks/bench_lean.py                                 # ~15 min on 2 busy cores
+    python benchmarks/bench_lean.py --mem-width 768 --mem-depth 12  # the ~100M-param step
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from mixprec.bench.progress import progress_bar
+from mixprec.bench.runner import machine_name
+from mixprec.lean import state_bytes
+from mixprec.module import prepare_model, prepare_optimizer
+from mixprec.policy import Policy, preset, to_policy, with_optimizer_state
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def policies() -> dict[str, Policy]:
+    """The modes compared, by the names the table uses."""
+    sr = preset("bf16_sr")
+    return {
+        "fp32": to_policy("fp32"),
+        "NAIVE (bf16)": to_policy("fp16_naive", {"dtype": "bfloat16"}),
+        "bf16 nearest": dataclasses.replace(sr, name="bf16_nearest", update_rounding="nearest"),
+        "bf16_sr": sr,
+        "bf16_sr+bf16": with_optimizer_state(sr, "bf16"),
+        "bf16_sr+int8": with_optimizer_state(sr, "int8"),
+        "bf16_sr+int4": with_optimizer_state(sr, "int4"),
+    }
+
+
+QUALITY_MODES = ("fp32", "NAIVE (bf16)", "bf16 nearest", "bf16_sr", "bf16_sr+int8", "bf16_sr+int4")
+
+
+# ----- models and data -----
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A byte-level GPT (nanoGPT's shape): 256 tokens, learned positions, pre-norm blocks."""
+
+    def __init__(self, width: int, depth: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(256, width), nn.Embedding(context, width)
+        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(depth)])
+        self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, 256, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
+
+
+def stdlib_bytes(limit: int) -> torch.Tensor:
+    """The first `limit` bytes of the standard library's own .py sources, in a fixed order."""
+    root = Path(os.__file__).parent
+    out = bytearray()
+    for path in sorted(root.glob("*.py")):
+        out += path.read_bytes()
+        if len(out) >= limit:
+            break
+    return torch.tensor(list(out[:limit]), dtype=torch.long)
+
+
+def digits_data() -> tuple[torch.Tensor, ...]:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    return x[perm[:1400]], y[perm[:1400]], x[perm[1400:]], y[perm[1400:]]
+
+
+def digits_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 256), nn.GELU(),
+        nn.Linear(256, 10),
+    )  # fmt: skip
+
+
+def cosine(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def build(policy: Policy, make: Any, seed: int, lr: float, wd: float) -> tuple[nn.Module, Any]:
+    torch.manual_seed(seed)
+    model = make()
+    pm = prepare_model(model, policy)
+    opt = prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd), policy)
+    return pm, opt
+
+
+def set_lr(opt: Any, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+# ----- quality -----
+def run_digits(policy: Policy, seed: int, args: argparse.Namespace, bar: Any) -> dict:
+    x, y, xv, yv = digits_data()
+    model, opt = build(policy, digits_net, seed, args.digits_lr, 0.01)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(args.digits_steps):
+        set_lr(opt, cosine(step, args.digits_steps, args.digits_lr, 20))
+        idx = torch.randint(0, len(x), (64,), generator=g)
+        opt.backward(F.cross_entropy(model(x[idx]).float(), y[idx]))
+        opt.step()
+        opt.zero_grad()
+        bar.update(1)
+    with torch.no_grad():
+        out = model(xv).float()
+    return {
+        "val_loss": F.cross_entropy(out, yv).item(),
+        "val_acc": (out.argmax(1) == yv).float().mean().item() * 100,
+    }
+
+
+def gpt_batch(data: torch.Tensor, n: int, context: int, g: torch.Generator) -> tuple:
+    start = torch.randint(0, len(data) - context - 1, (n,), generator=g)
+    rows = torch.stack([data[s : s + context + 1] for s in start.tolist()])
+    return rows[:, :-1], rows[:, 1:]
+
+
+def gpt_make(args: argparse.Namespace) -> Any:
+    return lambda: GPT(args.gpt_width, args.gpt_depth, 4, args.context)
+
+
+def gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).float().reshape(-1, 256), y.reshape(-1))
+
+
+def run_gpt(policy: Policy, seed: int, args: argparse.Namespace, text: tuple, bar: Any) -> dict:
+    train, val = text
+    model, opt = build(policy, gpt_make(args), seed, args.gpt_lr, 0.1)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(args.gpt_steps):
+        set_lr(opt, cosine(step, args.gpt_steps, args.gpt_lr, 20))
+        opt.backward(gpt_loss(model, *gpt_batch(train, args.batch, args.context, g)))
+        opt.step()
+        opt.zero_grad()
+        bar.update(1)
+    gv = torch.Generator().manual_seed(12345)  # the same validation windows for every run
+    with torch.no_grad():
+        losses = [gpt_loss(model, *gpt_batch(val, 32, args.context, gv)).item() for _ in range(8)]
+    return {"val_loss": sum(losses) / len(losses)}
+
+
+# ----- time: modes interleaved -----
+def time_steps(args: argparse.Namespace, text: tuple, bar: Any) -> dict[str, float]:
+    names = list(QUALITY_MODES)
+    runs = {n: build(policies()[n], gpt_make(args), 0, 1e-3, 0.1) for n in names}
+    g = torch.Generator().manual_seed(0)
+    batch = gpt_batch(text[0], args.batch, args.context, g)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    order = random.Random(0)
+    for r in range(args.time_rounds + 2):
+        order.shuffle(names)
+        for n in names:
+            model, opt = runs[n]
+            start = time.perf_counter()
+            opt.backward(gpt_loss(model, *batch))
+            opt.step()
+            opt.zero_grad()
+            if r >= 2:  # two warm-up rounds
+                times[n].append(time.perf_counter() - start)
+        bar.update(1)
+    return {n: sorted(t)[len(t) // 2] for n, t in times.items()}  # the median step
+
+
+# ----- bytes and peak memory: one fresh process per mode -----
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def memory_worker(mode: str, width: int, depth: int, batch: int, context: int) -> dict:
+    """Build the mode's transformer, run two steps, count bytes exactly, and report the peak RSS
+    of the second step (its state exists, imports are done) over the RSS before the build."""
+    torch.set_num_threads(1)
+    policy = policies()[mode]
+    before = _rss_kib("VmRSS")
+    model, opt = build(
+        policy, lambda: GPT(width, depth, max(1, width // 64), context), 0, 1e-4, 0.1
+    )
+    g = torch.Generator().manual_seed(0)
+    counts: dict[str, int] = {}
+    data = torch.randint(0, 256, (batch, context + 1), generator=g)
+    for step in range(2):
+        if step == 1:  # the peak (VmHWM) restarts from now: the second, steady-state step's
+            Path("/proc/self/clear_refs").write_text("5")
+        opt.backward(gpt_loss(model, data[:, :-1], data[:, 1:]))
+        params = list(model.parameters())
+        counts = {
+            "params": sum(p.numel() for p in params),
+            "weights": sum(p.numel() * p.element_size() for p in params),
+            "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        }  # fmt: skip
+        opt.step()
+        counts["masters"] = sum(m.numel() * m.element_size() for m in opt.hp_masters)
+        counts["master_grads"] = sum(
+            m.grad.numel() * m.grad.element_size() for m in opt.hp_masters if m.grad is not None
+        )
+        counts["state"] = sum(
+            state_bytes(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+        )
+        opt.zero_grad()
+    counts["peak_rss_mib"] = (_rss_kib("VmHWM") - before) / 1024
+    return counts
+
+
+def run_memory(mode: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--memory-worker", mode]
+    cmd += [str(v) for v in (args.mem_width, args.mem_depth, args.mem_batch, args.context)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory worker for {mode} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ----- report -----
+def spread(values: list[float]) -> tuple[float, float]:
+    return min(values), max(values)
+
+
+def markdown(record: dict) -> str:
+    args, mem, q, t = record["args"], record["memory"], record["quality"], record["time"]
+    fp32_peak, naive_peak = mem["fp32"]["peak_rss_mib"], mem["NAIVE (bf16)"]["peak_rss_mib"]
+    lines = [
+        f"# Lean precision, {record['machine']}",
+        "",
+        f"`python benchmarks/bench_lean.py {' '.join(record['argv'])}` ({record['seconds']:.0f} s"
+        f", load average {record['load'][0]:.1f} -> {record['load'][1]:.1f} on "
+        f"{os.cpu_count()} cores)",
+        "",
+        f"Bytes per parameter (AdamW) of a {mem['fp32']['params'] / 1e6:.1f}M-parameter "
+        f"transformer (width {args['mem_width']}, depth {args['mem_depth']}), counted from the "
+        "tensors it holds at its step; small tensors (< 4096 elements: biases, norms) keep fp32 "
+        "state and LayerNorm weights stay fp32, as the modes define. Peak RSS: the growth of a "
+        f"fresh process over the step (batch {args['mem_batch']} x {args['context']} tokens).",
+        "",
+        "| mode | weights | grads | fp32 masters | state | total | + master grads | "
+        "peak RSS MiB | / fp32 | / NAIVE |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, m in mem.items():
+        n = m["params"]
+        parts = [m[k] / n for k in ("weights", "grads", "masters", "state")]
+        lines.append(
+            f"| {name} | " + " | ".join(f"{v:.2f}" for v in parts) + f" | **{sum(parts):.2f}** | "
+            f"{m['master_grads'] / n:.2f} | {m['peak_rss_mib']:.0f} | "
+            f"{m['peak_rss_mib'] / fp32_peak:.2f} | {m['peak_rss_mib'] / naive_peak:.2f} |"
+        )
+    d_lo, d_hi = spread([r["val_acc"] for r in q["digits"]["fp32"]])
+    dl_lo, dl_hi = spread([r["val_loss"] for r in q["digits"]["fp32"]])
+    g_lo, g_hi = spread([r["val_loss"] for r in q["gpt"]["fp32"]])
+    lines += [
+        "",
+        f"Quality after fixed steps (AdamW, cosine schedule). Digits: {args['digits_steps']} "
+        f"steps, lr {args['digits_lr']}, seeds {args['seeds']}; GPT: width {args['gpt_width']}, "
+        f"depth {args['gpt_depth']}, {args['gpt_steps']} steps of {args['batch']} x "
+        f"{args['context']} bytes of the standard library's source, lr {args['gpt_lr']}, seeds "
+        f"{args['gpt_seeds']} (fp32: {args['fp32_seeds']} seeds for the spread). In: the mode's "
+        "mean loss is no worse than fp32's worst seed (<= the largest fp32 loss; fp32's own "
+        "mean always is). Step time: the median "
+        f"GPT step over {args['time_rounds']} interleaved rounds; speed = NAIVE / mode "
+        "(goal >= 0.95).",
+        "",
+        f"fp32 spread: digits accuracy {d_lo:.2f}-{d_hi:.2f} %, digits loss {dl_lo:.4f}-"
+        f"{dl_hi:.4f}, GPT val loss {g_lo:.4f}-{g_hi:.4f}.",
+        "",
+        "| mode | digits acc % | digits loss | in | GPT val loss | in | step ms | speed vs NAIVE |",
+        "|---|---|---|:-:|---|:-:|---:|---:|",
+    ]
+    for name in QUALITY_MODES:
+        d = q["digits"][name]
+        acc = ", ".join(f"{r['val_acc']:.2f}" for r in d)
+        dloss = ", ".join(f"{r['val_loss']:.4f}" for r in d)
+        d_in = sum(r["val_loss"] for r in d) / len(d) <= dl_hi
+        gl = [r["val_loss"] for r in q["gpt"][name]]
+        g_in = sum(gl) / len(gl) <= g_hi
+        ms = t[name] * 1e3
+        lines.append(
+            f"| {name} | {acc} | {dloss} | {'yes' if d_in else 'no'} | "
+            f"{', '.join(f'{v:.4f}' for v in gl)} | {'yes' if g_in else 'no'} | {ms:.1f} | "
+            f"{t['NAIVE (bf16)'] / t[name]:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def chart(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mem, q = record["memory"], record["quality"]
+    fig, (ax_b, ax_g) = plt.subplots(1, 2, figsize=(12, 4.2))
+    names = list(mem)
+    bottom = [0.0] * len(names)
+    for part in ("weights", "grads", "masters", "state"):
+        vals = [mem[n][part] / mem[n]["params"] for n in names]
+        ax_b.bar(names, vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax_b.axhline(6, color="black", linestyle="--", linewidth=0.8, label="goal: 6 bytes")
+    ax_b.set_ylabel("bytes per parameter (AdamW)")
+    ax_b.tick_params(axis="x", rotation=30, labelsize=8)
+    ax_b.legend(fontsize=8)
+    lo, hi = spread([r["val_loss"] for r in q["gpt"]["fp32"]])
+    ax_g.axhspan(lo, hi, color="grey", alpha=0.3, label="fp32 seed spread")
+    for i, name in enumerate(QUALITY_MODES):
+        vals = [r["val_loss"] for r in q["gpt"][name]]
+        ax_g.scatter([i] * len(vals), vals, zorder=3)
+    ax_g.set_xticks(range(len(QUALITY_MODES)), QUALITY_MODES, rotation=30, fontsize=8)
+    ax_g.set_ylabel("GPT validation loss (stdlib bytes)")
+    ax_g.legend(fontsize=8)
+    fig.suptitle(f"Lean precision, {record['machine']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--memory-worker":
+        mode, *nums = argv[1:]
+        print(json.dumps(memory_worker(mode, *map(int, nums))))
+        return 0
+    if argv and argv[0] == "--render":  # md and png again from a run's lean.json
+        folder = Path(argv[1])
+        record = json.loads((folder / "lean.json").read_text())
+        (folder / "lean.md").write_text(markdown(record))
+        chart(record, folder / "lean.png")
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="a new folder (default: fresh)")
+    parser.add_argument("--mem-width", type=int, default=384, help="768 with depth 12: ~100M")
+    parser.add_argument("--mem-depth", type=int, default=4)
+    parser.add_argument("--mem-batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=32)
+    parser.add_argument("--digits-steps", type=int, default=300)
+    parser.add_argument("--digits-lr", type=float, default=1e-3)
+    parser.add_argument("--seeds", type=int, default=3, help="digits seeds per mode")
+    parser.add_argument("--gpt-width", type=int, default=64)
+    parser.add_argument("--gpt-depth", type=int, default=2)
+    parser.add_argument("--gpt-steps", type=int, default=200)
+    parser.add_argument("--gpt-lr", type=float, default=2e-3)
+    parser.add_argument("--gpt-seeds", type=int, default=1, help="GPT seeds per lean mode")
+    parser.add_argument("--fp32-seeds", type=int, default=3, help="GPT seeds of fp32 (spread)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--time-rounds", type=int, default=10)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    out = args.out or RESULTS / time.strftime("lean-%Y%m%d-%H%M%S", time.gmtime())
+    if out.exists() and any(out.iterdir()):
+        parser.error(f"--out {out} exists and is not empty: name a new folder")
+    torch.set_num_threads(1)
+    start, load0 = time.perf_counter(), os.getloadavg()[0]
+    text = stdlib_bytes(1_200_000)
+    split = int(len(text) * 0.9)
+    text = (text[:split], text[split:])
+    mem_modes = list(policies())
+    gpt_runs = args.fp32_seeds + (len(QUALITY_MODES) - 1) * args.gpt_seeds
+    total = (
+        len(mem_modes)
+        + len(QUALITY_MODES) * args.seeds * args.digits_steps
+        + gpt_runs * args.gpt_steps
+        + args.time_rounds
+        + 2
+    )
+    record: dict[str, Any] = {"argv": argv, "args": vars(args) | {"out": str(out)}}
+    quality: dict[str, dict[str, list]] = {"digits": {}, "gpt": {}}
+    with progress_bar(total=total, enabled=not args.no_progress, desc="bench_lean") as bar:
+        memory = {}
+        for mode in mem_modes:
+            bar.set_postfix_str(f"memory {mode}")
+            memory[mode] = run_memory(mode, args)
+            bar.update(1)
+        for name in QUALITY_MODES:
+            bar.set_postfix_str(f"digits {name}")
+            policy = policies()[name]
+            quality["digits"][name] = [run_digits(policy, s, args, bar) for s in range(args.seeds)]
+        for name in QUALITY_MODES:
+            bar.set_postfix_str(f"gpt {name}")
+            seeds = args.fp32_seeds if name == "fp32" else args.gpt_seeds
+            policy = policies()[name]
+            quality["gpt"][name] = [run_gpt(policy, s, args, text, bar) for s in range(seeds)]
+        bar.set_postfix_str("step time")
+        timing = time_steps(args, text, bar)
+    record |= {
+        "machine": machine_name(torch.device("cpu")),
+        "seconds": time.perf_counter() - start,
+        "load": [load0, os.getloadavg()[0]],
+        "memory": memory,
+        "quality": quality,
+        "time": timing,
+    }
+    record["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in record["args"].items()}
+    table = markdown(record)
+    print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lean.md").write_text(table)
+    (out / "lean.json").write_text(json.dumps(record, indent=2) + "\n")
+    chart(record, out / "lean.png")
+    print(f"wrote {out}/lean.md, .json, .png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
