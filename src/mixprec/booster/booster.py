@@ -24,7 +24,11 @@ from torch import nn
 from mixprec.apex import multi_loss
 from mixprec.booster.plugin.plugin_base import Plugin
 from mixprec.compiled_step import CompiledStep, compile_step
-from mixprec.mixed_precision import MixedPrecision, to_mixed_precision
+from mixprec.mixed_precision import (
+    MixedPrecision,
+    to_mixed_precision,
+    with_optimizer_wrapper_api,
+)
 from mixprec.module import FP32Criterion
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.skip_monitor import SkipStats
@@ -144,6 +148,8 @@ class Booster:
         boosted, mp_optimizer = self.plugin.configure(
             model, optimizer, self.mixed_precision, self.device
         )
+        if mp_optimizer is not None:  # Colossal's OptimizerWrapper methods, every plugin
+            mp_optimizer = with_optimizer_wrapper_api(mp_optimizer)
         fp32_criterion = (
             None if criterion is None else self.mixed_precision.convert_criterion(criterion)
         )
