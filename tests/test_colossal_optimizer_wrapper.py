@@ -218,3 +218,12 @@ def test_clip_grad_by_norm_spans_shards_and_stages() -> None:
     from dist_utils import spawn
 
     spawn(_plugins_worker, 2)
+
+
+def test_wrapped_optimizer_pickles_as_its_api_class() -> None:
+    import pickle
+
+    model, opt, _ = _boosted("fp32", tiny_mlp(WIDTH))
+    again = pickle.loads(pickle.dumps(opt))
+    assert type(again).__name__ == "ColossalMixedPrecisionOptimizer"
+    assert isinstance(again, OptimizerWrapperAPI) and again.get_grad_norm() is None

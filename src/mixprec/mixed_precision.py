@@ -162,6 +162,32 @@ class OptimizerWrapperAPI:
 
 
 _WITH_API: dict[type, type] = {}
+# Where the optimizer classes a Colossal face returns live: an unpickling process finds
+# "Colossal<name>" here (see __getattr__) before any optimizer was wrapped in it.
+_OPTIMIZER_MODULES = ("mixprec.optim", "mixprec.zero", "mixprec.pipeline_optim")
+
+
+def _api_class(cls: type) -> type:
+    """cls with OptimizerWrapperAPI mixed in, one per class, importable by its name."""
+    api_cls = _WITH_API.get(cls)
+    if api_cls is None:
+        name = f"Colossal{cls.__name__}"
+        api_cls = type(name, (OptimizerWrapperAPI, cls), {"__module__": __name__})
+        _WITH_API[cls] = api_cls
+        globals().setdefault(name, api_cls)  # pickle finds the class by module and name
+    return api_cls
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("Colossal"):
+        import importlib
+
+        base = name.removeprefix("Colossal")
+        for module in (*_OPTIMIZER_MODULES, "mixprec.apex.multi_loss"):
+            cls = getattr(importlib.import_module(module), base, None)
+            if isinstance(cls, type) and issubclass(cls, MixedPrecisionOptimizer):
+                return _api_class(cls)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def with_optimizer_wrapper_api(optimizer: MixedPrecisionOptimizer) -> MixedPrecisionOptimizer:
@@ -170,14 +196,8 @@ def with_optimizer_wrapper_api(optimizer: MixedPrecisionOptimizer) -> MixedPreci
     The instance keeps its state and isinstance of its own class: every plugin's optimizer
     (core, ZeRO, pipeline, Apex multi-loss) gets Colossal's methods in one place.
     """
-    cls = type(optimizer)
-    if issubclass(cls, OptimizerWrapperAPI):
-        return optimizer
-    api_cls = _WITH_API.get(cls)
-    if api_cls is None:
-        api_cls = type(f"Colossal{cls.__name__}", (OptimizerWrapperAPI, cls), {})
-        _WITH_API[cls] = api_cls
-    optimizer.__class__ = api_cls
+    if not isinstance(optimizer, OptimizerWrapperAPI):
+        optimizer.__class__ = _api_class(type(optimizer))
     return optimizer
 
 
