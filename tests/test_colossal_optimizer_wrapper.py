@@ -227,3 +227,20 @@ def test_wrapped_optimizer_pickles_as_its_api_class() -> None:
     again = pickle.loads(pickle.dumps(opt))
     assert type(again).__name__ == "ColossalMixedPrecisionOptimizer"
     assert isinstance(again, OptimizerWrapperAPI) and again.get_grad_norm() is None
+
+
+def test_get_grad_norm_after_a_step_that_clipped_by_max_norm() -> None:
+    from mixprec.booster.plugin import LowLevelZeroPlugin
+
+    x, y = _data()
+    model = tiny_mlp(WIDTH)
+    ref_norm, _, _ = _reference(model, x, y, "norm")
+    booster = Booster(plugin=LowLevelZeroPlugin(precision="fp32", max_norm=MAX_NORM))
+    model, opt, criterion, *_ = booster.boost(
+        model, torch.optim.SGD(model.parameters(), lr=LR), nn.MSELoss()
+    )
+    booster.backward(criterion(model(x), y), opt)
+    assert opt.get_grad_norm() is None
+    result = opt.step()
+    assert opt.get_grad_norm() == result.grad_norm
+    torch.testing.assert_close(torch.tensor(opt.get_grad_norm()), ref_norm, **FP32_REORDER)
