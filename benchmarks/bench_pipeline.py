@@ -113,8 +113,8 @@ def measure(rank: int, run: dict[str, Any], solo: Any) -> dict[str, Any] | None:
         def schedule() -> None:
             opt.backward(crit(model(x), y))
     else:
-        plugin = HybridParallelPlugin(
-            pp_size=PP, num_microbatches=run["m"], pp_schedule=run["schedule"]
+        plugin = HybridParallelPlugin(  # precision=None: the Booster's mixed_precision
+            pp_size=PP, num_microbatches=run["m"], pp_schedule=run["schedule"], precision=None
         )
         booster = Booster(mixed_precision=mixed, plugin=plugin)
         model, opt, crit, _, _ = booster.boost(model, opt, nn.MSELoss())

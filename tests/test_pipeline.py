@@ -135,16 +135,16 @@ def _reference(
 def _boost(
     mode: str, schedule: str = "1f1b", max_norm: float = 0.0, optim: Any = None, **tp: Any
 ) -> tuple:
-    spec = _precision(mode)  # a name goes to the plugin, a configured object to the Booster
+    spec = _precision(mode)  # mixprec's modes: the Booster's (the plugin's precision=None)
     plugin = HybridParallelPlugin(
         pp_size=WORLD,
         num_microbatches=M,
-        precision=spec if isinstance(spec, str) else None,
+        precision=None,
         pp_schedule=schedule,
         max_norm=max_norm,
         **tp,
     )
-    booster = Booster(plugin=plugin, mixed_precision=None if isinstance(spec, str) else spec)
+    booster = Booster(plugin=plugin, mixed_precision=spec)
     model = _model()
     optimizer = (optim or (lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9)))(model.parameters())
     model, optimizer, criterion, _, _ = booster.boost(model, optimizer, nn.MSELoss())
@@ -547,7 +547,9 @@ def _own_stages(rank: int, path: str) -> None:
 
     ref = nn.Sequential(*stages())  # the same layers, the same names ("0.0.weight", "1.weight")
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    booster = Booster(plugin=HybridParallelPlugin(pp_size=WORLD, num_microbatches=M))
+    booster = Booster(
+        plugin=HybridParallelPlugin(pp_size=WORLD, num_microbatches=M, precision="fp32")
+    )
     model = stages()
     model, optimizer, criterion, _, _ = booster.boost(
         model, torch.optim.SGD(model.parameters(), lr=LR), nn.MSELoss()
@@ -691,9 +693,16 @@ def test_plugin_and_booster_precision_must_agree() -> None:
     from mixprec.mixed_precision import to_mixed_precision
 
     plugin = HybridParallelPlugin(pp_size=2, num_microbatches=2, precision="fp16")
-    with pytest.raises(ValueError, match="mixed_precision='bf16'.*precision='fp16'"):
+    with pytest.raises(ValueError, match="mixed_precision='bf16'.*precision='colossal_fp16'"):
         plugin._precision(to_mixed_precision("bf16"))
-    assert plugin._precision(to_mixed_precision(None)).policy.name == "fp16"
+    # Colossal's 'fp16' (its default): fp16 params, fp32 masters, its dynamic scaler
+    policy = plugin._precision(to_mixed_precision(None)).policy
+    assert (policy.name, policy.param_dtype, policy.master_weights) == (
+        "colossal_fp16",
+        torch.float16,
+        True,
+    )
+    assert policy.loss_scale.init_scale == 2**16 and policy.loss_scale.hysteresis == 2
 
 
 def test_gpipe_takes_fewer_microbatches_than_stages() -> None:

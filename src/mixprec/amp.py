@@ -9,13 +9,15 @@ import torch
 from torch import nn
 
 from mixprec.apex.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
+from mixprec.mixed_precision import OptimizerWrapperAPI, with_optimizer_wrapper_api
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import AMP_TYPE, Policy, to_policy
 
 
-class AMPOptimizer(MixedPrecisionOptimizer):
-    """The core optimizer wrapper with Colossal-AI's `clip_grad_norm(model, max_norm)`."""
+class AMPOptimizer(OptimizerWrapperAPI, MixedPrecisionOptimizer):
+    """The core optimizer wrapper with Colossal-AI's `clip_grad_norm(model, max_norm)` and its
+    OptimizerWrapper methods (clip_grad_by_norm, get_grad_norm, ...)."""
 
     def clip_grad_norm(
         self, model: nn.Module | float, max_norm: float | None = None
@@ -45,7 +47,9 @@ def convert_to_amp(
     policy = to_policy(mode, amp_config)
     model = prepare_model(model, policy)
     # APEX with num_losses=N: N scalers, optimizer.backward(loss, loss_id=i)
-    optimizer = prepare_loss_optimizer(optimizer, policy, single=AMPOptimizer)
+    optimizer = with_optimizer_wrapper_api(
+        prepare_loss_optimizer(optimizer, policy, single=AMPOptimizer)
+    )
     return model, optimizer, (None if criterion is None else FP32Criterion(criterion))
 
 

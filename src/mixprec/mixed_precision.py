@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.apex.multi_loss import prepare_loss_optimizer
+from mixprec.apex.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
 from mixprec.apex.policy import apex_policy
 from mixprec.module import FP32Criterion, PrecisionModule, prepare_model
 from mixprec.optim import MixedPrecisionOptimizer
@@ -31,6 +31,175 @@ from mixprec.policy import (
     torch_amp_policy,
 )
 from mixprec.scaling import ProcessGroup
+
+# Modules whose optimizers hold the one clip of each parallelism (single process, ZeRO's
+# shards, the pipeline's stages); a face's override of clip_grad_norm is its legacy form.
+_CORE_CLIP_MODULES = ("mixprec.optim", "mixprec.zero", "mixprec.pipeline_optim")
+
+
+class OptimizerWrapperAPI:
+    """Colossal-AI's OptimizerWrapper methods over a mixprec optimizer (mixed into its class).
+
+    Clipping acts on the unscaled gradients (the grads are unscaled and checked first, once a
+    step) through the parallelism's own clip: the norm spans every ZeRO shard, pipeline stage
+    and DTensor shard. A step whose gradients overflowed is still skipped by step().
+    """
+
+    _colossal_grad_norm: torch.Tensor | float | None = None
+    _colossal_norm_type: float = 2.0
+
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        """The tensors the wrapped optimizer steps (fp32 masters where the model is lp)."""
+        return [p for group in self.param_groups for p in group["params"]]  # type: ignore[attr-defined]
+
+    def unwrap(self) -> torch.optim.Optimizer:
+        """The torch optimizer inside (its param_groups hold the fp32 masters)."""
+        return self.optim  # type: ignore[attr-defined]
+
+    def unscale_grad(self) -> None:
+        """Unscale (and check) this step's gradients now; step() then does not again."""
+        self.unscale_grads()  # type: ignore[attr-defined]
+
+    def backward_by_grad(
+        self,
+        tensor: torch.Tensor,
+        grad: torch.Tensor,
+        inputs: Any = None,
+        retain_graph: bool = False,
+    ) -> None:
+        """Backward from tensor with the upstream gradient grad, which already carries the
+        loss scale (a later pipeline stage's input gradient), so it is not scaled again."""
+        if isinstance(self, MultiLossOptimizer):
+            raise TypeError(
+                "backward_by_grad: this optimizer (num_losses > 1) unscales each loss's grads "
+                "inside backward(loss, loss_id); call backward(loss, loss_id=i) instead."
+            )
+        if self._found_inf is not None:  # type: ignore[attr-defined]
+            raise RuntimeError(
+                "backward_by_grad() after the gradients were unscaled (unscale_grad, "
+                "clip_grad_by_norm/value) but before step(): the new gradients would stay scaled."
+            )
+        torch.autograd.backward(tensor, grad, inputs=inputs, retain_graph=retain_graph)
+
+    def clip_grad_by_norm(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Clip the unscaled gradients to max_norm (total norm over all shards / stages);
+        returns the total norm before clipping (inf/nan on an overflowed step, which step()
+        then skips). error_if_nonfinite: raise instead when that norm is not finite."""
+        if args or kwargs:
+            raise TypeError(
+                f"clip_grad_by_norm: extra arguments {args or ''}{kwargs or ''} are torch's "
+                "clip_grad_norm_ options; mixprec's clip takes max_norm, norm_type and "
+                "error_if_nonfinite only."
+            )
+        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or max_norm < 0:
+            raise ValueError(f"clip_grad_by_norm(max_norm={max_norm!r}) must be a number >= 0.")
+        norm_type = float(norm_type)
+        clip = None
+        for cls in type(self).__mro__:  # the parallelism's clip, not a face's legacy form
+            if cls.__module__ in _CORE_CLIP_MODULES and "clip_grad_norm" in cls.__dict__:
+                clip = cls.__dict__["clip_grad_norm"]
+                break
+        assert clip is not None, f"{type(self).__name__} has no core clip_grad_norm"
+        total = clip(self, float(max_norm), norm_type)
+        if hasattr(total, "full_tensor"):  # FSDP2's norm is a DTensor: the value every rank sees
+            total = total.full_tensor()
+        # A non-finite norm means non-finite grads: step() skips this step whatever the clip
+        # wrote into them, so checking after the clip (one host read) changes no weight.
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} of the gradients is non-finite "
+                "(error_if_nonfinite=True); step() will skip this step. Pass "
+                "error_if_nonfinite=False to let it skip without raising."
+            )
+        self._colossal_grad_norm = total
+        self._colossal_norm_type = norm_type
+        return total
+
+    def clip_grad_by_value(self, clip_value: float, *args: Any, **kwargs: Any) -> None:
+        """Clamp every unscaled gradient element to [-clip_value, clip_value] (elementwise, so
+        each rank clamps the shard it holds)."""
+        if args or kwargs:
+            raise TypeError(
+                f"clip_grad_by_value: extra arguments {args or ''}{kwargs or ''} are not "
+                "supported (mixprec's clip takes clip_value only)."
+            )
+        if isinstance(clip_value, bool) or not isinstance(clip_value, int | float):
+            raise TypeError(f"clip_grad_by_value(clip_value={clip_value!r}) must be a number.")
+        self.unscale_grads()  # type: ignore[attr-defined]
+        grads = self._hp_grads()  # type: ignore[attr-defined]
+        if grads:
+            torch._foreach_clamp_min_(grads, -float(clip_value))
+            torch._foreach_clamp_max_(grads, float(clip_value))
+
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> float | None:
+        """The total gradient norm last computed (clip_grad_by_norm, or step() with max_norm);
+        None when none was. A host read of the norm."""
+        if kwargs:
+            raise TypeError(f"get_grad_norm: unexpected arguments {kwargs}.")
+        if float(norm_type) != self._colossal_norm_type:
+            raise ValueError(
+                f"get_grad_norm(norm_type={norm_type!r}): the last norm computed was of order "
+                f"{self._colossal_norm_type}; mixprec keeps only that one."
+            )
+        norm = self._colossal_grad_norm
+        return None if norm is None else float(norm)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().step(*args, **kwargs)  # type: ignore[misc]
+        norm = getattr(result, "grad_norm", None)
+        if norm is not None:  # step() clipped by max_norm: that is the last norm now
+            self._colossal_grad_norm = norm
+            self._colossal_norm_type = float(getattr(self, "norm_type", 2.0))
+        return result
+
+
+_WITH_API: dict[type, type] = {}
+# Where the optimizer classes a Colossal face returns live: an unpickling process finds
+# "Colossal<name>" here (see __getattr__) before any optimizer was wrapped in it.
+_OPTIMIZER_MODULES = ("mixprec.optim", "mixprec.zero", "mixprec.pipeline_optim")
+
+
+def _api_class(cls: type) -> type:
+    """cls with OptimizerWrapperAPI mixed in, one per class, importable by its name."""
+    api_cls = _WITH_API.get(cls)
+    if api_cls is None:
+        name = f"Colossal{cls.__name__}"
+        api_cls = type(name, (OptimizerWrapperAPI, cls), {"__module__": __name__})
+        _WITH_API[cls] = api_cls
+        globals().setdefault(name, api_cls)  # pickle finds the class by module and name
+    return api_cls
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("Colossal"):
+        import importlib
+
+        base = name.removeprefix("Colossal")
+        for module in (*_OPTIMIZER_MODULES, "mixprec.apex.multi_loss"):
+            cls = getattr(importlib.import_module(module), base, None)
+            if isinstance(cls, type) and issubclass(cls, MixedPrecisionOptimizer):
+                return _api_class(cls)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def with_optimizer_wrapper_api(optimizer: MixedPrecisionOptimizer) -> MixedPrecisionOptimizer:
+    """optimizer, its class now a subclass with OptimizerWrapperAPI mixed in (one per class).
+
+    The instance keeps its state and isinstance of its own class: every plugin's optimizer
+    (core, ZeRO, pipeline, Apex multi-loss) gets Colossal's methods in one place.
+    """
+    if not isinstance(optimizer, OptimizerWrapperAPI):
+        optimizer.__class__ = _api_class(type(optimizer))
+    return optimizer
+
 
 _APEX_DEFAULTS: dict[str, Any] = {
     name: p.default for name, p in inspect.signature(apex_policy).parameters.items()
@@ -61,8 +230,10 @@ class MixedPrecision:
         policy: Policy | None = None,
     ) -> MixedPrecisionOptimizer:
         """Wrap optimizer (after convert_module: masters copy the cast params)."""
-        return prepare_loss_optimizer(
-            optimizer, policy or self.policy, max_norm=max_norm, process_group=process_group
+        return with_optimizer_wrapper_api(
+            prepare_loss_optimizer(
+                optimizer, policy or self.policy, max_norm=max_norm, process_group=process_group
+            )
         )
 
     def convert_criterion(self, criterion: Callable[..., torch.Tensor]) -> FP32Criterion:

@@ -75,7 +75,7 @@ class PrecisionModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         policy = self.policy
-        if policy.casts_params:
+        if policy.casts_params and policy.cast_inputs:
             args, kwargs = cast_call_args(args, kwargs, policy.param_dtype)
         with autocast_context(policy, probe_device_type(self._probe)):
             out = self.module(*args, **kwargs)

@@ -155,6 +155,9 @@ class Policy:
     """Leave Batch/Layer/Group/InstanceNorm parameters (and their math) in fp32."""
     cast_outputs_to: torch.dtype | None = None
     """Cast the model's floating outputs to this dtype (None leaves them as computed)."""
+    cast_inputs: bool = True
+    """Cast floating call arguments to param_dtype when params are low precision (False: the
+    model gets its inputs as given, e.g. Colossal's LowLevelZeroPlugin(cast_inputs=False))."""
     loss_scale: ScalerConfig = UNIT_SCALE
     """Loss-scaler settings; UNIT_SCALE means none (the non-finite check still runs)."""
     custom_white_list: frozenset[str] = field(default_factory=frozenset)

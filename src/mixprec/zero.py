@@ -131,6 +131,10 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         reduce_scatter: stage 2's collective. False all-reduces and keeps this rank's chunk
             (the same values, the same memory after the step). None: reduce-scatter, except
             over gloo, whose reduce-scatter ran 1.5-3x slower than its all-reduce on 4 MiB.
+        reduce_bucket_numel: at most this many gradient elements per collective (Colossal's
+            reduce_bucket_size_in_m * 2**20): a larger model is reduced in several buckets,
+            bounding the flat buffer; a param larger than it gets a bucket of its own. None:
+            one bucket per communication dtype.
         communication_dtype: the dtype gradients are summed in. None: each param's own (fp16
             and bf16 grads travel in half the bytes, divided by the world size first, as DDP's
             comm hooks do); torch.float32: the exact sum of the lp grads, twice the bytes.
@@ -154,6 +158,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         reduce_scatter: bool | None = None,
         communication_dtype: torch.dtype | None = None,
         lean: LeanConfig | None = None,
+        reduce_bucket_numel: int | None = None,
     ) -> None:
         if isinstance(stage, bool) or stage not in STAGES:
             raise ValueError(
@@ -170,6 +175,15 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                 "its first step so each rank creates only its own shard."
             )
         check_communication_dtype(communication_dtype, "ZeroOptimizer")
+        if reduce_bucket_numel is not None and (
+            isinstance(reduce_bucket_numel, bool)
+            or not isinstance(reduce_bucket_numel, int)
+            or reduce_bucket_numel < 1
+        ):
+            raise ValueError(
+                f"reduce_bucket_numel={reduce_bucket_numel!r} must be a positive int or None."
+            )
+        self.reduce_bucket_numel = reduce_bucket_numel
         group = process_group or default_group()
         self.stage = stage
         self.norm_type = float(norm_type)
@@ -263,8 +277,26 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         communication dtype (one collective per dtype)."""
         out: dict[int, torch.Tensor] = {}
         for dtype, indices in self._indices_by_dtype(self.communication_dtype).items():
-            out.update(self._reduce_bucket(dtype, indices))
+            for bucket in self._buckets(indices):
+                out.update(self._reduce_bucket(dtype, bucket))
         return out
+
+    def _buckets(self, indices: list[int]) -> list[list[int]]:
+        """indices in order, cut so no bucket holds more than reduce_bucket_numel elements
+        (a param larger than that alone in its own)."""
+        limit = self.reduce_bucket_numel
+        if limit is None:
+            return [indices]
+        buckets: list[list[int]] = [[]]
+        size = 0
+        for i in indices:
+            n = self.all_params[i].numel()
+            if buckets[-1] and size + n > limit:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(i)
+            size += n
+        return buckets
 
     def _reduce_bucket(self, dtype: torch.dtype, indices: list[int]) -> dict[int, torch.Tensor]:
         """One flat buffer of rank-ordered chunks of equal length: a chunk holds its owner's
@@ -598,6 +630,7 @@ def prepare_zero_optimizer(
     norm_type: float = 2.0,
     process_group: ProcessGroup | None = None,
     communication_dtype: torch.dtype | None = None,
+    reduce_bucket_numel: int | None = None,
 ) -> ZeroOptimizer:
     """prepare_optimizer with ZeroOptimizer: wrap optimizer for policy, sharded."""
     optimizer = prepare_optimizer(
@@ -609,5 +642,6 @@ def prepare_zero_optimizer(
         stage=stage,
         norm_type=norm_type,
         communication_dtype=communication_dtype,
+        reduce_bucket_numel=reduce_bucket_numel,
     )
     return cast(ZeroOptimizer, optimizer)

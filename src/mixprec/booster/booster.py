@@ -24,7 +24,11 @@ from torch import nn
 from mixprec.apex import multi_loss
 from mixprec.booster.plugin.plugin_base import Plugin
 from mixprec.compiled_step import CompiledStep, compile_step
-from mixprec.mixed_precision import MixedPrecision, to_mixed_precision
+from mixprec.mixed_precision import (
+    MixedPrecision,
+    to_mixed_precision,
+    with_optimizer_wrapper_api,
+)
 from mixprec.module import FP32Criterion
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.skip_monitor import SkipStats
@@ -144,6 +148,8 @@ class Booster:
         boosted, mp_optimizer = self.plugin.configure(
             model, optimizer, self.mixed_precision, self.device
         )
+        if mp_optimizer is not None:  # Colossal's OptimizerWrapper methods, every plugin
+            mp_optimizer = with_optimizer_wrapper_api(mp_optimizer)
         fp32_criterion = (
             None if criterion is None else self.mixed_precision.convert_criterion(criterion)
         )
@@ -233,25 +239,122 @@ class Booster:
         )
 
     # ----- checkpoints -----
-    def save_model(self, model: nn.Module, path: str | os.PathLike) -> None:
-        """Save the model's weights in fp32 (the optimizer's masters where it keeps them)."""
-        self.plugin.save_model(model, path, self._optimizer_of.get(id(model)))
+    def save_model(
+        self,
+        model: nn.Module,
+        checkpoint: str | os.PathLike,
+        shard: bool = False,
+        gather_dtensor: bool | None = None,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+        use_safetensors: bool = False,
+        use_async: bool = False,
+    ) -> None:
+        """Save the model's weights in fp32 (the optimizer's masters where it keeps them).
 
-    def load_model(self, model: nn.Module, path: str | os.PathLike, strict: bool = True) -> None:
-        """Load weights saved in any mode; the masters (if any) get the fp32 values."""
-        self.plugin.load_model(model, path, self._optimizer_of.get(id(model)), strict=strict)
+        shard=True: a directory of an index JSON and shards of at most size_per_shard MB
+        (prefix starts their names; safetensors with use_safetensors=True). gather_dtensor:
+        None writes the plugin's own layout (FSDP and pipeline: each rank's DTensor shards, a
+        torch.distributed.checkpoint directory; else one file), True gathers whole tensors
+        (FSDP), False keeps the shards. use_async is refused (the write is synchronous)."""
+        _check_save_keywords(shard, prefix, size_per_shard, use_async)
+        self.plugin.save_as(
+            "model",
+            model,
+            checkpoint,
+            self._optimizer_of.get(id(model)),
+            shard=shard,
+            gather_dtensor=gather_dtensor,
+            size_per_shard=size_per_shard,
+            use_safetensors=use_safetensors,
+            prefix=prefix,
+        )
 
-    def save_optimizer(self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike) -> None:
-        """Save optimizer state, fp32 masters and the loss-scaler state."""
+    def load_model(
+        self,
+        model: nn.Module,
+        checkpoint: str | os.PathLike,
+        strict: bool = True,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+    ) -> None:
+        """Load weights saved in any mode and layout (file, sharded directory, safetensors,
+        torch.distributed.checkpoint directory); the masters (if any) get the fp32 values."""
+        _check_load_keywords(low_cpu_mem_mode, num_threads)
+        self.plugin.load_model(model, checkpoint, self._optimizer_of.get(id(model)), strict=strict)
+
+    def save_optimizer(
+        self,
+        optimizer: MixedPrecisionOptimizer,
+        checkpoint: str | os.PathLike,
+        shard: bool = False,
+        gather_dtensor: bool | None = None,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+        use_async: bool = False,
+    ) -> None:
+        """Save optimizer state, fp32 masters and the loss-scaler state (keywords as
+        save_model's; a sharded optimizer checkpoint is in torch's format)."""
         optimizer = self._check_optimizer(optimizer)
-        self.plugin.save_optimizer(optimizer, path, self._model_of.get(id(optimizer)))
+        _check_save_keywords(shard, prefix, size_per_shard, use_async)
+        self.plugin.save_as(
+            "optimizer",
+            optimizer,
+            checkpoint,
+            self._model_of.get(id(optimizer)),
+            shard=shard,
+            gather_dtensor=gather_dtensor,
+            size_per_shard=size_per_shard,
+            prefix=prefix,
+        )
 
-    def load_optimizer(self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike) -> None:
+    def load_optimizer(
+        self,
+        optimizer: MixedPrecisionOptimizer,
+        checkpoint: str | os.PathLike,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+    ) -> None:
         optimizer = self._check_optimizer(optimizer)
-        self.plugin.load_optimizer(optimizer, path, self._model_of.get(id(optimizer)))
+        _check_load_keywords(low_cpu_mem_mode, num_threads)
+        self.plugin.load_optimizer(optimizer, checkpoint, self._model_of.get(id(optimizer)))
 
     def save_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike) -> None:
         self.plugin.save_lr_scheduler(lr_scheduler, path)
 
     def load_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike) -> None:
         self.plugin.load_lr_scheduler(lr_scheduler, path)
+
+
+def _check_save_keywords(
+    shard: bool, prefix: str | None, size_per_shard: int, use_async: bool
+) -> None:
+    if use_async:
+        raise NotImplementedError(
+            "use_async=True is not supported by mixprec: checkpoints are written before the "
+            "call returns (atomically). Leave use_async at False."
+        )
+    if (
+        isinstance(size_per_shard, bool)
+        or not isinstance(size_per_shard, int)
+        or size_per_shard < 1
+    ):
+        raise ValueError(f"size_per_shard={size_per_shard!r} must be a positive int (MB).")
+    if not shard and (prefix is not None or size_per_shard != 1024):
+        raise ValueError(
+            f"prefix={prefix!r} / size_per_shard={size_per_shard!r} name and size the shard "
+            "files of a sharded checkpoint: pass shard=True."
+        )
+
+
+def _check_load_keywords(low_cpu_mem_mode: bool, num_threads: int) -> None:
+    if low_cpu_mem_mode is not True:
+        raise NotImplementedError(
+            f"low_cpu_mem_mode={low_cpu_mem_mode!r} is not supported by mixprec: checkpoints "
+            "are read into CPU memory and applied (no pinned-memory fast path). Leave it True."
+        )
+    if num_threads != 1:
+        raise NotImplementedError(
+            f"num_threads={num_threads!r} is not supported by mixprec: shards are read one "
+            "after another. Leave num_threads at 1."
+        )

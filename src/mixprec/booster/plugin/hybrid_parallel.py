@@ -12,8 +12,12 @@ the rest data-parallel replicas.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import itertools
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +25,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.booster.plugin.plugin_base import Plugin, is_distributed, rank_and_world
-from mixprec.checkpoint import load_checkpoint
+from mixprec.booster.checkpoint_io import find_index, load_state_file
+from mixprec.booster.plugin.low_level_zero import (
+    PRECISIONS,
+    LowLevelZeroPlugin,
+    colossal_scaler,
+    zero_policy,
+)
+from mixprec.booster.plugin.plugin_base import (
+    FP8_COMMUNICATION,
+    Plugin,
+    is_distributed,
+    rank_and_world,
+    refuse_non_defaults,
+)
 from mixprec.mixed_precision import FP32Precision, MixedPrecision, to_mixed_precision
 from mixprec.pipeline import (
     PipelineConfig,
@@ -42,38 +58,163 @@ from mixprec.pipeline_checkpoint import (
 )
 from mixprec.pipeline_optim import PipelineOptimizer
 
+SHARDFORMER = "a shardformer feature mixprec does not have (tensor parallelism is tp_plan)"
+DDP_KNOB = (
+    "the hybrid plugin averages data-parallel gradients itself at step() (no DDP wrapper); "
+    "ZeRO is zero_stage"
+)
+
 
 class HybridParallelPlugin(Plugin):
-    """Pipeline parallelism (torch.distributed.pipelining) under any mixprec precision.
+    """Pipeline (x tensor x data) parallelism under any precision, with Colossal-AI's keywords.
 
-    Args:
-        tp_size: tensor-parallel ranks per stage (with tp_plan).
-        pp_size: pipeline ranks; must divide the world size (the rest is data parallel).
+    Colossal's keywords (its signature; what mixprec lacks is refused when set):
+        tp_size, pp_size: tensor-parallel ranks per stage (with tp_plan) and pipeline ranks;
+            pp_size x tp_size must divide the world (the rest is data parallel, outside).
+        precision: 'fp16' (Colossal's default: fp16 params, fp32 masters, dynamic loss scale),
+            'bf16' (bf16 params, fp32 masters), 'fp32'; or, as mixprec extensions, another
+            mode name ('fp16_naive', 'fp8', ...), a MixedPrecision, or None for the
+            Booster's mixed_precision.
+        zero_stage: 0, or 1 / 2 (ZeRO over the data-parallel group, pp_size = tp_size = 1).
         num_microbatches: micro-batches per batch (>= pp_size for '1f1b' and 'interleaved').
-        precision: a mode name (mixprec.policy.MODES), a MixedPrecision, or None for the
-            Booster's mixed_precision (fp32 when it has none).
-        pp_schedule: '1f1b', 'gpipe' or 'interleaved' (torch's schedules of those names).
-        num_model_chunks: stages per rank for 'interleaved' (default 2).
-        split_points: nn.Sequential layer names where stages 1.. begin (default: balanced
-            by parameter count).
+        initial_scale ... max_scale: precision='fp16''s loss scaler.
         max_norm: clip gradients to this norm over all stages (0: off).
-        tp_plan: module name -> torch ParallelStyle (ColwiseParallel(), RowwiseParallel(),
-            ...), as torch's parallelize_module takes, applied to the stage holding each
-            module over its tp ranks (a mixprec addition: Colossal shards by policy).
+        zero_bucket_size_in_m, cpu_offload, communication_dtype: ZeRO's (zero_stage > 0).
+        pp_style: '1f1b', 'gpipe' or 'interleaved' (torch's schedules); pp_schedule is
+            mixprec's older spelling of it.
+        num_model_chunks: stages per rank for 'interleaved' (default 2 there, else 1).
+        num_layers_per_stage: top-level layers of an nn.Sequential per stage (else balanced by
+            parameter count).
+        use_fp8: eligible Linear layers compute in float8 (mixprec.fp8).
+        dp_outside: must be True (the mesh is (dp, pp, tp)).
+    mixprec's (keyword-only):
+        split_points: nn.Sequential layer names where stages 1.. begin.
+        tp_plan: module name -> torch ParallelStyle (ColwiseParallel(), ...), applied to the
+            stage holding each module over its tp ranks (Colossal shards by policy instead).
     """
 
     def __init__(
         self,
         tp_size: int = 1,
         pp_size: int = 1,
+        sp_size: int | None = None,
+        precision: str | MixedPrecision | None = "fp16",
+        zero_stage: int = 0,
+        enable_all_optimization: bool = False,
+        enable_fused_normalization: bool = False,
+        enable_flash_attention: bool = False,
+        enable_jit_fused: bool = False,
+        enable_sequence_parallelism: bool = False,
+        sequence_parallelism_mode: str | None = None,
+        enable_sequence_overlap: bool = False,
+        parallel_output: bool = True,
         num_microbatches: int | None = None,
-        precision: str | MixedPrecision | None = None,
-        pp_schedule: str = "1f1b",
-        num_model_chunks: int | None = None,
-        split_points: list[str] | tuple[str, ...] | None = None,
+        microbatch_size: int | None = None,
+        initial_scale: float = 2**16,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
         max_norm: float = 0.0,
+        broadcast_buffers: bool = True,
+        ddp_bucket_cap_mb: int = 25,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        zero_bucket_size_in_m: int = 12,
+        cpu_offload: bool = False,
+        communication_dtype: torch.dtype | None = None,
+        overlap_communication: bool = False,
+        custom_policy: Any = None,
+        pp_style: str = "1f1b",
+        num_model_chunks: int | None = None,
+        num_layers_per_stage: list[int] | None = None,
+        gradient_checkpoint_config: Any = None,
+        enable_metadata_cache: bool = True,
+        make_vocab_size_divisible_by: int = 64,
+        dp_outside: bool = True,
+        overlap_p2p: bool = True,
+        overlap_allgather: bool = False,
+        inner_ring_size: int | None = None,
+        fp8_communication: bool = False,
+        use_fp8: bool = False,
+        *,
+        pp_schedule: str | None = None,
+        split_points: list[str] | tuple[str, ...] | None = None,
         tp_plan: Mapping[str, Any] | None = None,
     ) -> None:
+        given = dict(locals())
+        refuse_non_defaults(
+            "HybridParallelPlugin",
+            given,
+            {
+                "sp_size": (None, "sequence parallelism is " + SHARDFORMER),
+                "enable_all_optimization": (False, "fused kernels are " + SHARDFORMER),
+                "enable_fused_normalization": (False, "fused normalization is " + SHARDFORMER),
+                "enable_flash_attention": (False, "flash attention is " + SHARDFORMER),
+                "enable_jit_fused": (False, "jit-fused ops are " + SHARDFORMER),
+                "enable_sequence_parallelism": (False, "sequence parallelism is " + SHARDFORMER),
+                "sequence_parallelism_mode": (None, "sequence parallelism is " + SHARDFORMER),
+                "enable_sequence_overlap": (False, "sequence overlap is " + SHARDFORMER),
+                "parallel_output": (True, "gathering vocab-parallel outputs is " + SHARDFORMER),
+                "custom_policy": (None, "a shard policy is " + SHARDFORMER),
+                "gradient_checkpoint_config": (
+                    None,
+                    "wrap layers in torch.utils.checkpoint yourself; shardformer's gradient "
+                    "checkpoint config is " + SHARDFORMER,
+                ),
+                "make_vocab_size_divisible_by": (64, "vocab padding is " + SHARDFORMER),
+                "inner_ring_size": (None, "ring attention is " + SHARDFORMER),
+                "microbatch_size": (
+                    None,
+                    "the schedule is built for a fixed micro-batch count: pass num_microbatches",
+                ),
+                "broadcast_buffers": (True, DDP_KNOB),
+                "ddp_bucket_cap_mb": (25, DDP_KNOB),
+                "find_unused_parameters": (False, DDP_KNOB),
+                "check_reduction": (False, DDP_KNOB),
+                "gradient_as_bucket_view": (False, DDP_KNOB),
+                "static_graph": (False, DDP_KNOB),
+                "overlap_communication": (
+                    False,
+                    "ZeRO reduces every gradient once, at step(), not during backward",
+                ),
+                "overlap_allgather": (False, "ZeRO gathers params at the end of step()"),
+                "enable_metadata_cache": (
+                    True,
+                    "torch.distributed.pipelining infers stage shapes once by itself",
+                ),
+                "overlap_p2p": (True, "torch.distributed.pipelining batches its p2p ops itself"),
+                "dp_outside": (True, "the mesh is (dp, pp, tp): data parallel outside"),
+                "fp8_communication": (False, FP8_COMMUNICATION),
+            },
+        )
+        if sp_size == 1:
+            sp_size = None
+        if pp_schedule is not None and pp_style not in ("1f1b", pp_schedule):
+            raise ValueError(
+                f"pp_style={pp_style!r} and pp_schedule={pp_schedule!r} disagree; pp_schedule "
+                "is mixprec's older name for pp_style: set one."
+            )
+        schedule = pp_schedule or pp_style
+        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
+            raise ValueError(f"HybridParallelPlugin(zero_stage={zero_stage!r}); valid: 0, 1, 2.")
+        if zero_stage == 0:
+            for name, default in (
+                ("zero_bucket_size_in_m", 12),
+                ("cpu_offload", False),
+                ("communication_dtype", None),
+            ):
+                if given[name] != default:
+                    raise ValueError(
+                        f"HybridParallelPlugin({name}={given[name]!r}) is a ZeRO setting: it "
+                        "needs zero_stage=1 or 2."
+                    )
+        if num_layers_per_stage is not None and split_points is not None:
+            raise ValueError("num_layers_per_stage and split_points both cut stages; set one.")
         if num_microbatches is None and pp_size == 1:
             num_microbatches = 1  # one stage: the whole batch at once, as without a pipeline
         if num_microbatches is None:
@@ -86,19 +227,105 @@ class HybridParallelPlugin(Plugin):
         self.config = PipelineConfig(
             pp_size=pp_size,
             num_microbatches=num_microbatches,
-            schedule=pp_schedule,
-            num_model_chunks=num_model_chunks,
+            schedule=schedule,
+            num_model_chunks=num_model_chunks if schedule == "interleaved" else None,
             split_points=None if split_points is None else tuple(split_points),
             tp_size=tp_size,
         )
+        if num_model_chunks not in (None, 1) and schedule != "interleaved":
+            raise ValueError(
+                f"num_model_chunks={num_model_chunks!r} needs pp_style='interleaved' (got "
+                f"{schedule!r}, which runs one stage per rank)."
+            )
+        self.num_layers_per_stage = (
+            None if num_layers_per_stage is None else list(num_layers_per_stage)
+        )
+        if self.num_layers_per_stage is not None:
+            stages = pp_size * self.config.chunks
+            if len(self.num_layers_per_stage) != stages or any(
+                isinstance(n, bool) or not isinstance(n, int) or n < 1
+                for n in self.num_layers_per_stage
+            ):
+                raise ValueError(
+                    f"num_layers_per_stage={num_layers_per_stage!r} must be {stages} positive "
+                    f"ints (pp_size x num_model_chunks stages)."
+                )
         self.tp_plan = dict(tp_plan) if tp_plan else None
         if (tp_size != 1) != bool(self.tp_plan):
             raise ValueError(
                 f"tp_size={tp_size!r} with tp_plan={tp_plan!r}: tensor parallelism needs both "
                 "tp_size > 1 and tp_plan (module name -> torch ParallelStyle), or neither."
             )
-        self.precision = None if precision is None else to_mixed_precision(precision)
+        scaler_args = (
+            initial_scale,
+            min_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            max_scale,
+        )
+        scaler = colossal_scaler(*scaler_args)  # validated at construction
+        colossal = isinstance(precision, str) and precision in PRECISIONS
+        if not (colossal and precision == "fp16"):
+            changed = [
+                name
+                for name in (
+                    "initial_scale",
+                    "min_scale",
+                    "growth_factor",
+                    "backoff_factor",
+                    "growth_interval",
+                    "hysteresis",
+                    "max_scale",
+                )
+                if given[name] != _DEFAULTS[name]
+            ]
+            if changed:
+                raise ValueError(
+                    f"HybridParallelPlugin({', '.join(f'{n}={given[n]!r}' for n in changed)}) "
+                    f"sets the loss scaler of precision='fp16'; precision={precision!r} "
+                    "has none here (a MixedPrecision object carries its own scaler settings)."
+                )
+        if colossal:
+            policy = replace(zero_policy(precision, scaler, True), fp8=use_fp8)
+            self.precision: MixedPrecision | None = MixedPrecision(
+                replace(policy, name=f"colossal_{precision}")
+            )
+        else:
+            if use_fp8:
+                raise ValueError(
+                    f"use_fp8=True goes with precision 'fp16', 'bf16' or 'fp32'; for "
+                    f"precision={precision!r} use the mixprec mode 'fp8'."
+                )
+            self.precision = None if precision is None else to_mixed_precision(precision)
         self.max_norm = float(max_norm)
+        self.zero_stage = zero_stage
+        self._zero: LowLevelZeroPlugin | None = None
+        if zero_stage:
+            if pp_size != 1 or tp_size != 1 or not colossal:
+                raise NotImplementedError(
+                    f"HybridParallelPlugin(zero_stage={zero_stage}) runs with pp_size=1, "
+                    f"tp_size=1 and precision 'fp16'/'bf16'/'fp32' (got pp_size={pp_size}, "
+                    f"tp_size={tp_size}, precision={precision!r}): ZeRO over a pipeline's "
+                    "data-parallel group is not implemented."
+                )
+            self._zero = LowLevelZeroPlugin(
+                stage=zero_stage,
+                precision=precision,
+                initial_scale=initial_scale,
+                min_scale=min_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                max_scale=max_scale,
+                max_norm=max_norm,
+                reduce_bucket_size_in_m=zero_bucket_size_in_m,
+                communication_dtype=communication_dtype,
+                cpu_offload=cpu_offload,
+                use_fp8=use_fp8,
+            )
         if is_distributed():  # every rank sees the same sizes: all raise, none hangs
             check_pp_size(pp_size, dist.get_world_size(), tp_size)
 
@@ -107,6 +334,10 @@ class HybridParallelPlugin(Plugin):
         if not is_distributed():
             return rank_and_world()
         return data_shard(self.config.pp_size, self.config.tp_size)
+
+    @property
+    def process_group(self):  # noqa: ANN201 - a torch ProcessGroup or None
+        return None if self._zero is None else self._zero.process_group
 
     def _precision(self, booster_precision: MixedPrecision) -> MixedPrecision:
         if self.precision is None:
@@ -129,11 +360,16 @@ class HybridParallelPlugin(Plugin):
         device: torch.device,
     ) -> tuple[nn.Module, PipelineOptimizer | None]:
         precision = self._precision(mixed_precision)
+        if self._zero is not None:  # pp = tp = 1: ZeRO over the world (the dp group)
+            return self._zero.configure(model, optimizer, FP32Precision(), device)
+        config = self.config
+        if self.num_layers_per_stage is not None:
+            config = replace(config, split_points=_split_points(model, self.num_layers_per_stage))
         return prepare_pipeline(
             model,
             optimizer,
             precision.policy,
-            self.config,
+            config,
             device=device,
             max_norm=self.max_norm,
             convert=precision.convert_module,
@@ -157,10 +393,40 @@ class HybridParallelPlugin(Plugin):
             return_outputs=return_outputs,
         )
 
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Gradients are reduced at step() (ZeRO) or averaged there (pipeline): nothing to skip."""
+        return contextlib.nullcontext()
+
     # ----- checkpoints: torch.distributed.checkpoint directories, each stage writes its part -----
+    @property
+    def writes_dtensor_shards(self) -> bool:  # type: ignore[override]
+        return self._zero is None  # ZeRO's checkpoints are whole files
+
+    def model_state(self, model: nn.Module, optimizer: Any) -> Any:
+        if self._zero is not None:
+            return self._zero.model_state(model, optimizer)
+        raise NotImplementedError(
+            "HybridParallelPlugin: shard=True, use_safetensors=True and gather_dtensor=True "
+            "need the whole model on one rank; a pipeline's checkpoint is a "
+            "torch.distributed.checkpoint directory each stage writes its part of (leave them "
+            "unset; any plugin's load_model reads that directory whole)."
+        )
+
+    def optimizer_state(self, optimizer: Any, model: nn.Module | None) -> Any:
+        if self._zero is not None:
+            return self._zero.optimizer_state(optimizer, model)
+        raise NotImplementedError(
+            "HybridParallelPlugin: shard=True and gather_dtensor=True need the whole optimizer "
+            "state on one rank; a pipeline's optimizer checkpoint is a "
+            "torch.distributed.checkpoint directory each stage writes its part of (leave them "
+            "unset)."
+        )
+
     def save_model(
         self, model: nn.Module, path: str | os.PathLike, optimizer: PipelineOptimizer | None
     ) -> None:
+        if self._zero is not None:
+            return self._zero.save_model(model, path, optimizer)
         from mixprec.booster.plugin.torch_fsdp import _dcp_save_atomic
 
         _dcp_save_atomic(pipeline_model_state(_pipelined(model), optimizer), path)
@@ -173,11 +439,13 @@ class HybridParallelPlugin(Plugin):
         strict: bool = True,
     ) -> None:
         """A pipelined checkpoint directory, or a whole-model file (single process, DDP)."""
+        if self._zero is not None:
+            return self._zero.load_model(model, path, optimizer, strict=strict)
         import torch.distributed.checkpoint as dcp
 
         piped = _pipelined(model)
-        if Path(path).is_file():
-            state = load_checkpoint(path)
+        if Path(path).is_file() or find_index(path):
+            state = load_state_file(path)
         else:
             state = {k: v.clone() for k, v in pipeline_model_state(piped, optimizer).items()}
             dcp.load(state, checkpoint_id=os.fspath(path))
@@ -188,6 +456,8 @@ class HybridParallelPlugin(Plugin):
     ) -> None:
         from mixprec.booster.plugin.torch_fsdp import _dcp_save_atomic
 
+        if self._zero is not None:
+            return self._zero.save_optimizer(optimizer, path, model)
         _dcp_save_atomic(pipeline_optimizer_state(_pipelined(model), optimizer), path)
 
     def load_optimizer(
@@ -195,11 +465,26 @@ class HybridParallelPlugin(Plugin):
     ) -> None:
         import torch.distributed.checkpoint as dcp
 
+        if self._zero is not None:
+            return self._zero.load_optimizer(optimizer, path, model)
         piped = _pipelined(model)
         metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
         state = template_from_metadata(metadata, lambda key: owns_key(piped, optimizer, key))
         dcp.load(state, checkpoint_id=os.fspath(path))
         load_pipeline_optimizer_state(piped, optimizer, state)
+
+
+def _split_points(model: nn.Module, layers_per_stage: list[int]) -> tuple[str, ...]:
+    """Colossal's num_layers_per_stage as the names of the layers where stages 1.. begin."""
+    names = [name for name, _ in model.named_children()]
+    if not isinstance(model, nn.Sequential) or sum(layers_per_stage) != len(names):
+        raise ValueError(
+            f"num_layers_per_stage={layers_per_stage} (sum {sum(layers_per_stage)}) must cut an "
+            f"nn.Sequential of as many layers; this model is a {type(model).__name__} of "
+            f"{len(names)} top-level layers."
+        )
+    starts = list(itertools.accumulate(layers_per_stage))[:-1]
+    return tuple(names[i] for i in starts)
 
 
 def _pipelined(model: nn.Module | None) -> PipelinedModel:
@@ -209,3 +494,9 @@ def _pipelined(model: nn.Module | None) -> PipelinedModel:
             f"PipelinedModel), got {type(model).__name__}."
         )
     return model
+
+
+_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(HybridParallelPlugin.__init__).parameters.items()
+}

@@ -8,14 +8,19 @@ flag is agreed over the group, so a step skips on every rank together.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec.booster.plugin.plugin_base import Plugin, unwrap_model
-from mixprec.checkpoint import hp_model_state_dict, load_checkpoint
+from mixprec.booster.plugin.plugin_base import (
+    FP8_COMMUNICATION,
+    Plugin,
+    refuse_non_defaults,
+    unwrap_model,
+)
+from mixprec.checkpoint import hp_model_state_dict
 from mixprec.mixed_precision import FP32Precision, MixedPrecision
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import Policy, ScalerConfig, preset
@@ -31,7 +36,7 @@ PRECISIONS = ("fp16", "bf16", "fp32")
 
 
 class LowLevelZeroPlugin(Plugin):
-    """ZeRO stage 1 or 2 with Colossal-AI's arguments.
+    """ZeRO stage 1 or 2 with Colossal-AI's arguments (its signature, keyword for keyword).
 
     Args:
         stage: 1 shards fp32 masters and optimizer state, all-reducing gradients; 2
@@ -41,8 +46,13 @@ class LowLevelZeroPlugin(Plugin):
             fp32 masters, no scaling) or 'fp32'.
         initial_scale ... max_scale: the fp16 loss scaler (Megatron's hysteresis rule).
         max_norm, norm_type: clip the gradients by their norm over the whole model (0: off).
+        reduce_bucket_size_in_m: at most this many million (2**20) gradient elements per
+            collective; a larger model is reduced in several buckets.
         communication_dtype: the dtype gradients are summed in; None: each param's own (over
             gloo fp32, whose sums ran faster than fp16's), or torch.float32/float16/bfloat16.
+        overlap_communication: must be False: gradients are reduced once, at step() (Colossal
+            defaults to True, reducing buckets during backward).
+        overlap_allgather: must be False (params are gathered at the end of step()).
         cpu_offload: keep masters and optimizer state in CPU memory (on CPU already: no-op).
         master_weights: keep fp32 masters of fp16/bf16 params (False: step them directly).
         update_rounding: how updates are written into params without masters: 'stochastic'
@@ -51,6 +61,12 @@ class LowLevelZeroPlugin(Plugin):
         optimizer_state: 'fp32', 'bf16', 'int8', 'int4' or 'fp8' moments (sharded like fp32
             state: each owner quantizes its own); None: the optimizer's own, except fp32
             under stochastic rounding.
+        verbose: also log every loss-scale change and why (verbosity 2; skipped steps are
+            always logged).
+        cast_inputs: cast floating forward inputs to the params' dtype (False: as given).
+        fp8_communication: must be False (see FP8_COMMUNICATION).
+        use_fp8: eligible Linear layers compute in float8 (mixprec.fp8) under this precision.
+        extra_dp_size: must be 1 (one flat data-parallel group).
     """
 
     def __init__(
@@ -66,12 +82,37 @@ class LowLevelZeroPlugin(Plugin):
         max_scale: float = 2**32,
         max_norm: float = 0.0,
         norm_type: float = 2.0,
+        reduce_bucket_size_in_m: int = 12,
         communication_dtype: torch.dtype | None = None,
+        overlap_communication: bool = False,
+        overlap_allgather: bool = False,
         cpu_offload: bool = False,
         master_weights: bool = True,
         update_rounding: str | None = None,
         optimizer_state: str | None = None,
+        verbose: bool = False,
+        cast_inputs: bool = True,
+        fp8_communication: bool = False,
+        use_fp8: bool = False,
+        extra_dp_size: int = 1,
     ) -> None:
+        refuse_non_defaults(
+            "LowLevelZeroPlugin",
+            locals(),
+            {
+                "overlap_communication": (
+                    False,
+                    "ZeRO reduces every gradient once, at step(), not in buckets during backward",
+                ),
+                "overlap_allgather": (
+                    False,
+                    "the updated params are gathered at the end of step(), not overlapped with "
+                    "the next forward",
+                ),
+                "fp8_communication": (False, FP8_COMMUNICATION),
+                "extra_dp_size": (1, "the data-parallel group is the whole world, one level"),
+            },
+        )
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(
                 f"LowLevelZeroPlugin(stage={stage!r}); valid: 1, 2. Stage 3 (sharded params) "
@@ -79,23 +120,43 @@ class LowLevelZeroPlugin(Plugin):
             )
         if precision not in PRECISIONS:
             raise ValueError(f"LowLevelZeroPlugin(precision={precision!r}); valid: {PRECISIONS}.")
-        for name, value in (("cpu_offload", cpu_offload), ("master_weights", master_weights)):
+        for name, value in (
+            ("cpu_offload", cpu_offload),
+            ("master_weights", master_weights),
+            ("verbose", verbose),
+            ("cast_inputs", cast_inputs),
+            ("use_fp8", use_fp8),
+        ):
             if not isinstance(value, bool):
                 raise TypeError(f"LowLevelZeroPlugin({name}={value!r}) must be a bool.")
         if not isinstance(max_norm, int | float) or max_norm < 0:
             raise ValueError(f"LowLevelZeroPlugin(max_norm={max_norm!r}) must be >= 0 (0: off).")
-        scaler = ScalerConfig(
-            init_scale=initial_scale,
-            min_scale=min_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            max_scale=max_scale,
+        if (
+            isinstance(reduce_bucket_size_in_m, bool)
+            or not isinstance(reduce_bucket_size_in_m, int | float)
+            or reduce_bucket_size_in_m <= 0
+        ):
+            raise ValueError(
+                f"LowLevelZeroPlugin(reduce_bucket_size_in_m={reduce_bucket_size_in_m!r}) must "
+                "be a positive number (million gradient elements per collective)."
+            )
+        scaler = colossal_scaler(
+            initial_scale,
+            min_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            max_scale,
         )  # validated here, so a bad scaler argument fails at construction
         self.stage = stage
         self.precision = precision
-        self.policy = zero_policy(precision, scaler, master_weights)
+        self.policy = replace(
+            zero_policy(precision, scaler, master_weights),
+            verbosity=2 if verbose else 1,
+            cast_inputs=cast_inputs,
+            fp8=use_fp8,
+        )
         if update_rounding is None and precision == "bf16" and not master_weights:
             update_rounding = "stochastic"
         if update_rounding is not None or optimizer_state is not None:
@@ -108,6 +169,7 @@ class LowLevelZeroPlugin(Plugin):
         self.max_norm = float(max_norm)
         self.norm_type = norm_type
         self.cpu_offload = cpu_offload
+        self.reduce_bucket_numel = max(1, int(reduce_bucket_size_in_m * 2**20))
         check_communication_dtype(communication_dtype, "LowLevelZeroPlugin")
         self.communication_dtype = communication_dtype
 
@@ -140,6 +202,7 @@ class LowLevelZeroPlugin(Plugin):
             norm_type=self.norm_type,
             process_group=self.process_group,
             communication_dtype=self.communication_dtype,
+            reduce_bucket_numel=self.reduce_bucket_numel,
         )
         return boosted, zero
 
@@ -148,10 +211,8 @@ class LowLevelZeroPlugin(Plugin):
         return contextlib.nullcontext()
 
     # ----- checkpoints -----
-    def save_model(
-        self, model: nn.Module, path: str | os.PathLike, optimizer: MixedPrecisionOptimizer | None
-    ) -> None:
-        """fp32 weights in one file; each master comes from the rank that owns it."""
+    def model_state(self, model: nn.Module, optimizer: MixedPrecisionOptimizer | None) -> Any:
+        """fp32 weights; each master comes from the rank that owns it."""
         user_model = unwrap_model(model)
         state = hp_model_state_dict(user_model)
         if isinstance(optimizer, ZeroOptimizer):
@@ -159,19 +220,17 @@ class LowLevelZeroPlugin(Plugin):
             for p, hp in zip(optimizer.all_params, optimizer.hp_params(), strict=True):
                 if id(p) in names:
                     state[names[id(p)]] = hp.cpu()
-        self._write(state, path)
+        return state
 
-    def save_optimizer(
-        self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
-    ) -> None:
-        """One file, gathered on rank 0: an unsharded optimizer checkpoint (any world loads it)."""
-        self._write(_zero(optimizer).gathered_state_dict(), path)
+    def optimizer_state(self, optimizer: MixedPrecisionOptimizer, model: nn.Module | None) -> Any:
+        """Gathered on rank 0: an unsharded optimizer checkpoint (any world loads it)."""
+        return _zero(optimizer).gathered_state_dict()
 
-    def load_optimizer(
-        self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
+    def load_optimizer_state(
+        self, optimizer: MixedPrecisionOptimizer, state: dict[str, Any], model: nn.Module | None
     ) -> None:
-        """Every rank reads the whole file and keeps its shard (a plain mixprec one loads too)."""
-        _zero(optimizer).load_gathered_state_dict(load_checkpoint(path))
+        """Every rank reads the whole state and keeps its shard (a plain mixprec one loads too)."""
+        _zero(optimizer).load_gathered_state_dict(state)
 
 
 def _zero(optimizer: MixedPrecisionOptimizer) -> ZeroOptimizer:
@@ -181,6 +240,27 @@ def _zero(optimizer: MixedPrecisionOptimizer) -> ZeroOptimizer:
             f"{type(optimizer).__name__}."
         )
     return optimizer
+
+
+def colossal_scaler(
+    initial_scale: float,
+    min_scale: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    max_scale: float,
+) -> ScalerConfig:
+    """Colossal's plugin scaler keywords as the core's ScalerConfig (which validates them)."""
+    return ScalerConfig(
+        init_scale=initial_scale,
+        min_scale=min_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        hysteresis=hysteresis,
+        max_scale=max_scale,
+    )
 
 
 def zero_policy(precision: str, scaler: ScalerConfig, master_weights: bool) -> Policy:

@@ -32,6 +32,24 @@ from mixprec.module import PrecisionModule
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.scaling import ProcessGroup, rank_and_world
 
+FP8_COMMUNICATION = (
+    "fp8 compression of gradient communication (per-tensor scaled fp8 all-reduce / "
+    "reduce-scatter) is not implemented; gradients are reduced in their own dtype (or ZeRO's "
+    "communication_dtype)"
+)
+
+
+def refuse_non_defaults(plugin: str, given: dict[str, Any], refused: dict[str, tuple]) -> None:
+    """Raise naming the first keyword of Colossal's signature that mixprec does not implement
+    when it is set away from its default: refused[name] = (default, why)."""
+    for name, (default, why) in refused.items():
+        value = given[name]
+        if value is not default and value != default:
+            raise NotImplementedError(
+                f"{plugin}({name}={value!r}) is not supported by mixprec: {why}. Leave {name} "
+                f"at {default!r}."
+            )
+
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -128,15 +146,100 @@ class Plugin:
         )
 
     # ----- checkpoints: one torch.save file, written by rank 0 -----
+    writes_dtensor_shards = False
+    """True where the plugin's own checkpoint is per-rank DTensor shards (a DCP directory)."""
+
     def _write(self, obj: Any, path: str | os.PathLike) -> None:
         if rank_and_world()[0] == 0:
             save_checkpoint(obj, path)
         barrier()  # no rank reads the file before it is complete
 
+    def model_state(self, model: nn.Module, optimizer: MixedPrecisionOptimizer | None) -> Any:
+        """The whole model's fp32 state on rank 0 (masters where the optimizer keeps them)."""
+        return hp_model_state_dict(unwrap_model(model), optimizer)
+
+    def load_model_state(
+        self,
+        model: nn.Module,
+        state: dict[str, Any],
+        optimizer: MixedPrecisionOptimizer | None,
+        strict: bool = True,
+    ) -> None:
+        load_hp_model_state_dict(unwrap_model(model), state, optimizer, strict=strict)
+
+    def optimizer_state(self, optimizer: MixedPrecisionOptimizer, model: nn.Module | None) -> Any:
+        """The whole optimizer's state on rank 0 (masters, scaler, counters)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(
+        self, optimizer: MixedPrecisionOptimizer, state: dict[str, Any], model: nn.Module | None
+    ) -> None:
+        optimizer.load_state_dict(state)
+
+    def save_as(
+        self,
+        what: str,
+        target: Any,
+        path: str | os.PathLike,
+        partner: Any,
+        *,
+        shard: bool = False,
+        gather_dtensor: bool | None = None,
+        size_per_shard: int = 1024,
+        use_safetensors: bool = False,
+        prefix: str | None = None,
+    ) -> None:
+        """Booster.save_model / save_optimizer with Colossal's keywords (what: 'model' or
+        'optimizer'; partner: the optimizer of a model, the model of an optimizer)."""
+        from mixprec.booster.checkpoint_io import (
+            MODEL_INDEX,
+            OPTIMIZER_INDEX,
+            save_safetensors_file,
+            save_sharded,
+        )
+
+        native = self.writes_dtensor_shards
+        if gather_dtensor is False and not native:
+            raise ValueError(
+                f"gather_dtensor=False: {type(self).__name__} holds no DTensor shards; its "
+                "checkpoints are whole tensors (leave gather_dtensor unset or True)."
+            )
+        if gather_dtensor is False and (shard or use_safetensors):
+            raise ValueError(
+                "gather_dtensor=False writes each rank's DTensor shards (a "
+                "torch.distributed.checkpoint directory); shard=True / use_safetensors=True "
+                "write gathered tensors: leave gather_dtensor unset."
+            )
+        gather = gather_dtensor if gather_dtensor is not None else not native
+        if not (shard or use_safetensors or (gather and native)):
+            if what == "model":
+                return self.save_model(target, path, partner)
+            return self.save_optimizer(target, path, partner)
+        if what == "model":
+            state = self.model_state(target, partner)
+        else:
+            state = self.optimizer_state(target, partner)
+        if rank_and_world()[0] == 0:
+            if shard:
+                index = MODEL_INDEX[use_safetensors] if what == "model" else OPTIMIZER_INDEX
+                save_sharded(
+                    state,
+                    path,
+                    index_name=index,
+                    size_per_shard=size_per_shard,
+                    use_safetensors=use_safetensors,
+                    prefix=prefix,
+                )
+            elif use_safetensors:
+                save_safetensors_file(state, path)
+            else:
+                save_checkpoint(state, path)
+        barrier()
+
     def save_model(
         self, model: nn.Module, path: str | os.PathLike, optimizer: MixedPrecisionOptimizer | None
     ) -> None:
-        self._write(hp_model_state_dict(unwrap_model(model), optimizer), path)
+        self._write(self.model_state(model, optimizer), path)
 
     def load_model(
         self,
@@ -145,22 +248,26 @@ class Plugin:
         optimizer: MixedPrecisionOptimizer | None,
         strict: bool = True,
     ) -> None:
+        from mixprec.booster.checkpoint_io import find_index, load_state_file
+
         user_model = unwrap_model(model)
-        if Path(path).is_dir():  # a torch.distributed.checkpoint directory (from FSDP)
+        if Path(path).is_dir() and find_index(path) is None:  # a DCP directory (from FSDP)
             state = _dcp_read_model_state(user_model, path, optimizer)
-        else:
-            state = load_checkpoint(path)
-        load_hp_model_state_dict(user_model, state, optimizer, strict=strict)
+        else:  # a file (torch or safetensors) or a sharded directory
+            state = load_state_file(path)
+        self.load_model_state(model, state, optimizer, strict=strict)
 
     def save_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
-        self._write(optimizer.state_dict(), path)
+        self._write(self.optimizer_state(optimizer, model), path)
 
     def load_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
-        optimizer.load_state_dict(load_checkpoint(path))
+        from mixprec.booster.checkpoint_io import load_state_file
+
+        self.load_optimizer_state(optimizer, load_state_file(path), model)
 
     def save_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike) -> None:
         self._write(lr_scheduler.state_dict(), path)

@@ -8,12 +8,18 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mixprec.booster.plugin.plugin_base import Plugin, is_distributed
+from mixprec.booster.plugin.plugin_base import (
+    FP8_COMMUNICATION,
+    Plugin,
+    is_distributed,
+    refuse_non_defaults,
+)
 from mixprec.module import PrecisionModule
 
 
 class TorchDDPPlugin(Plugin):
-    """Wrap the precision-wrapped model in DDP; the arguments are DDP's (Colossal's names).
+    """Wrap the precision-wrapped model in DDP; the arguments are DDP's (Colossal's names;
+    fp8_communication must stay False: DDP's buckets are reduced in the gradients' dtype).
 
     The model is cast before DDP wraps it, so DDP broadcasts (and all-reduces) the params in
     the dtype they train in; fp32 masters are made after that broadcast, so they agree too.
@@ -27,7 +33,11 @@ class TorchDDPPlugin(Plugin):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        fp8_communication: bool = False,
     ) -> None:
+        refuse_non_defaults(
+            "TorchDDPPlugin", locals(), {"fp8_communication": (False, FP8_COMMUNICATION)}
+        )
         self.ddp_kwargs: dict[str, object] = {
             "bucket_cap_mb": bucket_cap_mb,
             "find_unused_parameters": find_unused_parameters,

@@ -12,6 +12,7 @@ Checkpoints go through torch.distributed.checkpoint: a directory, each rank writ
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -32,15 +34,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from mixprec.booster.checkpoint_io import find_index, load_state_file, swap_in_directory
 from mixprec.booster.plugin.plugin_base import (
+    FP8_COMMUNICATION,
     Plugin,
     barrier,
     is_distributed,
     rank_and_world,
+    refuse_non_defaults,
     unwrap_model,
 )
 from mixprec.casting import NORM_TYPES, keep_module_fp32
-from mixprec.checkpoint import load_checkpoint
 from mixprec.mixed_precision import MixedPrecision
 from mixprec.module import set_verbosity
 from mixprec.optim import MixedPrecisionOptimizer
@@ -57,7 +61,17 @@ def direct_children_with_params(name: str, module: nn.Module) -> bool:
 class TorchFSDPPlugin(Plugin):
     """FSDP2 sharding of the model and optimizer state over all ranks.
 
-    Args:
+    Colossal-AI's keywords (FSDP1's) first:
+        process_group: the ranks to shard over (None: the world).
+        sharding_strategy: None or ShardingStrategy.FULL_SHARD (params resharded after
+            forward) or SHARD_GRAD_OP (kept unsharded from forward to backward): FSDP2's
+            reshard_after_forward True / False. NO_SHARD and the hybrid strategies are refused.
+        sync_module_states: broadcast rank 0's params and buffers before sharding.
+        cpu_offload, auto_wrap_policy, backward_prefetch, mixed_precision, ignored_modules,
+        param_init_fn, fp8_communication: must stay None / False (FSDP1 options FSDP2 spells
+            otherwise: shard_filter is the wrap policy, the Booster's mixed_precision and
+            reduce_dtype the precision).
+    mixprec's (keyword-only):
         reduce_dtype: dtype gradients are reduce-scattered in (fp32: no precision lost in the
             sum over ranks, and an fp16 sum of scaled gradients cannot overflow there).
         reshard_after_forward: fully_shard's option (free unsharded params after forward).
@@ -67,19 +81,70 @@ class TorchFSDPPlugin(Plugin):
 
     def __init__(
         self,
+        process_group: ProcessGroup | None = None,
+        sharding_strategy: Any = None,
+        cpu_offload: Any = None,
+        auto_wrap_policy: Callable | None = None,
+        backward_prefetch: Any = None,
+        mixed_precision: Any = None,
+        ignored_modules: Any = None,
+        param_init_fn: Callable | None = None,
+        sync_module_states: bool = False,
+        fp8_communication: bool = False,
         *,
         reduce_dtype: torch.dtype = torch.float32,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         shard_filter: ShardFilter | None = None,
     ) -> None:
+        refuse_non_defaults(
+            "TorchFSDPPlugin",
+            locals(),
+            {
+                "cpu_offload": (None, "FSDP2 on this plugin keeps params on the model's device"),
+                "auto_wrap_policy": (
+                    None,
+                    "pass shard_filter=(name, module) -> bool to choose the FSDP units",
+                ),
+                "backward_prefetch": (None, "FSDP2 prefetches by itself"),
+                "mixed_precision": (
+                    None,
+                    "set the precision with Booster(mixed_precision=...) and the reduction "
+                    "dtype with reduce_dtype=",
+                ),
+                "ignored_modules": (None, "every parameter is sharded"),
+                "param_init_fn": (None, "the model is built before boosting, not deferred"),
+                "fp8_communication": (False, FP8_COMMUNICATION),
+            },
+        )
         if reduce_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(
                 f"reduce_dtype={reduce_dtype!r}; valid: torch.float32, torch.float16, "
                 "torch.bfloat16."
             )
+        strategy = getattr(sharding_strategy, "name", sharding_strategy)
+        if strategy not in (None, "FULL_SHARD", "SHARD_GRAD_OP"):
+            raise NotImplementedError(
+                f"TorchFSDPPlugin(sharding_strategy={sharding_strategy!r}) is not supported by "
+                "mixprec; valid: None, ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP."
+            )
+        by_strategy = None if strategy is None else strategy == "FULL_SHARD"
+        if (
+            None not in (by_strategy, reshard_after_forward)
+            and by_strategy != reshard_after_forward
+        ):
+            raise ValueError(
+                f"sharding_strategy={strategy} and reshard_after_forward={reshard_after_forward} "
+                "disagree (FULL_SHARD reshards after forward, SHARD_GRAD_OP does not); set one."
+            )
+        if not isinstance(sync_module_states, bool):
+            raise TypeError(f"sync_module_states={sync_module_states!r} must be a bool.")
         self.reduce_dtype = reduce_dtype
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = next(
+            (v for v in (reshard_after_forward, by_strategy) if v is not None), True
+        )
         self.shard_filter = shard_filter or direct_children_with_params
+        self.sync_module_states = sync_module_states
+        self.shard_group = process_group
         self.mesh: DeviceMesh | None = None
 
     @property
@@ -136,7 +201,14 @@ class TorchFSDPPlugin(Plugin):
         model = model.to(device)
         names_before = {id(p): name for name, p in model.named_parameters()}
         boosted = mixed_precision.convert_module(model, hp_policy)
-        self.mesh = init_device_mesh(device.type, (rank_and_world()[1],))
+        if self.shard_group is None:
+            self.mesh = init_device_mesh(device.type, (rank_and_world()[1],))
+        else:
+            self.mesh = DeviceMesh.from_group(self.shard_group, device.type)
+        if self.sync_module_states:  # every rank starts from rank 0's weights and buffers
+            group = self.mesh.get_group()
+            for t in itertools.chain(boosted.module.parameters(), boosted.module.buffers()):
+                dist.broadcast(t.detach(), src=dist.get_global_rank(group, 0), group=group)
         self._shard(boosted.module, lp_dtype, policy.keep_norm_fp32)
         if optimizer is None:
             return boosted, None
@@ -155,6 +227,47 @@ class TorchFSDPPlugin(Plugin):
         return _no_gradient_sync(unwrap_model(model))
 
     # ----- checkpoints: torch.distributed.checkpoint directories -----
+    writes_dtensor_shards = True
+
+    def model_state(self, model: nn.Module, optimizer: MixedPrecisionOptimizer | None) -> Any:
+        """The full state gathered to rank 0 (CPU tensors; a collective: every rank calls)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(unwrap_model(model), options=options)
+
+    def load_model_state(
+        self,
+        model: nn.Module,
+        state: dict[str, Any],
+        optimizer: MixedPrecisionOptimizer | None,
+        strict: bool = True,
+    ) -> None:
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_model_state_dict(unwrap_model(model), state, options=options)
+
+    def optimizer_state(self, optimizer: MixedPrecisionOptimizer, model: nn.Module | None) -> Any:
+        if model is None:
+            raise ValueError("An FSDP optimizer checkpoint needs the model it was boosted with.")
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {
+            "optimizer": get_optimizer_state_dict(
+                unwrap_model(model), optimizer.optim, options=options
+            ),
+            "scaler": optimizer.scaler.state_dict(),
+            "steps": optimizer.steps,
+            "skipped_steps": optimizer.skipped_steps,
+        }
+
+    def load_optimizer_state(
+        self, optimizer: MixedPrecisionOptimizer, state: dict[str, Any], model: nn.Module | None
+    ) -> None:
+        if model is None:
+            raise ValueError("An FSDP optimizer checkpoint needs the model it was boosted with.")
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(
+            unwrap_model(model), optimizer.optim, state["optimizer"], options=options
+        )
+        _load_counters(optimizer, state)
+
     def save_model(
         self, model: nn.Module, path: str | os.PathLike, optimizer: MixedPrecisionOptimizer | None
     ) -> None:
@@ -168,10 +281,8 @@ class TorchFSDPPlugin(Plugin):
         strict: bool = True,
     ) -> None:
         user_model = unwrap_model(model)
-        if Path(path).is_file():  # a full-state file (single process / DDP): each rank reads it
-            full = load_checkpoint(path)
-            options = StateDictOptions(full_state_dict=True, strict=strict)
-            set_model_state_dict(user_model, full, options=options)
+        if Path(path).is_file() or find_index(path):  # a full state: each rank reads it all
+            self.load_model_state(model, load_state_file(path), optimizer, strict=strict)
             return
         state = get_model_state_dict(user_model)
         dcp.load(state, checkpoint_id=os.fspath(path))
@@ -197,12 +308,19 @@ class TorchFSDPPlugin(Plugin):
     def load_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
+        if Path(path).is_file() or find_index(path):  # a gathered full state
+            self.load_optimizer_state(optimizer, load_state_file(path), model)
+            return
         state = self._optimizer_state(optimizer, model)
         dcp.load(state, checkpoint_id=os.fspath(path))
         set_optimizer_state_dict(unwrap_model(model), optimizer.optim, state["optimizer"])
-        optimizer.scaler.load_state_dict(state["scaler"])
-        optimizer.steps = int(state["steps"])
-        optimizer.skipped_steps = int(state["skipped_steps"])
+        _load_counters(optimizer, state)
+
+
+def _load_counters(optimizer: MixedPrecisionOptimizer, state: dict[str, Any]) -> None:
+    optimizer.scaler.load_state_dict(state["scaler"])
+    optimizer.steps = int(state["steps"])
+    optimizer.skipped_steps = int(state["skipped_steps"])
 
 
 def _point_optimizer_at_shards(
@@ -247,7 +365,6 @@ def _dcp_save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:
     """
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp"
-    old = path.parent / f".{path.name}.old"
     if rank_and_world()[0] == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save
@@ -255,9 +372,5 @@ def _dcp_save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:
     dcp.save(state, checkpoint_id=os.fspath(tmp))
     barrier()  # every rank's shards are written
     if rank_and_world()[0] == 0:
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)  # a non-empty directory cannot be replaced in one rename
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_in_directory(tmp, path)
     barrier()
