@@ -14,16 +14,19 @@ from mixprec.paddle.dygraph import (
     LEVELS,
     NORM_OPS,
     SAVE_DTYPES,
-    GradScaler,
     MasterWeightOptimizer,
     amp_decorate,
+    amp_global_state,
     amp_guard,
     auto_cast,
     decorate,
     fp16_guard,
+    get_autocast_dtype,
     holds_pure_lp_params,
+    is_autocast_enabled,
     level_op_lists,
 )
+from mixprec.paddle.grad_scaler import GradScaler
 
 __all__ = [
     "COMPUTE_OPS",
@@ -36,10 +39,13 @@ __all__ = [
     "GradScaler",
     "MasterWeightOptimizer",
     "amp_decorate",
+    "amp_global_state",
     "amp_guard",
     "auto_cast",
     "decorate",
     "fp16_guard",
+    "get_autocast_dtype",
     "holds_pure_lp_params",
+    "is_autocast_enabled",
     "level_op_lists",
 ]

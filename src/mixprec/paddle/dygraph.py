@@ -56,19 +56,18 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import defaultdict
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from mixprec.autocast import autocast, fp16_guard, fp32, is_fp32_module, resolve_ops
 from mixprec.casting import NORM_TYPES, cast_module
-from mixprec.grad_scaler import GradScaler as _CoreGradScaler
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import UNIT_SCALE, did_you_mean, to_low_dtype
+from mixprec.scaling import rank_and_world
 from mixprec.validate import check_module_has_parameters
 
 log = logging.getLogger("mixprec")
@@ -216,6 +215,19 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
             device_type=device_type,
         )
 
+    def __enter__(self) -> auto_cast:
+        # Paddle records the dtype of every auto_cast entered, and keeps it after exit: a
+        # dynamic GradScaler reads it (bfloat16 switches the scaler off).
+        amp_global_state().amp_dtype = _dtype_name(self.dtype)
+        super().__enter__()
+        _ACTIVE.stack.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if _ACTIVE.stack and _ACTIVE.stack[-1] is self:
+            _ACTIVE.stack.pop()
+        super().__exit__(*exc)
+
     def __repr__(self) -> str:
         return (
             f"mixprec.paddle.auto_cast(level={self.level!r}, dtype={self.dtype}, "
@@ -225,6 +237,52 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
 
 amp_guard = auto_cast
 """Paddle's older name for auto_cast."""
+
+
+class AmpGlobalState:
+    """Paddle's amp_global_state(): the dtype name of the last auto_cast entered, kept after it
+    exits (None until one is entered: then no GradScaler is switched off, see README)."""
+
+    def __init__(self) -> None:
+        self.amp_dtype: str | None = None
+
+
+_AMP_GLOBAL_STATE = AmpGlobalState()
+
+
+def amp_global_state() -> AmpGlobalState:
+    """The process-wide AMP state Paddle's GradScaler reads (amp_dtype)."""
+    return _AMP_GLOBAL_STATE
+
+
+class _ActiveAutoCasts(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[auto_cast] = []
+
+
+_ACTIVE = _ActiveAutoCasts()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def is_autocast_enabled(device_type: str | None = None) -> bool:
+    """paddle.amp.is_autocast_enabled: True inside an enabled auto_cast of level OD/O1/O2.
+
+    device_type: accepted for Paddle (all devices share one AMP state there); None or a str.
+    """
+    if device_type is not None and not isinstance(device_type, str):
+        raise TypeError(f"device_type={device_type!r} must be a str or None.")
+    return bool(_ACTIVE.stack) and _ACTIVE.stack[-1].enabled
+
+
+def get_autocast_dtype(device_type: str | None = None) -> str:
+    """paddle.amp.get_autocast_dtype: the innermost enabled auto_cast's dtype name, else
+    'float16' (Paddle's default AMP dtype)."""
+    if not is_autocast_enabled(device_type):
+        return "float16"
+    return _dtype_name(_ACTIVE.stack[-1].dtype)
 
 
 # ----- decorate -----
@@ -265,6 +323,28 @@ class MasterWeightOptimizer(MixedPrecisionOptimizer):
         self._hooks: list[Any] = []
         self._hook_pairs(0)
         self._hp_values = {}  # release the pre-cast fp32 tensors: the masters hold the values
+        self._checked_found_inf: torch.Tensor | None = None
+
+    def use_checked_grads(self, found_inf: torch.Tensor) -> None:
+        """An outside GradScaler unscaled and checked the masters' grads this step (found_inf,
+        reduced over the ranks): the next step uses that flag instead of checking again."""
+        self._checked_found_inf = found_inf
+
+    def unscale_grads(self) -> torch.Tensor:
+        if self._checked_found_inf is not None:
+            return self._checked_found_inf
+        return super().unscale_grads()
+
+    def step(self, closure: Any = None) -> Any:
+        try:
+            return super().step(closure)
+        finally:
+            self._checked_found_inf = None
+
+    def _report_skip(self, scale: float) -> None:
+        # Own scale is a constant 1: the loss scale lives in the GradScaler, so no host read here.
+        if rank_and_world()[0] == 0:
+            log.info("mixprec.paddle: non-finite gradients; skipped step %d", self.steps)
 
     def _hook_pairs(self, start: int) -> None:
         with torch.no_grad():
@@ -289,6 +369,7 @@ class MasterWeightOptimizer(MixedPrecisionOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
+        self._checked_found_inf = None
         for hp in self.hp_masters:  # masters accumulate: clear them like any param
             if hp.grad is not None:
                 if set_to_none:
@@ -312,89 +393,6 @@ def holds_pure_lp_params(optimizer: torch.optim.Optimizer) -> bool:
     return any(
         getattr(p, _PURE_LP_MARK, False) for g in optimizer.param_groups for p in g["params"]
     )
-
-
-class GradScaler(_CoreGradScaler):
-    """paddle.amp.GradScaler: mixprec.GradScaler plus pure float16 and Paddle's `minimize`.
-
-    Unscales float16 gradients of params that `decorate(level='O2')` cast and an optimizer steps
-    directly (torch's GradScaler refuses any float16 gradient). Arguments: those of
-    mixprec.GradScaler, Paddle's names included (init_loss_scaling, incr_ratio, decr_ratio,
-    incr_every_n_steps, decr_every_n_nan_or_inf, use_dynamic_loss_scaling, enable).
-
-    The scale follows Paddle's update_loss_scaling rule, not Megatron's hysteresis: the scale
-    backs off after decr_every_n_nan_or_inf (= hysteresis) bad steps in a row, a clean step
-    resets that count, and the count restarts after each back-off; it grows after
-    incr_every_n_steps clean steps in a row (only to a finite value). Floor min_scale (1).
-    """
-
-    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
-        super()._lazy_init_scale_growth_tracker(dev)
-        bad = getattr(self, "_loaded_bad_steps", 0)  # from load_state_dict before first use
-        self._bad_steps = torch.full((), bad, dtype=torch.int32, device=dev)  # Paddle's decr_count
-
-    def _update_scale_(self, found_inf: torch.Tensor) -> None:
-        """Paddle's rule on the device (no host sync): good/bad counts, each reset by the other."""
-        scale, good = self._scale, self._growth_tracker
-        cfg = self.cfg
-        bad_step = found_inf > 0
-        bad = torch.where(bad_step, self._bad_steps + 1, torch.zeros_like(self._bad_steps))
-        good_now = torch.where(bad_step, torch.zeros_like(good), good + 1)
-        backoff = bad >= cfg.hysteresis
-        grow = good_now >= cfg.growth_interval
-        backed = torch.clamp(scale * cfg.backoff_factor, min=cfg.min_scale)
-        grown = torch.clamp(scale * cfg.growth_factor, max=cfg.max_scale)
-        grown = torch.where(torch.isfinite(grown), grown, scale)  # Paddle keeps a finite scale
-        scale.copy_(torch.where(backoff, backed, torch.where(grow, grown, scale)))
-        self._bad_steps.copy_(torch.where(backoff, torch.zeros_like(bad), bad))
-        good.copy_(torch.where(grow, torch.zeros_like(good_now), good_now))
-
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        if not self._enabled or new_scale is not None or not self.cfg.dynamic:
-            super().update(new_scale)
-            return
-        self._check_scale_growth_tracker("update")
-        found_infs = [
-            found_inf.to(device=self._scale.device, non_blocking=True)
-            for state in self._per_optimizer_states.values()
-            for found_inf in state["found_inf_per_device"].values()
-        ]
-        if not found_infs:
-            raise AssertionError("No inf checks were recorded prior to update.")
-        self._update_scale_(torch.stack(found_infs).amax())
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if self._enabled:
-            bad = getattr(self, "_bad_steps", None)
-            state["decr_count"] = 0 if bad is None else int(bad)  # Paddle's name for it
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
-        self._loaded_bad_steps = int(state.pop("decr_count", 0))
-        super().load_state_dict(state)
-        if self._scale is not None:
-            self._bad_steps.fill_(self._loaded_bad_steps)
-
-    def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool,
-    ) -> dict[torch.device, torch.Tensor]:
-        allow_fp16 = allow_fp16 or holds_pure_lp_params(optimizer)
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-
-    def minimize(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-        """step(optimizer) then update(), as Paddle's minimize after `scaled.backward()`.
-
-        Paddle passes the scaled loss here; backward has already run, so it is not used.
-        """
-        self.step(optimizer)
-        self.update()
 
 
 def _as_list(value: Any, kind: type, what: str) -> tuple[list[Any], bool]:
@@ -526,7 +524,7 @@ def _warn_pure_lp_once(lp_dtype: torch.dtype) -> None:
 def decorate(
     models: nn.Module | Sequence[nn.Module],
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-    level: str = "O2",
+    level: str = "O1",
     dtype: str | torch.dtype = "float16",
     master_weight: bool | None = None,
     save_dtype: str | torch.dtype | None = None,
@@ -537,7 +535,8 @@ def decorate(
 
     models: an nn.Module or a list of them (before any DistributedDataParallel wrapping).
     optimizers: None, a torch optimizer, or a list of them, built over the models' params.
-    level: 'O1' (nothing changes) or 'O2' (params cast to dtype; norm layers stay fp32).
+    level: 'O1' (the default, as Paddle 3.x: nothing changes) or 'O2' (params cast to dtype;
+        norm layers stay fp32).
     dtype: 'float16' or 'bfloat16'.
     master_weight: O2 with optimizers: None or True wraps each in a MasterWeightOptimizer
         (fp32 masters); False leaves the optimizers stepping the low-precision params.
@@ -583,8 +582,9 @@ def decorate(
 
     for model in model_list:
         if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
-            raise TypeError(
-                f"decorate got a {type(model).__name__}: decorate the model first, then wrap it."
+            raise RuntimeError(  # RuntimeError as Paddle's for paddle.DataParallel
+                f"decorate got a {type(model).__name__}: for distributed AMP training, decorate "
+                "the model first, then wrap it."
             )
     use_masters = bool(opt_list) and master_weight is not False
     if master_grad and not use_masters:
@@ -641,13 +641,15 @@ __all__ = [
     "LEVELS",
     "NORM_OPS",
     "SAVE_DTYPES",
-    "GradScaler",
     "MasterWeightOptimizer",
     "amp_decorate",
+    "amp_global_state",
     "amp_guard",
     "auto_cast",
     "decorate",
     "fp16_guard",
+    "get_autocast_dtype",
     "holds_pure_lp_params",
+    "is_autocast_enabled",
     "level_op_lists",
 ]
