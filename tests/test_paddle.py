@@ -60,8 +60,19 @@ EXPECTED = {
         "mse": HP,
         "view_after_gemm": LP,
     },
-    # Everything low but the norms.
+    # Paddle 3's O2 (use_promote=True): the white list low, an op with an fp32 input fp32.
     "O2": {
+        "linear": LP,
+        "matmul": LP,
+        "add": HP,
+        "relu_after_gemm": LP,
+        "softmax": HP,
+        "layer_norm": HP,
+        "mse": HP,
+        "view_after_gemm": LP,
+    },
+    # The seed's O2 (use_promote=False): everything low but the norms.
+    "O2_no_promote": {
         "linear": LP,
         "matmul": LP,
         "add": LP,
@@ -74,10 +85,24 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("level", ["O0", "OD", "O2"])
+@pytest.mark.parametrize("level", ["O0", "OD", "O2", "O2_no_promote"])
 def test_level_op_dtypes(level, xy):
-    with amp.auto_cast(level=level, dtype="bfloat16", device_type="cpu"):
+    promote = not level.endswith("_no_promote")
+    with amp.auto_cast(level=level[:2], dtype="bfloat16", use_promote=promote, device_type="cpu"):
         assert probe(*xy) == EXPECTED[level]
+
+
+def test_o1_runs_paddles_black_list_in_fp32(xy):
+    """Paddle's O1 black list: mean (and losses, norms, softmax) in fp32 where torch.autocast
+    would keep a low input low, so the loss is not rounded to the low dtype."""
+    lin, x, _ = xy
+    with torch.autocast("cpu", dtype=LP):
+        assert lin(x).mean().dtype == LP  # torch.autocast alone
+    with amp.auto_cast(level="O1", dtype="bfloat16", device_type="cpu"):
+        h = lin(x)
+        got = h.mean()
+    assert h.dtype == LP and got.dtype == HP
+    assert got.item() == h.float().mean().item()  # the same fp32 mean of the same low values
 
 
 def test_o1_is_torch_autocast(xy):
@@ -99,6 +124,8 @@ def test_o1_is_torch_autocast(xy):
         ("O2", None, {"softmax"}, "softmax", HP),
         ("O2", None, [F.mse_loss], "mse", HP),  # a torch callable names its op
         ("O2", {"layer_norm"}, None, "layer_norm", LP),
+        ("O2", {"elementwise_add"}, None, "add", LP),  # under promote the custom list wins
+        ("O1", None, ["pool2d"], "linear", LP),  # Paddle's op vocabulary: pool2d is accepted
     ],
 )
 def test_custom_lists(level, white, black, op, dtype, xy):

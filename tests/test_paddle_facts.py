@@ -285,3 +285,26 @@ def test_paddle_scaler_trains_a_decorated_model_like_the_unscaled_reference() ->
     # power-of-two scale, no fp16 overflow or underflow here: scaling is exact
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_auto_cast_and_decorate_signatures_are_paddles() -> None:
+    assert params_of(amp.auto_cast.__init__) == recorded("paddle.amp.auto_cast")
+    # decorate's `models` has no default, which the recorder wrote as None
+    assert params_of(amp.decorate) == recorded("paddle.amp.decorate")
+    with pytest.raises(TypeError, match="use_promote"):
+        amp.auto_cast(use_promote="yes")
+
+
+def test_o2_promote_on_a_decorated_model_runs_only_fp32_fed_ops_in_fp32() -> None:
+    """decorate(O2) + auto_cast(O2): the white-listed Linear runs low on an fp32 input (the
+    white list wins), relu follows its low input, the loss against an fp32 label promotes."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    model = amp.decorate(model, level="O2", dtype="bfloat16")
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    with amp.auto_cast(level="O2", dtype="bfloat16"):
+        h = model(x)
+        loss = F.mse_loss(h, y)
+    assert h.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    assert loss.item() == F.mse_loss(h.float(), y).item()  # computed from the same values
+    with amp.auto_cast(level="O2", dtype="bfloat16", use_promote=False):
+        assert F.mse_loss(model(x), y).dtype == torch.bfloat16  # the seed's older O2

@@ -13,19 +13,23 @@
         scaler.update()
         optimizer.zero_grad()                         # Paddle: optimizer.clear_grad()
 
-Levels of `auto_cast` (op names are torch's; Paddle's spellings such as 'elementwise_add' or
-'matmul_v2' are accepted in the custom lists and normalised by mixprec.resolve_ops):
+Levels of `auto_cast`, on Paddle 3.3.1's default lists (paddle.amp.white_list() and
+black_list(), mixprec.paddle.op_names) in torch's op names; Paddle's names ('elementwise_add',
+'matmul_v2', 'pool2d', ...) are accepted in the custom lists, a fused Paddle kernel is refused
+with its reason:
 
     O0  nothing is cast: torch's autocast off, op lists suspended.
-    OD  GEMM_OPS (Paddle's default white list: matmul/linear/conv/einsum/...) run low; the
-        arithmetic in COMPUTE_OPS and NORM_OPS runs in fp32 (inputs cast up). Ops in neither
-        list (views, reshapes, indexing) move data without computing and keep their input dtype.
-    O1  torch.autocast's own lists, plus the custom lists.
-    O2  GEMM_OPS and COMPUTE_OPS run low: their fp32 inputs are cast down; NORM_OPS and the
-        custom black list run in fp32. Ops in no list follow torch.autocast, which keeps the
-        numerically fragile ones (linalg, fft, ...) in fp32, as Paddle keeps ops without fp16
-        kernels. Layers `decorate` kept in fp32 (norm layers, excluded_layers) run in an
-        fp32_region, so their fp32 weights are not cast down by the O2 lists.
+    OD  Paddle's white list (matmul/linear/conv2d/einsum/...) runs low; every other op that
+        computes (GEMM_OPS, COMPUTE_OPS, NORM_OPS) runs in fp32 (inputs cast up). Ops in no
+        list (views, reshapes, indexing) move data and keep their input dtype.
+    O1  Paddle's white list low and its O1 black list (mean, softmax, losses, norms, exp/log,
+        interpolation, embedding, ...) in fp32, over torch.autocast's own lists.
+    O2  use_promote=True (Paddle 3's default): the white list low, Paddle's O2 black list
+        (interpolation, embedding, scatter) and NORM_OPS in fp32, and an op in neither list
+        runs in its widest input's dtype (torch's type promotion; torch.autocast's own lists
+        still apply). use_promote=False (the seed's O2): GEMM_OPS and COMPUTE_OPS run low, their
+        fp32 inputs cast down; only NORM_OPS and the black list in fp32. Layers `decorate` kept
+        in fp32 (norm layers, excluded_layers) run in an fp32_region either way.
     In every level the custom white list runs low and the custom black list fp32.
 
 `decorate(..., level='O2')` casts the models in place (norm layers and excluded_layers stay
@@ -40,8 +44,8 @@ the optimizer built earlier steps the low-precision parameters directly; use thi
 Differences from Paddle, each deliberate:
 - OD keeps data-movement ops in their input dtype (Paddle casts every non-white op to fp32);
   all arithmetic still runs in fp32.
-- O2 follows the seed (fp32 inputs of listed ops are cast down), not Paddle >= 2.5's default
-  use_promote=True (an op with any fp32 input runs in fp32); fp32 layers get fp32 regions.
+- O2 with use_promote promotes through torch's type promotion and keeps torch.autocast's own
+  fp32 list (on CUDA: exp, log, softmax, sum, ... run fp32 where Paddle runs fp16 inputs low).
 - All norm layers stay fp32 in O2 (Paddle keeps LayerNorm/InstanceNorm bf16 under bfloat16).
 - Nested auto_cast contexts add their lists to the enclosing ones (mixprec.autocast's rule);
   Paddle's replace them. O0 / enable=False inside any level turns everything off, as Paddle.
@@ -66,6 +70,7 @@ from torch import nn
 from mixprec.autocast import autocast, fp16_guard, fp32, is_fp32_module, resolve_ops
 from mixprec.casting import NORM_TYPES, cast_module
 from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.paddle import op_names
 from mixprec.policy import UNIT_SCALE, did_you_mean, to_low_dtype
 from mixprec.scaling import rank_and_world
 from mixprec.validate import check_module_has_parameters
@@ -150,34 +155,48 @@ def _check_bool(name: str, value: object) -> None:
 
 
 @functools.cache
-def _base_lists(level: str) -> tuple[frozenset[str], frozenset[str]]:
+def _base_lists(
+    level: str, dtype: str = "float16", use_promote: bool = True
+) -> tuple[frozenset[str], frozenset[str]]:
+    """(low, fp32) torch ops of a level before the custom lists: Paddle's lists in torch ops."""
     gemm, compute, norm = (resolve_ops(ops) for ops in (GEMM_OPS, COMPUTE_OPS, NORM_OPS))
-    return {
-        "O0": (frozenset(), frozenset()),
-        "OD": (gemm, compute | norm),
-        "O1": (frozenset(), frozenset()),
-        "O2": (gemm | compute, norm),
-    }[level]
+    if level == "O0":
+        return frozenset(), frozenset()
+    white, black = op_names.default_lists(level, dtype)
+    if level == "OD":  # only the white list low: everything else that computes in fp32
+        return white, (gemm | compute | norm) - white
+    if level == "O2" and not use_promote:  # seed 002's (Paddle < 2.5's) O2: all low but norms
+        return gemm | compute, norm
+    if level == "O2":  # promote: unlisted ops take their widest input (torch's promotion)
+        return white, (black | norm) - white
+    return white, black  # O1: over torch.autocast's own lists
 
 
 def level_op_lists(
     level: str,
     custom_white_list: Iterable[str | Callable] | None = None,
     custom_black_list: Iterable[str | Callable] | None = None,
+    *,
+    dtype: str | torch.dtype = "float16",
+    use_promote: bool = True,
 ) -> tuple[frozenset[str], frozenset[str]]:
     """The (low, fp32) op lists auto_cast(level, ...) hands to mixprec.autocast.
 
-    O1's lists are only the custom ones: torch.autocast's own lists apply underneath in every
-    level but O0 (where nothing is cast and the lists are not used).
+    Paddle's default white and black lists for level and dtype (paddle.amp.white_list(),
+    black_list(), in torch's op names), the custom lists moved in; in O1 and O2 torch.autocast
+    decides the ops in neither list (in O0 nothing is cast and the lists are not used).
+    use_promote=False gives O2 as the seed (Paddle < 2.5): every computing op low but norms.
     """
     level = _check_level(level, LEVELS)
-    white, black = resolve_ops(custom_white_list), resolve_ops(custom_black_list)
+    dtype_name = _dtype_name(_check_dtype(dtype))
+    white = op_names.paddle_ops_to_torch(custom_white_list)
+    black = op_names.paddle_ops_to_torch(custom_black_list)
     overlap = white & black
     if overlap:
         raise ValueError(
             f"Ops {sorted(overlap)} are in both custom_white_list and custom_black_list."
         )
-    base_white, base_black = _base_lists(level)
+    base_white, base_black = _base_lists(level, dtype_name, use_promote)
     return (base_white - black) | white, (base_black - white) | black
 
 
@@ -189,6 +208,9 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
     custom_black_list: ops run in fp32.
     level: 'O0', 'OD', 'O1' or 'O2' (see the module docstring; lower case works).
     dtype: 'float16' or 'bfloat16'.
+    use_promote: O2 only (Paddle 3's default True): an op in neither list runs in its widest
+        input's dtype (fp32 if any input is fp32); False is the seed's older O2, where every
+        computing op but the norms runs low.
     device_type: mixprec's addition: the device whose autocast is set; None is 'cuda' when a
     GPU is visible, else 'cpu'.
     A context manager and a decorator, like mixprec.autocast.
@@ -201,12 +223,17 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
         custom_black_list: Iterable[str | Callable] | None = None,
         level: str = "O1",
         dtype: str | torch.dtype = "float16",
+        use_promote: bool = True,
         *,
         device_type: str | None = None,
     ) -> None:
         _check_bool("enable", enable)
+        _check_bool("use_promote", use_promote)
         self.level = _check_level(level, LEVELS)
-        lp_ops, hp_ops = level_op_lists(self.level, custom_white_list, custom_black_list)
+        self.use_promote = use_promote
+        lp_ops, hp_ops = level_op_lists(
+            self.level, custom_white_list, custom_black_list, dtype=dtype, use_promote=use_promote
+        )
         super().__init__(
             dtype=_check_dtype(dtype),
             custom_white_list=lp_ops,
@@ -231,6 +258,7 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
     def __repr__(self) -> str:
         return (
             f"mixprec.paddle.auto_cast(level={self.level!r}, dtype={self.dtype}, "
+            f"use_promote={self.use_promote}, "
             f"enabled={self.enabled}, device_type={self.device_type!r})"
         )
 
