@@ -71,6 +71,9 @@ def test_tensor_checker_aborts_at_the_first_bad_op() -> None:
     finally:
         debugging.disable_tensor_checker()
     assert [r.op for r in config.records] == ["div"]
+    # stack_height_limit=1 (Paddle's default): the innermost user frame, this test's line
+    (frame,) = config.records[0].stack
+    assert frame.startswith("test_paddle_debugging.py:") and "test_tensor_checker" in frame
     (torch.tensor([1.0]) / 0).sum()  # unchecked after disable
 
 
@@ -107,6 +110,8 @@ def test_tensor_checker_steps_op_lists_and_modes(caplog, tmp_path) -> None:
         debugging.TensorCheckerConfig(enable=True, checked_op_list=["fused_attention"])
     with pytest.raises(ValueError, match="debug_step"):
         debugging.TensorCheckerConfig(enable=True, debug_step=[3, 1])
+    with pytest.raises(TypeError, match="stack_height_limit=-1"):
+        debugging.TensorCheckerConfig(enable=True, stack_height_limit=-1)
     with pytest.raises(TypeError, match="DebugMode"):
         debugging.TensorCheckerConfig(enable=True, debug_mode=1)
 

@@ -22,6 +22,7 @@ import contextlib
 import enum
 import logging
 import os
+import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -138,8 +139,8 @@ class TensorCheckerConfig:
     report lines to (one file, tensor_checker.log), else they are logged. checked_op_list /
     skipped_op_list: op names (torch's or Paddle's) to check only / never. debug_step: [start,
     end): check only the steps (calls of enable_tensor_checker) in that range.
-    stack_height_limit: accepted for Paddle, must be an int; mixprec raises with Python's
-    own stack at the op in abort mode instead of printing a C++ one.
+    stack_height_limit: how many Python stack frames (innermost last, mixprec's own frames
+    left out) each reported line carries; 0 for none (Paddle prints its C++ stack instead).
     """
 
     def __init__(
@@ -164,8 +165,8 @@ class TensorCheckerConfig:
             raise ValueError(
                 f"debug_step={debug_step!r} must be [start, end) with 0 <= start < end."
             )
-        if not isinstance(stack_height_limit, int):
-            raise TypeError(f"stack_height_limit={stack_height_limit!r} must be an int.")
+        if not isinstance(stack_height_limit, int) or stack_height_limit < 0:
+            raise TypeError(f"stack_height_limit={stack_height_limit!r} must be an int >= 0.")
         self.enable, self.debug_mode, self.output_dir = enable, debug_mode, output_dir
         self.checked_op_list = _aten_names(checked_op_list)
         self.skipped_op_list = _aten_names(skipped_op_list)
@@ -216,13 +217,28 @@ class TensorCheckRecord:
     dtype: torch.dtype
     shape: tuple[int, ...]
     max_abs: float
+    stack: tuple[str, ...] = ()
+    """The innermost user frames ('file:line in function'), as many as stack_height_limit."""
 
     def describe(self) -> str:
+        where = f" at {' <- '.join(reversed(self.stack))}" if self.stack else ""
         return (
             f"[step {self.step}] {self.kind} in output {self.output} of op {self.op} "
             f"({str(self.dtype).removeprefix('torch.')}, shape {list(self.shape)}, "
-            f"max |x| {self.max_abs:g})"
+            f"max |x| {self.max_abs:g}){where}"
         )
+
+
+def _user_frames(limit: int) -> tuple[str, ...]:
+    """The innermost `limit` stack frames outside torch and this module."""
+    if limit == 0:
+        return ()
+    frames = [
+        f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+        for f in traceback.extract_stack()
+        if f.filename != __file__ and f"{os.sep}torch{os.sep}" not in f.filename
+    ]
+    return tuple(frames[-limit:])
 
 
 class TensorCheckerError(FloatingPointError):
@@ -261,7 +277,16 @@ class _CheckingMode(TorchDispatchMode):
                 kind = "overflow" if t.dtype == torch.float32 and max_abs > _FP16_MAX else "ok"
         if kind is None:
             return
-        record = TensorCheckRecord(self.step, op, index, kind, t.dtype, tuple(t.shape), max_abs)
+        record = TensorCheckRecord(
+            self.step,
+            op,
+            index,
+            kind,
+            t.dtype,
+            tuple(t.shape),
+            max_abs,
+            _user_frames(self.config.stack_height_limit),
+        )
         self.config.records.append(record)
         if mode is DebugMode.CHECK_NAN_INF_AND_ABORT:
             raise TensorCheckerError(record)
