@@ -7,6 +7,7 @@ A name that is not Paddle's passes through to mixprec.resolve_ops (torch names, 
 
 from __future__ import annotations
 
+import difflib
 import functools
 from collections.abc import Callable, Iterable
 
@@ -245,7 +246,22 @@ def paddle_ops_to_torch(
             out.update(TO_TORCH[name])
         else:
             rest.append(name)
+    for name in rest:
+        if isinstance(name, str):
+            _check_known(name)
     return frozenset(out) | resolve_ops(rest)
+
+
+def _check_known(name: str) -> None:
+    """A name neither Paddle's nor torch's: the error offers Paddle's close spellings first."""
+    try:
+        resolve_ops([name])
+    except ValueError as err:
+        close = difflib.get_close_matches(name, sorted(TO_TORCH), n=3, cutoff=0.6)
+        if not close:
+            raise
+        hint = " or ".join(repr(c) for c in close)
+        raise ValueError(f"Unknown op {name!r}: did you mean Paddle's {hint}? {err}") from None
 
 
 @functools.cache
