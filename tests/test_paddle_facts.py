@@ -308,3 +308,14 @@ def test_o2_promote_on_a_decorated_model_runs_only_fp32_fed_ops_in_fp32() -> Non
     assert loss.item() == F.mse_loss(h.float(), y).item()  # computed from the same values
     with amp.auto_cast(level="O2", dtype="bfloat16", use_promote=False):
         assert F.mse_loss(model(x), y).dtype == torch.bfloat16  # the seed's older O2
+
+
+def test_pickled_scaler_keeps_paddles_counters() -> None:
+    import pickle
+
+    fact = FACTS["dygraph_trajectories"]["rand_d2_i3"]
+    scaler = amp.GradScaler(device="cpu", **fact["kwargs"])
+    drive(scaler, fact["pattern"][:9])
+    copy = pickle.loads(pickle.dumps(scaler))
+    assert copy.state_dict() == scaler.state_dict()
+    assert drive(copy, fact["pattern"][9:]) == fact["scale_incr_decr"][9:]
