@@ -188,3 +188,129 @@ def test_static_decorate_od(static_mode) -> None:
             fetch_list=[loss],
         )
         assert np.isfinite(got)
+
+
+# ----- test/legacy_test/test_imperative_auto_mixed_precision.py (TestAmpScaler, decorator) ---
+
+
+def run_simple_conv(use_scaler: bool, nan: bool = False):
+    """A Conv2d + relu trained one SGD step, through the scaler's minimize or plainly."""
+    torch.manual_seed(10)
+    model = nn.Sequential(nn.Conv2d(3, 8, 7, stride=2), nn.ReLU())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.rand(1, 3, 32, 32)
+    if nan:
+        data[0, 1, 2, 3] = torch.nan
+    loss = model(data).mean()
+    if use_scaler:
+        scaler = amp.GradScaler(init_loss_scaling=1024, device="cpu")
+        scaled = scaler.scale(loss)
+        scaled.backward()
+        ops, params_grads = scaler.minimize(optimizer, scaled)
+    else:
+        loss.backward()
+        optimizer.step()
+        ops, params_grads = [], [(p, p.grad) for p in model.parameters()]
+    return ops, params_grads
+
+
+def test_minimize_with_a_scaler_equals_without() -> None:
+    """TestAmpScaler.test_minimize / test_step: the same grads and parameters (Paddle:
+    rtol 1e-5; here bit for bit: 1024 is a power of two and fp32 grads neither overflow nor
+    underflow); optimize_ops is [] in dygraph mode."""
+    with_scaler, without = run_simple_conv(True), run_simple_conv(False)
+    assert with_scaler[0] == without[0] == []
+    for (p, g), (q, h) in zip(with_scaler[1], without[1], strict=True):
+        torch.testing.assert_close(g, h, rtol=0, atol=0)
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_nan_input_skips_the_step() -> None:
+    """TestAmpScaler.test_nan_inf: a NaN in the input; the parameters do not move."""
+    torch.manual_seed(10)
+    before = [p.detach().clone() for p in nn.Sequential(nn.Conv2d(3, 8, 7, stride=2)).parameters()]
+    _, params_grads = run_simple_conv(True, nan=True)
+    for (p, _), b in zip(params_grads, before, strict=True):
+        torch.testing.assert_close(p, b, rtol=0, atol=0)
+    assert torch.isnan(params_grads[0][1]).any()  # the weight's grad holds the NaN
+
+
+def test_step_update_exceptions() -> None:
+    """TestAmpScaler.test_step_update_exception: unscale_ twice, unscale_ after step, step
+    twice: each a RuntimeError, as Paddle's."""
+
+    def scaled_setup():
+        model = nn.Conv2d(3, 2, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = amp.GradScaler(init_loss_scaling=1024, device="cpu")
+        scaler.scale(model(torch.rand(2, 3, 8, 8)).mean()).backward()
+        return scaler, optimizer
+
+    scaler, optimizer = scaled_setup()
+    scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(optimizer)
+    scaler, optimizer = scaled_setup()
+    scaler.step(optimizer)
+    with pytest.raises(RuntimeError, match="after step"):
+        scaler.unscale_(optimizer)
+    scaler, optimizer = scaled_setup()
+    scaler.step(optimizer)
+    with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+        scaler.step(optimizer)
+
+
+def test_get_and_set() -> None:
+    """TestAmpScaler.test_get_and_set."""
+    scaler = amp.GradScaler(
+        enable=True,
+        init_loss_scaling=1024,
+        incr_ratio=2.0,
+        decr_ratio=0.5,
+        incr_every_n_steps=1000,
+        decr_every_n_nan_or_inf=2,
+        use_dynamic_loss_scaling=True,
+    )
+    assert scaler.is_enable() and scaler.is_use_dynamic_loss_scaling()
+    assert scaler.get_init_loss_scaling() == 1024 and scaler.get_incr_ratio() == 2.0
+    assert scaler.get_decr_ratio() == 0.5 and scaler.get_incr_every_n_steps() == 1000
+    assert scaler.get_decr_every_n_nan_or_inf() == 2
+    scaler.set_decr_every_n_nan_or_inf(4)
+    scaler.set_decr_ratio(0.1)
+    scaler.set_incr_every_n_steps(200)
+    scaler.set_incr_ratio(3.0)
+    scaler.set_init_loss_scaling(100)
+    assert scaler.get_decr_every_n_nan_or_inf() == 4 and scaler.get_decr_ratio() == 0.1
+    assert scaler.get_incr_every_n_steps() == 200 and scaler.get_incr_ratio() == 3.0
+    assert scaler.get_init_loss_scaling() == 100
+
+
+def test_state_dict_and_load_state_dict() -> None:
+    """TestAmpScaler.test_state_dict_and_load_state_dict (and _error)."""
+    scaler1 = amp.GradScaler(True, 14, 233.0, 0.523, 1090, 20, True, device="cpu")
+    state = scaler1.state_dict()
+    scaler2 = amp.GradScaler(enable=True, device="cpu")
+    scaler2.load_state_dict(state)
+    assert scaler2.get_init_loss_scaling() == 14 and scaler2.get_incr_ratio() == 233.0
+    assert scaler2.get_decr_ratio() == 0.523 and scaler2.get_incr_every_n_steps() == 1090
+    assert scaler2.get_decr_every_n_nan_or_inf() == 20
+    scaler3 = amp.GradScaler(enable=False)
+    scaler3.load_state_dict(state)
+    assert not scaler3.is_enable()
+    with pytest.raises(RuntimeError):
+        amp.GradScaler(enable=True, device="cpu").load_state_dict({})
+
+
+def test_decorate_errors() -> None:
+    """TestAmpDecorator: a bad level is a ValueError, a non-model or non-optimizer a
+    TypeError, a DataParallel model a RuntimeError."""
+    model = nn.Conv2d(3, 2, 3, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="'O'"):
+        amp.decorate(models=model, optimizers=opt, level="O")
+    with pytest.raises(TypeError):
+        amp.decorate(models=object(), optimizers=None, level="O2")
+    with pytest.raises(RuntimeError, match="DataParallel"):
+        amp.decorate(models=nn.DataParallel(model), level="O2")
+    with pytest.raises(TypeError):
+        amp.decorate(models=model, optimizers=object(), level="O2")
