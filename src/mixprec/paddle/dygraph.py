@@ -1,4 +1,4 @@
-"""PaddlePaddle's dynamic-graph AMP names on mixprec's core: auto_cast, decorate, GradScaler.
+"""PaddlePaddle's dynamic-graph AMP names on mixprec's core: auto_cast, decorate (GradScaler: grad_scaler.py).
 
     import mixprec.paddle as amp                      # paddle.amp
 
