@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -13,6 +14,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub from a t
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_paddle_amp_state():
+    """Each test starts with no Paddle auto_cast entered: as in Paddle, the last one's dtype is
+    process-wide and a bfloat16 one switches later dynamic GradScalers off."""
+    yield
+    dygraph = sys.modules.get("mixprec.paddle.dygraph")
+    if dygraph is not None:
+        dygraph.amp_global_state().amp_dtype = None
 
 
 def tiny_mlp(width: int = 8, norm: bool = True) -> torch.nn.Module:

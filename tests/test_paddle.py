@@ -60,8 +60,19 @@ EXPECTED = {
         "mse": HP,
         "view_after_gemm": LP,
     },
-    # Everything low but the norms.
+    # Paddle 3's O2 (use_promote=True): the white list low, an op with an fp32 input fp32.
     "O2": {
+        "linear": LP,
+        "matmul": LP,
+        "add": HP,
+        "relu_after_gemm": LP,
+        "softmax": HP,
+        "layer_norm": HP,
+        "mse": HP,
+        "view_after_gemm": LP,
+    },
+    # The seed's O2 (use_promote=False): everything low but the norms.
+    "O2_no_promote": {
         "linear": LP,
         "matmul": LP,
         "add": LP,
@@ -74,10 +85,24 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("level", ["O0", "OD", "O2"])
+@pytest.mark.parametrize("level", ["O0", "OD", "O2", "O2_no_promote"])
 def test_level_op_dtypes(level, xy):
-    with amp.auto_cast(level=level, dtype="bfloat16", device_type="cpu"):
+    promote = not level.endswith("_no_promote")
+    with amp.auto_cast(level=level[:2], dtype="bfloat16", use_promote=promote, device_type="cpu"):
         assert probe(*xy) == EXPECTED[level]
+
+
+def test_o1_runs_paddles_black_list_in_fp32(xy):
+    """Paddle's O1 black list: mean (and losses, norms, softmax) in fp32 where torch.autocast
+    would keep a low input low, so the loss is not rounded to the low dtype."""
+    lin, x, _ = xy
+    with torch.autocast("cpu", dtype=LP):
+        assert lin(x).mean().dtype == LP  # torch.autocast alone
+    with amp.auto_cast(level="O1", dtype="bfloat16", device_type="cpu"):
+        h = lin(x)
+        got = h.mean()
+    assert h.dtype == LP and got.dtype == HP
+    assert got.item() == h.float().mean().item()  # the same fp32 mean of the same low values
 
 
 def test_o1_is_torch_autocast(xy):
@@ -99,6 +124,8 @@ def test_o1_is_torch_autocast(xy):
         ("O2", None, {"softmax"}, "softmax", HP),
         ("O2", None, [F.mse_loss], "mse", HP),  # a torch callable names its op
         ("O2", {"layer_norm"}, None, "layer_norm", LP),
+        ("O2", {"elementwise_add"}, None, "add", LP),  # under promote the custom list wins
+        ("O1", None, ["pool2d"], "linear", LP),  # Paddle's op vocabulary: pool2d is accepted
     ],
 )
 def test_custom_lists(level, white, black, op, dtype, xy):
@@ -220,11 +247,11 @@ def test_decorate_returns_the_structure_given():
         for o, i in zip(opts, (o1, o2), strict=True)
     )
     m3 = Net()
-    models, opt = amp.decorate((m3,), torch.optim.SGD(m3.parameters(), lr=0.1), dtype="bfloat16")
+    models, opt = amp.decorate((m3,), torch.optim.SGD(m3.parameters(), lr=0.1), "O2", "bfloat16")
     assert models == (m3,) and isinstance(opt, amp.MasterWeightOptimizer)
     m4 = Net()
     plain = torch.optim.SGD(m4.parameters(), lr=0.1)
-    model, same = amp.decorate(m4, plain, dtype="bfloat16", master_weight=False)
+    model, same = amp.decorate(m4, plain, "O2", "bfloat16", master_weight=False)
     assert model is m4 and same is plain  # no masters: the optimizer steps bf16 params
 
 
@@ -282,9 +309,9 @@ def test_masters_match_hand_written_fp32_master_loop():
 def test_overflow_skips_the_step_bit_for_bit():
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model, opt = amp.decorate(model, opt, level="O2", dtype="bfloat16")
-    scaler = amp.GradScaler("cpu", init_loss_scaling=SCALE)
-    ctx = amp.auto_cast(level="O2", dtype="bfloat16")
+    model, opt = amp.decorate(model, opt, level="O2", dtype="float16")
+    scaler = amp.GradScaler(device="cpu", init_loss_scaling=SCALE)
+    ctx = amp.auto_cast(level="O2", dtype="float16")
     (x, y), *_ = batches(1)
     for poison in (1.0, math.inf):
         before = copy.deepcopy((dict(model.named_parameters()), opt.state_dict()))
@@ -370,7 +397,7 @@ def test_pure_fp16_without_optimizers_needs_the_paddle_grad_scaler(caplog, monke
     model, opt = make()
     ref, ref_opt = make()
     caplog.clear()
-    scaler = amp.GradScaler("cpu", init_loss_scaling=SCALE)
+    scaler = amp.GradScaler(device="cpu", init_loss_scaling=SCALE)
     for _ in range(2):
         with ctx:
             loss = F.mse_loss(model(x), y)
@@ -392,15 +419,15 @@ def test_pure_fp16_without_optimizers_needs_the_paddle_grad_scaler(caplog, monke
 
 
 def test_minimize_is_step_then_update():
-    ctx = amp.auto_cast(level="O2", dtype="bfloat16")
+    ctx = amp.auto_cast(level="O2", dtype="float16")
     (x, y), *_ = batches(1)
     runs = []
     for use_minimize in (True, False):
         torch.manual_seed(0)
         model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = amp.decorate(model, opt, dtype="bfloat16")
-        scaler = amp.GradScaler("cpu", init_loss_scaling=SCALE, incr_every_n_steps=1)
+        model, opt = amp.decorate(model, opt, level="O2", dtype="float16")
+        scaler = amp.GradScaler(device="cpu", init_loss_scaling=SCALE, incr_every_n_steps=1)
         with ctx:
             scaled = scaler.scale(F.mse_loss(model(x), y))
         scaled.backward()
@@ -451,10 +478,10 @@ def test_loading_a_model_state_dict_loads_the_fp32_masters():
 def test_o2_trains_with_norm_and_excluded_layers():
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, opt = amp.decorate(model, opt, dtype="bfloat16", excluded_layers=Head)
-    scaler = amp.GradScaler("cpu", init_loss_scaling=SCALE)
+    model, opt = amp.decorate(model, opt, "O2", "float16", excluded_layers=Head)
+    scaler = amp.GradScaler(device="cpu", init_loss_scaling=SCALE)
     start = copy.deepcopy(model.state_dict())
-    with amp.auto_cast(level="O2", dtype="bfloat16"):
+    with amp.auto_cast(level="O2", dtype="float16"):
         for x, y in batches():
             loss = F.mse_loss(model(x), y)
             scaler.scale(loss).backward()  # backward inside the context works too
@@ -489,23 +516,27 @@ def test_o2_trains_with_norm_and_excluded_layers():
             ["'add'"],
         ),
         (lambda: amp.decorate(Net(), level="OD"), ValueError, ["'OD'", "'O1'", "'O2'"]),
-        (lambda: amp.decorate(Net(), dtype="fp8"), ValueError, ["'fp8'", "'bfloat16'"]),
+        (lambda: amp.decorate(Net(), level="O2", dtype="fp8"), ValueError, ["'fp8'", "'bfloat16'"]),
         (lambda: amp.decorate(Net(), save_dtype="int8"), ValueError, ["'int8'", "'float32'"]),
         (lambda: amp.decorate("model"), TypeError, ["'model'", "Module"]),
         (lambda: amp.decorate(Net(), optimizers="sgd"), TypeError, ["'sgd'", "Optimizer"]),
-        (lambda: amp.decorate(Net(), excluded_layers=3), TypeError, ["3", "nn.Module subclass"]),
         (
-            lambda: amp.decorate(Net(), excluded_layers=nn.Linear(2, 2)),
+            lambda: amp.decorate(Net(), level="O2", excluded_layers=3),
+            TypeError,
+            ["3", "nn.Module subclass"],
+        ),
+        (
+            lambda: amp.decorate(Net(), level="O2", excluded_layers=nn.Linear(2, 2)),
             ValueError,
             ["not a submodule"],
         ),
         (
-            lambda: amp.decorate(Net(), master_grad=True),
+            lambda: amp.decorate(Net(), level="O2", master_grad=True),
             ValueError,
             ["master_grad=True", "optimizers=None"],
         ),
-        (lambda: amp.decorate(Net(), master_weight="yes"), TypeError, ["'yes'"]),
-        (lambda: amp.decorate(nn.DataParallel(Net())), TypeError, ["DataParallel"]),
+        (lambda: amp.decorate(Net(), level="O2", master_weight="yes"), TypeError, ["'yes'"]),
+        (lambda: amp.decorate(nn.DataParallel(Net()), level="O2"), RuntimeError, ["DataParallel"]),
     ],
 )
 def test_bad_input_names_the_value_and_the_choices(call, error, words):
@@ -555,12 +586,13 @@ def test_seed_loops_run_in_fp16(examples):
 
 def test_accumulation_matches_reference(examples):
     """Updates every 2 batches (5 batches: the last one's grads stay pending) == by hand."""
-    argv = [*TINY, "--num-batches", "5", "--epochs", "1", "--accumulate", "2"]
+    # float16: after a bfloat16 auto_cast Paddle's GradScaler switches itself off (no scaling)
+    argv = [*TINY, "--num-batches", "5", "--epochs", "1", "--dtype", "float16", "--accumulate", "2"]
     got = examples["train_accumulate"].main(argv)
     sn = examples["simple_net"]
     model, opt, loader = sn.build(sn.build_parser(None).parse_args(argv[:-2]))
     for i, (x, y) in enumerate(loader):
-        with torch.autocast("cpu", dtype=LP):  # O1 without custom lists is torch.autocast
+        with torch.autocast("cpu", dtype=torch.float16):  # O1 without custom lists
             loss = F.mse_loss(model(x), y)
         (loss * SCALE).backward()
         if (i + 1) % 2 == 0:

@@ -59,7 +59,7 @@ def test_the_four_listings_run_compiled_without_a_graph_break(listing, capsys):
         loss, _ = load_listing(listing).main(TINY)
     assert np.isfinite(loss)
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
-    assert "loss: [array([" in capsys.readouterr().out
+    assert "loss: [array(" in capsys.readouterr().out  # Paddle 3: the mean loss fetched 0-d
 
 
 def record_simple_net(width=16, batch=8, guard=False):
@@ -103,8 +103,8 @@ def test_fp32_program_equals_the_eager_torch_loop():
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        assert got.shape == (1,) and got.dtype == np.float32
-        np.testing.assert_allclose(got[0], ref_loss.item(), rtol=1e-6)
+        assert got.shape == () and got.dtype == np.float32  # Paddle 3: a mean loss is 0-d
+        np.testing.assert_allclose(float(got), ref_loss.item(), rtol=1e-6)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, **FP32_ROUNDING)
 
@@ -167,7 +167,9 @@ def test_o2_casts_parameters_keeps_exact_fp32_masters_and_skips_bitwise():
     after += [s["momentum_buffer"].clone() for s in opt.inner.state.values()]
     for a, b in zip(before, after, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert int(opt.wrapped.scaler._hysteresis_tracker) == 1  # Paddle's decr_every_n_nan_or_inf=2
+    assert (
+        float(opt.get_loss_scaling()[0]) == 128.0
+    )  # decr_every_n_nan_or_inf=2: one bad step keeps it
 
 
 def test_bad_input_names_the_value_and_the_choices():

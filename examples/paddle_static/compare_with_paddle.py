@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> list[tuple[float, float]]:
         torch.optim.SGD(model.parameters(), lr=0.1).minimize(loss)
         exe = static.Executor(static.CPUPlace())
         exe.run(static.default_startup_program())
-        ours = [float(exe.run(feed=f, fetch_list=[loss])[0][0]) for f in feed]
+        ours = [float(exe.run(feed=f, fetch_list=[loss])[0]) for f in feed]
     static.disable_static()
     pairs = list(zip(paddle_losses, ours, strict=True))
     print("step | Paddle 3.3.1 | mixprec.paddle.static | |diff|")

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
 
     print("loss:", train_loss)
     print(f"Time consuming using FP32 mode:{train_time / (epochs * nums_batch):.3f} sec")
-    return float(train_loss[0][0]), train_time / (epochs * nums_batch)
+    return float(train_loss[0]), train_time / (epochs * nums_batch)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> RunResult:
     accumulate_batchs_num = args.accumulate  # the seed's name
 
     amp_context = amp.auto_cast(level="O1", dtype=args.dtype, device_type=device_type)
-    scaler = amp.GradScaler(device_type, init_loss_scaling=1024)
+    scaler = amp.GradScaler(init_loss_scaling=1024, device=device_type)
 
     train_time = 0.0
     for _epoch in range(args.epochs):

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> RunResult:
         custom_white_list={"elementwise_add"}, level="O1", dtype=args.dtype, device_type=device_type
     )
     # logic 2: optional, a GradScaler scales the loss to avoid fp16 gradient underflow
-    scaler = amp.GradScaler(device_type, init_loss_scaling=1024)
+    scaler = amp.GradScaler(init_loss_scaling=1024, device=device_type)
 
     train_time = 0.0
     for _epoch in range(args.epochs):

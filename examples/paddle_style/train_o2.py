@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> RunResult:
     # logic 2: every op but the black list runs low (the context is built once, entered per batch)
     amp_context = amp.auto_cast(level="O2", dtype=args.dtype, device_type=device_type)
     # logic 3: optional, scale the loss; this GradScaler unscales pure-fp16 grads too
-    scaler = amp.GradScaler(device_type, init_loss_scaling=1024)
+    scaler = amp.GradScaler(init_loss_scaling=1024, device=device_type)
 
     train_time = 0.0
     for _epoch in range(args.epochs):

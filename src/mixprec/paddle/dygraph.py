@@ -1,4 +1,4 @@
-"""PaddlePaddle's dynamic-graph AMP names on mixprec's core: auto_cast, decorate, GradScaler.
+"""PaddlePaddle's dynamic-graph AMP names on mixprec's core: auto_cast, decorate (GradScaler: grad_scaler.py).
 
     import mixprec.paddle as amp                      # paddle.amp
 
@@ -13,19 +13,23 @@
         scaler.update()
         optimizer.zero_grad()                         # Paddle: optimizer.clear_grad()
 
-Levels of `auto_cast` (op names are torch's; Paddle's spellings such as 'elementwise_add' or
-'matmul_v2' are accepted in the custom lists and normalised by mixprec.resolve_ops):
+Levels of `auto_cast`, on Paddle 3.3.1's default lists (paddle.amp.white_list() and
+black_list(), mixprec.paddle.op_names) in torch's op names; Paddle's names ('elementwise_add',
+'matmul_v2', 'pool2d', ...) are accepted in the custom lists, a fused Paddle kernel is refused
+with its reason:
 
     O0  nothing is cast: torch's autocast off, op lists suspended.
-    OD  GEMM_OPS (Paddle's default white list: matmul/linear/conv/einsum/...) run low; the
-        arithmetic in COMPUTE_OPS and NORM_OPS runs in fp32 (inputs cast up). Ops in neither
-        list (views, reshapes, indexing) move data without computing and keep their input dtype.
-    O1  torch.autocast's own lists, plus the custom lists.
-    O2  GEMM_OPS and COMPUTE_OPS run low: their fp32 inputs are cast down; NORM_OPS and the
-        custom black list run in fp32. Ops in no list follow torch.autocast, which keeps the
-        numerically fragile ones (linalg, fft, ...) in fp32, as Paddle keeps ops without fp16
-        kernels. Layers `decorate` kept in fp32 (norm layers, excluded_layers) run in an
-        fp32_region, so their fp32 weights are not cast down by the O2 lists.
+    OD  Paddle's white list (matmul/linear/conv2d/einsum/...) runs low; every other op that
+        computes (GEMM_OPS, COMPUTE_OPS, NORM_OPS) runs in fp32 (inputs cast up). Ops in no
+        list (views, reshapes, indexing) move data and keep their input dtype.
+    O1  Paddle's white list low and its O1 black list (mean, softmax, losses, norms, exp/log,
+        interpolation, embedding, ...) in fp32, over torch.autocast's own lists.
+    O2  use_promote=True (Paddle 3's default): the white list low, Paddle's O2 black list
+        (interpolation, embedding, scatter) and NORM_OPS in fp32, and an op in neither list
+        runs in its widest input's dtype (torch's type promotion; torch.autocast's own lists
+        still apply). use_promote=False (the seed's O2): GEMM_OPS and COMPUTE_OPS run low, their
+        fp32 inputs cast down; only NORM_OPS and the black list in fp32. Layers `decorate` kept
+        in fp32 (norm layers, excluded_layers) run in an fp32_region either way.
     In every level the custom white list runs low and the custom black list fp32.
 
 `decorate(..., level='O2')` casts the models in place (norm layers and excluded_layers stay
@@ -40,8 +44,8 @@ the optimizer built earlier steps the low-precision parameters directly; use thi
 Differences from Paddle, each deliberate:
 - OD keeps data-movement ops in their input dtype (Paddle casts every non-white op to fp32);
   all arithmetic still runs in fp32.
-- O2 follows the seed (fp32 inputs of listed ops are cast down), not Paddle >= 2.5's default
-  use_promote=True (an op with any fp32 input runs in fp32); fp32 layers get fp32 regions.
+- O2 with use_promote promotes through torch's type promotion and keeps torch.autocast's own
+  fp32 list (on CUDA: exp, log, softmax, sum, ... run fp32 where Paddle runs fp16 inputs low).
 - All norm layers stay fp32 in O2 (Paddle keeps LayerNorm/InstanceNorm bf16 under bfloat16).
 - Nested auto_cast contexts add their lists to the enclosing ones (mixprec.autocast's rule);
   Paddle's replace them. O0 / enable=False inside any level turns everything off, as Paddle.
@@ -56,19 +60,19 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import defaultdict
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from mixprec.autocast import autocast, fp16_guard, fp32, is_fp32_module, resolve_ops
 from mixprec.casting import NORM_TYPES, cast_module
-from mixprec.grad_scaler import GradScaler as _CoreGradScaler
 from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.paddle import op_names
 from mixprec.policy import UNIT_SCALE, did_you_mean, to_low_dtype
+from mixprec.scaling import rank_and_world
 from mixprec.validate import check_module_has_parameters
 
 log = logging.getLogger("mixprec")
@@ -151,34 +155,48 @@ def _check_bool(name: str, value: object) -> None:
 
 
 @functools.cache
-def _base_lists(level: str) -> tuple[frozenset[str], frozenset[str]]:
+def _base_lists(
+    level: str, dtype: str = "float16", use_promote: bool = True
+) -> tuple[frozenset[str], frozenset[str]]:
+    """(low, fp32) torch ops of a level before the custom lists: Paddle's lists in torch ops."""
     gemm, compute, norm = (resolve_ops(ops) for ops in (GEMM_OPS, COMPUTE_OPS, NORM_OPS))
-    return {
-        "O0": (frozenset(), frozenset()),
-        "OD": (gemm, compute | norm),
-        "O1": (frozenset(), frozenset()),
-        "O2": (gemm | compute, norm),
-    }[level]
+    if level == "O0":
+        return frozenset(), frozenset()
+    white, black = op_names.default_lists(level, dtype)
+    if level == "OD":  # only the white list low: everything else that computes in fp32
+        return white, (gemm | compute | norm) - white
+    if level == "O2" and not use_promote:  # seed 002's (Paddle < 2.5's) O2: all low but norms
+        return gemm | compute, norm
+    if level == "O2":  # promote: unlisted ops take their widest input (torch's promotion)
+        return white, (black | norm) - white
+    return white, black  # O1: over torch.autocast's own lists
 
 
 def level_op_lists(
     level: str,
     custom_white_list: Iterable[str | Callable] | None = None,
     custom_black_list: Iterable[str | Callable] | None = None,
+    *,
+    dtype: str | torch.dtype = "float16",
+    use_promote: bool = True,
 ) -> tuple[frozenset[str], frozenset[str]]:
     """The (low, fp32) op lists auto_cast(level, ...) hands to mixprec.autocast.
 
-    O1's lists are only the custom ones: torch.autocast's own lists apply underneath in every
-    level but O0 (where nothing is cast and the lists are not used).
+    Paddle's default white and black lists for level and dtype (paddle.amp.white_list(),
+    black_list(), in torch's op names), the custom lists moved in; in O1 and O2 torch.autocast
+    decides the ops in neither list (in O0 nothing is cast and the lists are not used).
+    use_promote=False gives O2 as the seed (Paddle < 2.5): every computing op low but norms.
     """
     level = _check_level(level, LEVELS)
-    white, black = resolve_ops(custom_white_list), resolve_ops(custom_black_list)
+    dtype_name = _dtype_name(_check_dtype(dtype))
+    white = op_names.paddle_ops_to_torch(custom_white_list)
+    black = op_names.paddle_ops_to_torch(custom_black_list)
     overlap = white & black
     if overlap:
         raise ValueError(
             f"Ops {sorted(overlap)} are in both custom_white_list and custom_black_list."
         )
-    base_white, base_black = _base_lists(level)
+    base_white, base_black = _base_lists(level, dtype_name, use_promote)
     return (base_white - black) | white, (base_black - white) | black
 
 
@@ -190,6 +208,9 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
     custom_black_list: ops run in fp32.
     level: 'O0', 'OD', 'O1' or 'O2' (see the module docstring; lower case works).
     dtype: 'float16' or 'bfloat16'.
+    use_promote: O2 only (Paddle 3's default True): an op in neither list runs in its widest
+        input's dtype (fp32 if any input is fp32); False is the seed's older O2, where every
+        computing op but the norms runs low.
     device_type: mixprec's addition: the device whose autocast is set; None is 'cuda' when a
     GPU is visible, else 'cpu'.
     A context manager and a decorator, like mixprec.autocast.
@@ -202,12 +223,17 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
         custom_black_list: Iterable[str | Callable] | None = None,
         level: str = "O1",
         dtype: str | torch.dtype = "float16",
+        use_promote: bool = True,
         *,
         device_type: str | None = None,
     ) -> None:
         _check_bool("enable", enable)
+        _check_bool("use_promote", use_promote)
         self.level = _check_level(level, LEVELS)
-        lp_ops, hp_ops = level_op_lists(self.level, custom_white_list, custom_black_list)
+        self.use_promote = use_promote
+        lp_ops, hp_ops = level_op_lists(
+            self.level, custom_white_list, custom_black_list, dtype=dtype, use_promote=use_promote
+        )
         super().__init__(
             dtype=_check_dtype(dtype),
             custom_white_list=lp_ops,
@@ -216,15 +242,75 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
             device_type=device_type,
         )
 
+    def __enter__(self) -> auto_cast:
+        # Paddle records the dtype of every auto_cast entered, and keeps it after exit: a
+        # dynamic GradScaler reads it (bfloat16 switches the scaler off).
+        amp_global_state().amp_dtype = _dtype_name(self.dtype)
+        super().__enter__()
+        _ACTIVE.stack.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if _ACTIVE.stack and _ACTIVE.stack[-1] is self:
+            _ACTIVE.stack.pop()
+        super().__exit__(*exc)
+
     def __repr__(self) -> str:
         return (
             f"mixprec.paddle.auto_cast(level={self.level!r}, dtype={self.dtype}, "
+            f"use_promote={self.use_promote}, "
             f"enabled={self.enabled}, device_type={self.device_type!r})"
         )
 
 
 amp_guard = auto_cast
 """Paddle's older name for auto_cast."""
+
+
+class AmpGlobalState:
+    """Paddle's amp_global_state(): the dtype name of the last auto_cast entered, kept after it
+    exits (None until one is entered: then no GradScaler is switched off, see README)."""
+
+    def __init__(self) -> None:
+        self.amp_dtype: str | None = None
+
+
+_AMP_GLOBAL_STATE = AmpGlobalState()
+
+
+def amp_global_state() -> AmpGlobalState:
+    """The process-wide AMP state Paddle's GradScaler reads (amp_dtype)."""
+    return _AMP_GLOBAL_STATE
+
+
+class _ActiveAutoCasts(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[auto_cast] = []
+
+
+_ACTIVE = _ActiveAutoCasts()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def is_autocast_enabled(device_type: str | None = None) -> bool:
+    """paddle.amp.is_autocast_enabled: True inside an enabled auto_cast of level OD/O1/O2.
+
+    device_type: accepted for Paddle (all devices share one AMP state there); None or a str.
+    """
+    if device_type is not None and not isinstance(device_type, str):
+        raise TypeError(f"device_type={device_type!r} must be a str or None.")
+    return bool(_ACTIVE.stack) and _ACTIVE.stack[-1].enabled
+
+
+def get_autocast_dtype(device_type: str | None = None) -> str:
+    """paddle.amp.get_autocast_dtype: the innermost enabled auto_cast's dtype name, else
+    'float16' (Paddle's default AMP dtype)."""
+    if not is_autocast_enabled(device_type):
+        return "float16"
+    return _dtype_name(_ACTIVE.stack[-1].dtype)
 
 
 # ----- decorate -----
@@ -265,6 +351,28 @@ class MasterWeightOptimizer(MixedPrecisionOptimizer):
         self._hooks: list[Any] = []
         self._hook_pairs(0)
         self._hp_values = {}  # release the pre-cast fp32 tensors: the masters hold the values
+        self._checked_found_inf: torch.Tensor | None = None
+
+    def use_checked_grads(self, found_inf: torch.Tensor) -> None:
+        """An outside GradScaler unscaled and checked the masters' grads this step (found_inf,
+        reduced over the ranks): the next step uses that flag instead of checking again."""
+        self._checked_found_inf = found_inf
+
+    def unscale_grads(self) -> torch.Tensor:
+        if self._checked_found_inf is not None:
+            return self._checked_found_inf
+        return super().unscale_grads()
+
+    def step(self, closure: Any = None) -> Any:
+        try:
+            return super().step(closure)
+        finally:
+            self._checked_found_inf = None
+
+    def _report_skip(self, scale: float) -> None:
+        # Own scale is a constant 1: the loss scale lives in the GradScaler, so no host read here.
+        if rank_and_world()[0] == 0:
+            log.info("mixprec.paddle: non-finite gradients; skipped step %d", self.steps)
 
     def _hook_pairs(self, start: int) -> None:
         with torch.no_grad():
@@ -289,6 +397,7 @@ class MasterWeightOptimizer(MixedPrecisionOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
+        self._checked_found_inf = None
         for hp in self.hp_masters:  # masters accumulate: clear them like any param
             if hp.grad is not None:
                 if set_to_none:
@@ -312,89 +421,6 @@ def holds_pure_lp_params(optimizer: torch.optim.Optimizer) -> bool:
     return any(
         getattr(p, _PURE_LP_MARK, False) for g in optimizer.param_groups for p in g["params"]
     )
-
-
-class GradScaler(_CoreGradScaler):
-    """paddle.amp.GradScaler: mixprec.GradScaler plus pure float16 and Paddle's `minimize`.
-
-    Unscales float16 gradients of params that `decorate(level='O2')` cast and an optimizer steps
-    directly (torch's GradScaler refuses any float16 gradient). Arguments: those of
-    mixprec.GradScaler, Paddle's names included (init_loss_scaling, incr_ratio, decr_ratio,
-    incr_every_n_steps, decr_every_n_nan_or_inf, use_dynamic_loss_scaling, enable).
-
-    The scale follows Paddle's update_loss_scaling rule, not Megatron's hysteresis: the scale
-    backs off after decr_every_n_nan_or_inf (= hysteresis) bad steps in a row, a clean step
-    resets that count, and the count restarts after each back-off; it grows after
-    incr_every_n_steps clean steps in a row (only to a finite value). Floor min_scale (1).
-    """
-
-    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
-        super()._lazy_init_scale_growth_tracker(dev)
-        bad = getattr(self, "_loaded_bad_steps", 0)  # from load_state_dict before first use
-        self._bad_steps = torch.full((), bad, dtype=torch.int32, device=dev)  # Paddle's decr_count
-
-    def _update_scale_(self, found_inf: torch.Tensor) -> None:
-        """Paddle's rule on the device (no host sync): good/bad counts, each reset by the other."""
-        scale, good = self._scale, self._growth_tracker
-        cfg = self.cfg
-        bad_step = found_inf > 0
-        bad = torch.where(bad_step, self._bad_steps + 1, torch.zeros_like(self._bad_steps))
-        good_now = torch.where(bad_step, torch.zeros_like(good), good + 1)
-        backoff = bad >= cfg.hysteresis
-        grow = good_now >= cfg.growth_interval
-        backed = torch.clamp(scale * cfg.backoff_factor, min=cfg.min_scale)
-        grown = torch.clamp(scale * cfg.growth_factor, max=cfg.max_scale)
-        grown = torch.where(torch.isfinite(grown), grown, scale)  # Paddle keeps a finite scale
-        scale.copy_(torch.where(backoff, backed, torch.where(grow, grown, scale)))
-        self._bad_steps.copy_(torch.where(backoff, torch.zeros_like(bad), bad))
-        good.copy_(torch.where(grow, torch.zeros_like(good_now), good_now))
-
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        if not self._enabled or new_scale is not None or not self.cfg.dynamic:
-            super().update(new_scale)
-            return
-        self._check_scale_growth_tracker("update")
-        found_infs = [
-            found_inf.to(device=self._scale.device, non_blocking=True)
-            for state in self._per_optimizer_states.values()
-            for found_inf in state["found_inf_per_device"].values()
-        ]
-        if not found_infs:
-            raise AssertionError("No inf checks were recorded prior to update.")
-        self._update_scale_(torch.stack(found_infs).amax())
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if self._enabled:
-            bad = getattr(self, "_bad_steps", None)
-            state["decr_count"] = 0 if bad is None else int(bad)  # Paddle's name for it
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
-        self._loaded_bad_steps = int(state.pop("decr_count", 0))
-        super().load_state_dict(state)
-        if self._scale is not None:
-            self._bad_steps.fill_(self._loaded_bad_steps)
-
-    def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool,
-    ) -> dict[torch.device, torch.Tensor]:
-        allow_fp16 = allow_fp16 or holds_pure_lp_params(optimizer)
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-
-    def minimize(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-        """step(optimizer) then update(), as Paddle's minimize after `scaled.backward()`.
-
-        Paddle passes the scaled loss here; backward has already run, so it is not used.
-        """
-        self.step(optimizer)
-        self.update()
 
 
 def _as_list(value: Any, kind: type, what: str) -> tuple[list[Any], bool]:
@@ -526,7 +552,7 @@ def _warn_pure_lp_once(lp_dtype: torch.dtype) -> None:
 def decorate(
     models: nn.Module | Sequence[nn.Module],
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-    level: str = "O2",
+    level: str = "O1",
     dtype: str | torch.dtype = "float16",
     master_weight: bool | None = None,
     save_dtype: str | torch.dtype | None = None,
@@ -537,7 +563,8 @@ def decorate(
 
     models: an nn.Module or a list of them (before any DistributedDataParallel wrapping).
     optimizers: None, a torch optimizer, or a list of them, built over the models' params.
-    level: 'O1' (nothing changes) or 'O2' (params cast to dtype; norm layers stay fp32).
+    level: 'O1' (the default, as Paddle 3.x: nothing changes) or 'O2' (params cast to dtype;
+        norm layers stay fp32).
     dtype: 'float16' or 'bfloat16'.
     master_weight: O2 with optimizers: None or True wraps each in a MasterWeightOptimizer
         (fp32 masters); False leaves the optimizers stepping the low-precision params.
@@ -583,8 +610,9 @@ def decorate(
 
     for model in model_list:
         if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
-            raise TypeError(
-                f"decorate got a {type(model).__name__}: decorate the model first, then wrap it."
+            raise RuntimeError(  # RuntimeError as Paddle's for paddle.DataParallel
+                f"decorate got a {type(model).__name__}: for distributed AMP training, decorate "
+                "the model first, then wrap it."
             )
     use_masters = bool(opt_list) and master_weight is not False
     if master_grad and not use_masters:
@@ -641,13 +669,15 @@ __all__ = [
     "LEVELS",
     "NORM_OPS",
     "SAVE_DTYPES",
-    "GradScaler",
     "MasterWeightOptimizer",
     "amp_decorate",
+    "amp_global_state",
     "amp_guard",
     "auto_cast",
     "decorate",
     "fp16_guard",
+    "get_autocast_dtype",
     "holds_pure_lp_params",
+    "is_autocast_enabled",
     "level_op_lists",
 ]

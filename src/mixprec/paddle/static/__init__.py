@@ -14,7 +14,7 @@
 
 The model is a torch nn.Module, the optimizer a torch optimizer, the loss a torch loss.
 enable_static() also gives torch optimizers Paddle's `minimize(loss)` (for the fp32 listing);
-disable_static() takes it away. Executor.run fetches the loss (shape [1], numpy); running
+disable_static() takes it away. Executor.run fetches the loss (numpy, in its own shape: 0-d for a mean, as Paddle 3); running
 the program executes mixprec.compile_step over it: forward, backward, unscale, check, skip,
 update and loss-scale update in one compiled program, built on the first run.
 """

@@ -1,15 +1,17 @@
-"""paddle.static.amp: decorate, CustomOpLists, fp16_guard over a recorded program.
+"""paddle.static.amp: decorate, CustomOpLists / AutoMixedPrecisionLists, fp16_guard.
 
 Like Paddle's static AMP pass, decoration rewrites the program's precision op by op: O1
-(use_pure_fp16=False) replays it under torch.autocast with the custom white list forced low
-and the black list forced fp32; O2 (use_pure_fp16=True) runs every op low except norms and the
-black list (and, with use_fp16_guard=True, except ops recorded outside fp16_guard()), and
-amp_init casts the parameters only low ops use, keeping fp32 master weights in the optimizer.
-The loss scale (dynamic by default, Paddle's names) lives in the core's optimizer wrapper.
+replays it under torch.autocast with Paddle's white list (and the custom one) forced low and
+Paddle's black list (and the custom one) forced fp32; O2 (use_pure_fp16=True) runs every op low
+except norms, Paddle's O2 black list and the custom one (and, with the guard, except ops
+recorded outside fp16_guard(); with use_promote, except ops with an fp32 input), and amp_init
+casts the parameters only low ops use, keeping fp32 master weights in the optimizer; OD runs
+only the white list low. The loss scale is a mixprec.paddle.GradScaler: Paddle's rule.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,33 +20,76 @@ import torch
 from mixprec.autocast import resolve_ops
 from mixprec.compiled_step import CompiledStep
 from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.paddle import op_names
 from mixprec.paddle.dygraph import NORM_OPS
-from mixprec.paddle.static.executor import CPUPlace, CUDAPlace, build_step
+from mixprec.paddle.grad_scaler import GradScaler
+from mixprec.paddle.op_names import paddle_ops_to_torch
+from mixprec.paddle.static.executor import PROMOTE, CPUPlace, CUDAPlace, build_step
 from mixprec.paddle.static.program import Program, Ref, Scope, Variable, fp16_guard
-from mixprec.policy import ScalerConfig, to_low_dtype
+from mixprec.policy import to_low_dtype
 
 
-class CustomOpLists:
-    """paddle.static.amp.CustomOpLists: ops forced low (white) or fp32 (black), by op name
-    (Paddle's spellings such as 'elementwise_add' accepted), and variables whose ops stay fp32."""
+class AutoMixedPrecisionLists:
+    """paddle.static.amp.AutoMixedPrecisionLists (CustomOpLists is the same class, as in Paddle).
+
+    white_list / black_list / gray_list: Paddle's default lists by Paddle's op names, with the
+    custom lists moved in (a custom white op leaves black and gray; a custom black op leaves
+    white and gray). Every name in Paddle's lists maps to torch ops (op_names.TO_TORCH) or is
+    refused with its reason (op_names.REFUSED); torch names and callables work too.
+    custom_black_varnames: variables whose ops stay fp32. dtype: 'float16' or 'bfloat16'.
+    """
 
     def __init__(
         self,
         custom_white_list: list[str] | None = None,
         custom_black_list: list[str] | None = None,
         custom_black_varnames: list[str] | None = None,
+        dtype: str = "float16",
     ) -> None:
-        self.white_list = resolve_ops(custom_white_list)  # raises on unknown op names
-        self.black_list = resolve_ops(custom_black_list)
-        both = self.white_list & self.black_list
+        self.amp_dtype = _dtype_name(to_low_dtype(dtype))
+        self.custom_lp_ops = paddle_ops_to_torch(custom_white_list)  # raises on unknown names
+        self.custom_hp_ops = paddle_ops_to_torch(custom_black_list)
+        both = self.custom_lp_ops & self.custom_hp_ops
         if both:
             raise ValueError(
-                f"{sorted(both)} in both custom_white_list and custom_black_list: pick one."
+                f"The given custom_white_list overlaps custom_black_list: {sorted(both)} "
+                "(as torch ops); pick one list for each."
             )
         varnames = custom_black_varnames or []
         if isinstance(varnames, str) or not all(isinstance(v, str) for v in varnames):
             raise TypeError(f"custom_black_varnames={varnames!r} must be a list of names.")
         self.black_varnames = frozenset(varnames)
+        white = set(op_names.WHITE_LIST | op_names.STATIC_EXTRA_WHITE_LIST)
+        if self.amp_dtype == "float16":
+            white |= op_names.ONLY_FP16_WHITE_LIST
+        black = set(op_names.FP16_BLACK_LIST | op_names.EXTRA_BLACK_LIST)
+        gray = set(op_names.GRAY_LIST)
+        for name in _names(custom_white_list):
+            black.discard(name)
+            gray.discard(name)
+            white.add(name)
+        for name in _names(custom_black_list):
+            white.discard(name)
+            gray.discard(name)
+            black.add(name)
+        self.white_list, self.black_list, self.gray_list = white, black, gray
+        default_white, default_black = op_names.default_lists("O1", self.amp_dtype)
+        self.lp_ops = (default_white - self.custom_hp_ops) | self.custom_lp_ops
+        """Torch ops run low: Paddle's white list and the custom one, in torch's names."""
+        self.hp_ops = (default_black - self.custom_lp_ops) | self.custom_hp_ops
+        """Torch ops run in fp32: Paddle's O1 black list and the custom one."""
+
+
+CustomOpLists = AutoMixedPrecisionLists
+"""paddle.static.amp.CustomOpLists: the same class (Paddle 3.3.1 aliases it too)."""
+
+
+def _names(ops: Any) -> list[str]:
+    return [op for op in ops or [] if isinstance(op, str)]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _op_name(func: Any) -> str | None:
@@ -58,33 +103,54 @@ def _op_name(func: Any) -> str | None:
 class AmpConfig:
     """What static.amp.decorate was asked for."""
 
-    lists: CustomOpLists
-    """Custom white/black op lists and black variable names."""
+    lists: AutoMixedPrecisionLists
+    """White/black op lists (Paddle's defaults and the custom ones) and black variable names."""
     lp_dtype: torch.dtype
     """float16 or bfloat16."""
-    pure: bool
-    """use_pure_fp16: parameters low, every op low but norms and the black list."""
+    level: str
+    """'O1' (autocast with the lists), 'O2' (parameters low; every op low but norms, the black
+    list and, with use_promote, ops with an fp32 input) or 'OD' (only the white list low)."""
     guard: bool
-    """use_fp16_guard: under pure, only ops recorded in fp16_guard() run low."""
-    scaler: ScalerConfig
-    """The loss scale in Paddle's terms (init_loss_scaling, incr_*, decr_*)."""
+    """use_fp16_guard / use_amp_guard: under O2, only ops recorded in fp16_guard() run low."""
+    promote: bool
+    """use_promote (O2): a non-white op with an fp32 input runs in fp32."""
+    scaler: dict[str, Any]
+    """The loss scale in Paddle's terms: GradScaler's keyword arguments."""
+
+    @property
+    def pure(self) -> bool:
+        """Parameters cast low by amp_init (use_pure_fp16 / level 'O2')."""
+        return self.level == "O2"
 
 
-def op_casts(program: Program, cfg: AmpConfig) -> list[torch.dtype | None]:
-    """Per recorded op: the dtype its floating inputs are cast to, or None (autocast decides)."""
+def op_casts(program: Program, cfg: AmpConfig) -> list[torch.dtype | str | None]:
+    """Per recorded op: the dtype its floating inputs are cast to, PROMOTE, or None (autocast
+    decides)."""
     names = program.var_names
-    casts: list[torch.dtype | None] = []
-    fp32_ops = cfg.lists.black_list | (frozenset(NORM_OPS) if cfg.pure else frozenset())
+    casts: list[torch.dtype | str | None] = []
+    lists = cfg.lists
+    if cfg.level == "O1":
+        lp_ops, hp_ops = lists.lp_ops, lists.hp_ops
+    else:  # O2 keeps Paddle's extra black list (and norms) fp32; OD computes all but white fp32
+        white, black = op_names.default_lists(cfg.level, _dtype_name(cfg.lp_dtype))
+        lp_ops = (white - lists.custom_hp_ops) | lists.custom_lp_ops
+        hp_ops = (black - lists.custom_lp_ops) | lists.custom_hp_ops
+        if cfg.pure:
+            hp_ops |= frozenset(NORM_OPS) - lists.custom_lp_ops
     for op in program.ops:
         name = _op_name(op.func)
         var_ids = [leaf.index for leaf in op.leaves if isinstance(leaf, Ref) and leaf.kind == "var"]
-        black_var = any(names.get(i) in cfg.lists.black_varnames for i in var_ids + op.outputs)
-        if name in fp32_ops or black_var:
+        black_var = any(names.get(i) in lists.black_varnames for i in var_ids + op.outputs)
+        if name in hp_ops or black_var:
             casts.append(torch.float32)
-        elif name in cfg.lists.white_list:
+        elif cfg.pure and cfg.guard and not op.guarded:  # outside fp16_guard(): fp32
+            casts.append(cfg.lp_dtype if name in lists.custom_lp_ops else torch.float32)
+        elif name in lp_ops:
             casts.append(cfg.lp_dtype)
+        elif cfg.level == "OD":
+            casts.append(torch.float32)
         elif cfg.pure:
-            casts.append(cfg.lp_dtype if op.guarded or not cfg.guard else torch.float32)
+            casts.append(PROMOTE if cfg.promote else cfg.lp_dtype)
         else:
             casts.append(None)
     return casts
@@ -106,6 +172,7 @@ class _Minimized:
 
     def __init__(self, optimizer: torch.optim.Optimizer, loss: Variable) -> None:
         self.optimizer, self.loss_id = optimizer, loss.var_id
+        self.loss_shape = tuple(loss.shape)  # what Executor.run fetches: the loss's own shape
         self._step: CompiledStep | None = None
 
     def step_for(self, program: Program) -> CompiledStep:
@@ -133,10 +200,15 @@ def remove_minimize() -> None:
 
 
 class OptimizerWithMixedPrecision(_Minimized):
-    """What static.amp.decorate returns: minimize(loss), amp_init(place), get_loss_scaling()."""
+    """What static.amp.decorate returns: minimize(loss), amp_init(place), get_loss_scaling().
+
+    The loss scale is a mixprec.paddle.GradScaler (`scaler`): the compiled step advances it by
+    that class's rule, Paddle's update_loss_scaling, the same as in the dynamic graph.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: AmpConfig) -> None:
         self.inner, self.cfg = optimizer, cfg
+        self.scaler = GradScaler(**cfg.scaler)
         self.program: Program | None = None
         self.wrapped: MixedPrecisionOptimizer | None = None
         self._step = None
@@ -144,9 +216,10 @@ class OptimizerWithMixedPrecision(_Minimized):
     def minimize(self, loss: Any, *args: Any, **kwargs: Any) -> None:
         loss = _check_loss(loss)
         self.loss_id, self.program = loss.var_id, loss.program
+        self.loss_shape = tuple(loss.shape)
         self.casts = op_casts(self.program, self.cfg)
-        if not self.cfg.pure:  # O1: fp32 params are the masters; the wrapper scales and skips
-            self.wrapped = MixedPrecisionOptimizer(self.inner, loss_scale=self.cfg.scaler)
+        if not self.cfg.pure:  # O1/OD: fp32 params are the masters; the step skips inf/nan
+            self.wrapped = MixedPrecisionOptimizer(self.inner)
         loss.program.minimized = self
 
     def amp_init(self, place: CPUPlace | CUDAPlace, scope: Scope | None = None, **_: Any) -> None:
@@ -155,8 +228,8 @@ class OptimizerWithMixedPrecision(_Minimized):
             raise RuntimeError("amp_init before minimize(loss): there is no program to cast yet.")
         if not self.cfg.pure:
             raise ValueError(
-                "amp_init casts parameters for use_pure_fp16=True; this optimizer was decorated "
-                "with use_pure_fp16=False (O1), whose parameters stay fp32."
+                "amp_init casts parameters for use_pure_fp16=True / level='O2'; this optimizer "
+                f"was decorated with level={self.cfg.level!r}, whose parameters stay fp32."
             )
         if not isinstance(place, CPUPlace | CUDAPlace):
             raise TypeError(f"amp_init(place={place!r}): pass CPUPlace() or CUDAPlace(i).")
@@ -168,25 +241,23 @@ class OptimizerWithMixedPrecision(_Minimized):
         for op, cast in zip(self.program.ops, self.casts, strict=True):
             for leaf in op.leaves:
                 if isinstance(leaf, Ref) and leaf.kind == "param":
-                    (low if cast == self.cfg.lp_dtype else fp32).add(leaf.index)
+                    (low if cast in (self.cfg.lp_dtype, PROMOTE) else fp32).add(leaf.index)
         hp_values = {}
         with torch.no_grad():
             for i in sorted(low - fp32):
                 p = self.program.params[i]
                 hp_values[id(p)] = p.detach().clone()
                 p.data = p.data.to(place.device, self.cfg.lp_dtype)
-        self.wrapped = MixedPrecisionOptimizer(
-            self.inner, loss_scale=self.cfg.scaler, master_weights=True
-        )
+        self.wrapped = MixedPrecisionOptimizer(self.inner, master_weights=True)
         with torch.no_grad():  # masters hold the fp32 values, not their low-precision rounding
             for lp, hp in zip(self.wrapped.lp_params, self.wrapped.hp_masters, strict=True):
                 hp.copy_(hp_values[id(lp)])
 
     def get_loss_scaling(self) -> torch.Tensor:
         """The current loss scale, a one-element tensor (reading it is a host sync)."""
-        if self.wrapped is None:
-            return torch.tensor([self.cfg.scaler.init_scale])
-        return self.wrapped.scaler.scale_tensor
+        if self.scaler._scale is None:
+            return torch.tensor([self.scaler.get_init_loss_scaling()])
+        return self.scaler._scale.reshape(1)
 
     def step_for(self, program: Program) -> CompiledStep:
         if self.wrapped is None:
@@ -195,14 +266,33 @@ class OptimizerWithMixedPrecision(_Minimized):
                 "exe.run(startup_program) and before running the main program."
             )
         if self._step is None:
-            autocast = None if self.cfg.pure else self.cfg.lp_dtype
-            self._step = build_step(program, self.loss_id, self.wrapped, self.casts, autocast)
+            autocast = self.cfg.lp_dtype if self.cfg.level == "O1" else None
+            self._step = build_step(
+                program, self.loss_id, self.wrapped, self.casts, autocast, scaler=self.scaler
+            )
         return self._step
 
 
-def decorate(
+def _check_bool(name: str, value: object, *, none_ok: bool = False) -> None:
+    if not (isinstance(value, bool) or (none_ok and value is None)):
+        raise TypeError(f"{name}={value!r} must be a bool{' or None' if none_ok else ''}.")
+
+
+def _check_optimizer(optimizer: object, amp_lists: object) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
+        optimizer, MixedPrecisionOptimizer
+    ):
+        raise TypeError(f"optimizer must be a plain torch optimizer, got {optimizer!r}.")
+    if amp_lists is not None and not isinstance(amp_lists, AutoMixedPrecisionLists):
+        raise TypeError(
+            f"amp_lists={amp_lists!r} must be a static.amp.CustomOpLists / "
+            "AutoMixedPrecisionLists or None."
+        )
+
+
+def decorate_fp16_only(
     optimizer: torch.optim.Optimizer,
-    amp_lists: CustomOpLists | None = None,
+    amp_lists: AutoMixedPrecisionLists | None = None,
     init_loss_scaling: float = 2.0**15,
     incr_every_n_steps: int = 1000,
     decr_every_n_nan_or_inf: int = 2,
@@ -211,44 +301,172 @@ def decorate(
     use_dynamic_loss_scaling: bool = True,
     use_pure_fp16: bool = False,
     use_fp16_guard: bool | None = None,
-    dtype: str | torch.dtype = "float16",
+    use_bf16: bool = False,
+    use_promote: bool = False,
+    *,
+    dtype: str | torch.dtype | None = None,
 ) -> OptimizerWithMixedPrecision:
-    """paddle.static.amp.decorate with Paddle's defaults; dtype 'float16' or 'bfloat16'."""
-    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
-        optimizer, MixedPrecisionOptimizer
-    ):
-        raise TypeError(f"optimizer must be a plain torch optimizer, got {optimizer!r}.")
-    if amp_lists is not None and not isinstance(amp_lists, CustomOpLists):
-        raise TypeError(f"amp_lists={amp_lists!r} must be a static.amp.CustomOpLists or None.")
+    """paddle.static.amp.decorate's older overload (seed 002's), Paddle's defaults.
+
+    use_fp16_guard None means use_pure_fp16, as Paddle. dtype: mixprec's addition, 'float16'
+    or 'bfloat16' (use_bf16=True is 'bfloat16').
+    """
+    _check_optimizer(optimizer, amp_lists)
     for name, value in (
         ("use_dynamic_loss_scaling", use_dynamic_loss_scaling),
         ("use_pure_fp16", use_pure_fp16),
+        ("use_bf16", use_bf16),
+        ("use_promote", use_promote),
     ):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}={value!r} must be a bool.")
-    if use_fp16_guard is not None and not isinstance(use_fp16_guard, bool):
-        raise TypeError(f"use_fp16_guard={use_fp16_guard!r} must be a bool or None.")
+        _check_bool(name, value)
+    _check_bool("use_fp16_guard", use_fp16_guard, none_ok=True)
     if use_fp16_guard and not use_pure_fp16:
         raise ValueError(
             "use_fp16_guard=True only applies with use_pure_fp16=True (fp16_guard marks the ops "
             "that run low in pure fp16); got use_pure_fp16=False."
         )
-    scaler = ScalerConfig(
-        dynamic=use_dynamic_loss_scaling,
-        init_scale=init_loss_scaling,
-        growth_interval=incr_every_n_steps,
-        hysteresis=decr_every_n_nan_or_inf,
-        growth_factor=incr_ratio,
-        backoff_factor=decr_ratio,
+    if use_bf16 and dtype is not None and to_low_dtype(dtype) != torch.bfloat16:
+        raise ValueError(f"use_bf16=True and dtype={dtype!r} disagree: pass one of them.")
+    lp_dtype = torch.bfloat16 if use_bf16 else to_low_dtype(dtype or "float16")
+    return OptimizerWithMixedPrecision(
+        optimizer,
+        AmpConfig(
+            lists=amp_lists or AutoMixedPrecisionLists(dtype=_dtype_name(lp_dtype)),
+            lp_dtype=lp_dtype,
+            level="O2" if use_pure_fp16 else "O1",
+            guard=use_pure_fp16 if use_fp16_guard is None else use_fp16_guard,
+            promote=use_promote,
+            scaler=_scaler_kwargs(
+                init_loss_scaling,
+                incr_ratio,
+                decr_ratio,
+                incr_every_n_steps,
+                decr_every_n_nan_or_inf,
+                use_dynamic_loss_scaling,
+            ),
+        ),
     )
-    cfg = AmpConfig(
-        lists=amp_lists or CustomOpLists(),
-        lp_dtype=to_low_dtype(dtype),
-        pure=use_pure_fp16,
-        guard=bool(use_fp16_guard),  # Paddle: None means False under decorate
-        scaler=scaler,
-    )
-    return OptimizerWithMixedPrecision(optimizer, cfg)
 
 
-__all__ = ["CustomOpLists", "OptimizerWithMixedPrecision", "decorate", "fp16_guard"]
+def decorate_common(
+    optimizer: torch.optim.Optimizer,
+    amp_lists: AutoMixedPrecisionLists | None = None,
+    level: str = "O1",
+    dtype: str | torch.dtype = "float16",
+    master_weight: bool | None = None,
+    master_grad: bool = False,
+    init_loss_scaling: float = 2.0**16,
+    incr_every_n_steps: int = 2000,
+    decr_every_n_nan_or_inf: int = 1,
+    incr_ratio: float = 2.0,
+    decr_ratio: float = 0.5,
+    use_dynamic_loss_scaling: bool | None = None,
+    use_amp_guard: bool = False,
+    use_promote: bool = False,
+) -> OptimizerWithMixedPrecision:
+    """paddle.static.amp.decorate's 3.x overload, Paddle's defaults.
+
+    level: 'O1', 'O2' or 'OD' ('O0' is refused: decorate nothing instead). master_weight:
+    None or True (fp32 masters for O2's low parameters); False is refused (mixprec keeps
+    masters for low parameters). master_grad: the masters always take fp32 gradients, so
+    False behaves as True. use_dynamic_loss_scaling None: dynamic for float16 only, as Paddle.
+    """
+    _check_optimizer(optimizer, amp_lists)
+    upper = level.upper() if isinstance(level, str) else level
+    if upper not in ("O1", "O2", "OD"):
+        raise ValueError(
+            f"level={level!r}: static.amp.decorate takes 'O1', 'O2' or 'OD'"
+            + (" ('O0' is fp32: leave the optimizer undecorated)." if upper == "O0" else ".")
+        )
+    lp_dtype = to_low_dtype(dtype)
+    _check_bool("master_weight", master_weight, none_ok=True)
+    _check_bool("master_grad", master_grad)
+    _check_bool("use_dynamic_loss_scaling", use_dynamic_loss_scaling, none_ok=True)
+    _check_bool("use_amp_guard", use_amp_guard)
+    _check_bool("use_promote", use_promote)
+    if master_weight is False and upper == "O2":
+        raise ValueError(
+            "master_weight=False: mixprec's static O2 keeps fp32 master weights for the "
+            "parameters amp_init casts (an update in fp16 loses small steps); pass None or True."
+        )
+    if use_dynamic_loss_scaling is None:
+        use_dynamic_loss_scaling = lp_dtype == torch.float16
+    return OptimizerWithMixedPrecision(
+        optimizer,
+        AmpConfig(
+            lists=amp_lists or AutoMixedPrecisionLists(dtype=_dtype_name(lp_dtype)),
+            lp_dtype=lp_dtype,
+            level=upper,
+            guard=use_amp_guard and upper == "O2",
+            promote=use_promote,
+            scaler=_scaler_kwargs(
+                init_loss_scaling,
+                incr_ratio,
+                decr_ratio,
+                incr_every_n_steps,
+                decr_every_n_nan_or_inf,
+                use_dynamic_loss_scaling,
+            ),
+        ),
+    )
+
+
+def _scaler_kwargs(
+    init: float, incr: float, decr: float, incr_n: int, decr_n: int, dynamic: bool
+) -> dict[str, Any]:
+    kwargs = {
+        "init_loss_scaling": init,
+        "incr_ratio": incr,
+        "decr_ratio": decr,
+        "incr_every_n_steps": incr_n,
+        "decr_every_n_nan_or_inf": decr_n,
+        "use_dynamic_loss_scaling": dynamic,
+    }
+    GradScaler(**kwargs)  # validates now, at decorate, naming the bad value
+    return kwargs
+
+
+_OVERLOADS = (decorate_fp16_only, decorate_common)
+
+
+def decorate(*args: Any, **kwargs: Any) -> OptimizerWithMixedPrecision:
+    """paddle.static.amp.decorate: Paddle 3.3.1's two overloads, chosen as Paddle chooses.
+
+    A keyword only one overload has picks it (use_pure_fp16 / use_fp16_guard / use_bf16 the
+    older, seed 002's; level / master_weight / master_grad / use_amp_guard the 3.x one). Else
+    a float third positional (init_loss_scaling) picks the older one, and anything else the
+    3.x one: decorate(optimizer) gets level 'O1' and Paddle 3's scale defaults.
+    """
+    fits = [
+        fn
+        for fn in _OVERLOADS
+        if set(kwargs) <= set(inspect.signature(fn).parameters)
+        and len(args) <= _positional_count(fn)
+    ]
+    if not fits:
+        raise TypeError(
+            f"static.amp.decorate got {sorted(kwargs)} together: no overload takes them all. "
+            f"The older one takes {list(inspect.signature(decorate_fp16_only).parameters)}, "
+            f"the 3.x one {list(inspect.signature(decorate_common).parameters)}."
+        )
+    if len(fits) == 1:
+        return fits[0](*args, **kwargs)
+    if len(args) >= 3 and isinstance(args[2], float):
+        return decorate_fp16_only(*args, **kwargs)
+    return decorate_common(*args, **kwargs)
+
+
+def _positional_count(fn: Any) -> int:
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in kinds for p in inspect.signature(fn).parameters.values())
+
+
+__all__ = [
+    "AutoMixedPrecisionLists",
+    "CustomOpLists",
+    "OptimizerWithMixedPrecision",
+    "decorate",
+    "decorate_common",
+    "decorate_fp16_only",
+    "fp16_guard",
+]

@@ -68,13 +68,14 @@ def _loss_is_output(out: torch.Tensor, target: Any) -> torch.Tensor:
 
 class ProgramModule(nn.Module):
     """A recorded program replayed on fed tensors; each op's floating inputs cast to casts[i]
-    (None: as recorded, under autocast_dtype's torch.autocast when that is set)."""
+    (None: as recorded, under autocast_dtype's torch.autocast when that is set; "promote":
+    fp32 when any floating input is fp32, else as they come)."""
 
     def __init__(
         self,
         program: Program,
         loss_id: int,
-        casts: list[torch.dtype | None],
+        casts: list[torch.dtype | str | None],
         autocast_dtype: torch.dtype | None,
     ) -> None:
         super().__init__()
@@ -102,6 +103,9 @@ class ProgramModule(nn.Module):
         with outer:
             for op, cast in zip(self.program.ops, self.casts, strict=True):
                 leaves = [self._leaf(leaf, env) for leaf in op.leaves]
+                if cast == PROMOTE:  # Paddle's use_promote: the widest floating input decides
+                    floating = [t.dtype for t in leaves if _is_floating(t)]
+                    cast = torch.float32 if torch.float32 in floating else None
                 if cast is not None:
                     leaves = [
                         t.to(cast) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -118,15 +122,26 @@ class ProgramModule(nn.Module):
         return env[self.loss_id]
 
 
+PROMOTE = "promote"
+"""The cast of an op that runs in fp32 when any floating input is fp32 (Paddle's use_promote)."""
+
+
+def _is_floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
 def build_step(
     program: Program,
     loss_id: int,
     optimizer: torch.optim.Optimizer,
-    casts: list[torch.dtype | None],
+    casts: list[torch.dtype | str | None],
     autocast_dtype: torch.dtype | None,
+    scaler: Any = None,
 ) -> CompiledStep:
+    """The program's compiled training step; scaler: the loss scale's owner (a
+    mixprec.paddle.GradScaler, whose rule advances it) or None."""
     module = ProgramModule(program, loss_id, casts, autocast_dtype)
-    return compile_step(module, optimizer, _loss_is_output, **COMPILE_OPTIONS)
+    return compile_step(module, optimizer, _loss_is_output, scaler=scaler, **COMPILE_OPTIONS)
 
 
 class Executor:
@@ -171,7 +186,8 @@ class Executor:
                     f"fetch {loss_name!r}."
                 )
         loss = step(*feeds, target=None)
-        out = [loss.detach().reshape(1) for _ in fetch_ids]  # Paddle fetches shape [1]
+        # Paddle 3 fetches a variable in its own shape: 0-d for a mean loss (float() works)
+        out = [loss.detach().reshape(program.minimized.loss_shape) for _ in fetch_ids]
         if not return_numpy:
             return out
         # numpy has no bfloat16: a bf16 loss comes back as float32 (exact widening)
