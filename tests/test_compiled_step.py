@@ -29,6 +29,9 @@ from mixprec.compiled_step import (
     compile_step,
 )
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 # fp16 params written from fp32 masters: a 1-ulp master difference moves the fp16 rounding
 # by at most one fp16 ulp (2**-10 relative) where it sits on a rounding boundary.
 FP16_PARAM_ROUNDING = {"rtol": 2**-10, "atol": 2**-14}
@@ -50,7 +53,7 @@ def make_model(width: int = 8) -> nn.Module:
 
 
 def batch(step: int, width: int = 8, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(step)
     x = torch.randn(16, width, generator=gen)
     return x.to(dtype), torch.randn(16, 4, generator=gen)
 
@@ -150,7 +153,9 @@ def _paddle(opt_cls, kwargs):
     model = make_model()
     opt = opt_cls(model.parameters(), **kwargs)
     model, opt = paddle_amp.decorate(models=model, optimizers=opt, level="O2")
-    scaler = paddle_amp.GradScaler(device="cpu", init_loss_scaling=1024, incr_every_n_steps=2)
+    scaler = paddle_amp.GradScaler(
+        device=torch.get_default_device().type, init_loss_scaling=1024, incr_every_n_steps=2
+    )
     crit = nn.MSELoss()
 
     def loss_of(out, y):
@@ -368,7 +373,7 @@ def test_compile_failure_falls_back_to_eager_with_one_warning():
         step(*batch(1))  # warned once
 
 
-def test_bad_input():
+def test_bad_input(device: str):
     model, opt, crit, _, _ = FACES["bf16"](torch.optim.SGD, SGD)
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         compile_step(lambda x: x, opt, crit)
@@ -377,7 +382,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="max_norm=-1"):
         compile_step(model, opt, crit, max_norm=-1)
     with pytest.raises(TypeError, match="scaler=.*mixprec.GradScaler"):
-        compile_step(model, opt, crit, scaler=torch.amp.GradScaler("cpu"))
+        compile_step(model, opt, crit, scaler=torch.amp.GradScaler(device))
     model = make_model()
     rms = torch.optim.RMSprop(model.parameters())
     with pytest.raises(CompileStepError, match="RMSprop.*Supported: SGD"):

@@ -22,6 +22,9 @@ from mixprec.compiled_step import compile_step
 from mixprec.fp8.config import Float8Config
 from mixprec.fp8.linear import HISTORY_NAMES, Float8Linear
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 # FP32_ROUNDING holds for fp8 too: a 1-ulp different weight or amax lands on the other side of
 # an fp8 rounding boundary with probability ~2**-20 per element, so at these sizes the fp8
 # casts agree and only the update's fp32 rounding differs.
@@ -40,7 +43,7 @@ def fp8_model(scaling: str) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(step)
     return torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
 
 

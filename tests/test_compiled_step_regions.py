@@ -25,6 +25,9 @@ import mixprec.paddle as paddle_amp
 from mixprec.autocast import autocast, fp16_guard, fp32, fp32_region
 from mixprec.compiled_step import compile_step
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 
 @fp32
 def _fp32_gelu(h: torch.Tensor) -> torch.Tensor:
@@ -80,7 +83,7 @@ def region_step(compile: bool):
 
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(1)
     return [
         (torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)) for _ in range(n)
     ]

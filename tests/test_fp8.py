@@ -38,6 +38,9 @@ from mixprec.fp8 import (
 )
 from mixprec.fp8 import kernels as fp8_kernels
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 OUT_SNR_FLOOR_DB = 25.0
 GRAD_SNR_FLOOR_DB = 21.0
@@ -184,7 +187,7 @@ def make_pair(config: Float8Config, in_f: int = 256, out_f: int = 128, seed: int
 def fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast: bool = False):
     x = x.detach().clone().requires_grad_()
     layer.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16, enabled=autocast):
         out = layer(x)
     out.backward(grad.to(out.dtype))
     return out, x.grad, layer.weight.grad, layer.bias.grad
@@ -442,7 +445,7 @@ def test_deepcopy_and_pickle(scaling):
 
 
 @pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
-def test_compiled_forward_backward_matches_eager(scaling):
+def test_compiled_forward_backward_matches_eager(device: str, scaling):
     # aot_eager runs dynamo and AOTAutograd (where an autograd.Function or a buffer mutated in
     # backward would break) in ~2 s; inductor's codegen would add ~20 s on 2 cores, and by
     # default skips the bias's bf16 rounding (emulate_precision_casts=False): 1-ulp diffs.
@@ -451,7 +454,7 @@ def test_compiled_forward_backward_matches_eager(scaling):
     compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
     x = torch.randn(16, 32)
     for _ in range(2):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             want, got = eager(x), compiled(x)
         want.float().sum().backward()
         got.float().sum().backward()
@@ -471,7 +474,9 @@ def train_digits(fp8: bool) -> tuple[float, nn.Module]:
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0  # 64 features: already 16-aligned
     y = torch.tensor(digits.target)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    perm = torch.randperm(
+        len(x), generator=torch.Generator(torch.get_default_device()).manual_seed(0)
+    )
     train, test = perm[:1400], perm[1400:]
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -482,17 +487,20 @@ def train_digits(fp8: bool) -> tuple[float, nn.Module]:
         summary = fp8_summary(model)
         assert summary.converted == ("0", "2") and list(summary.skipped) == ["4"]
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    batches = torch.Generator().manual_seed(1)
+    batches = torch.Generator(torch.get_default_device()).manual_seed(1)
     for _ in range(10):
         order = train[torch.randperm(len(train), generator=batches)]
         for i in range(0, len(order), 32):
             idx = order[i : i + 32]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fp8):
+            with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16, enabled=fp8):
                 loss = nn.functional.cross_entropy(model(x[idx]).float(), y[idx])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=fp8):
+    with (
+        torch.no_grad(),
+        torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16, enabled=fp8),
+    ):
         accuracy = (model(x[test]).argmax(1) == y[test]).float().mean().item() * 100
     return accuracy, model
 

@@ -15,6 +15,9 @@ from torch import nn
 
 from mixprec.fp8 import Float8Conv1D, Float8Linear, convert_to_fp8, fp8_summary
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 transformers = pytest.importorskip("transformers")  # the dev extra installs it
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # from config only: nothing is fetched
 from transformers.pytorch_utils import Conv1D  # noqa: E402

@@ -13,6 +13,9 @@ from mixprec import fused_step as fused
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import ScalerConfig
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 SCALE = ScalerConfig(init_scale=2.0**8, growth_interval=2)  # grows during the test: 2**8..2**9
 
 

@@ -22,6 +22,9 @@ import mixprec
 from mixprec.paddle import static
 from mixprec.paddle.static import executor
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "paddle_static"
 TINY = ["--input-size", "16", "--batch-size", "8", "--nums-batch", "3", "--epochs", "1"]
