@@ -14,7 +14,7 @@ import torch
 import torch._dynamo
 from conftest import CountHostSyncs
 from dist_utils import assert_same_on_every_rank, spawn
-from tolerances import FP32_ROUNDING
+from tolerances import fp32_rounding
 from torch import nn
 
 import mixprec
@@ -207,7 +207,7 @@ def test_functional_step_equals_the_face_eager_step(name):
     for i in range(3):
         loss = step(*face_batch(name, i))
     assert loss.dim() == 0
-    tol = FP16_PARAM_ROUNDING if fp16_face(name) else FP32_ROUNDING
+    tol = FP16_PARAM_ROUNDING if fp16_face(name) else fp32_rounding()
     tol = PURE_FP16 if name == "apex_O3" else tol
     assert_states_close(state_of(model, opt, scaler), reference, **tol)
 
@@ -481,7 +481,9 @@ def test_booster_train_step_equals_its_eager_loop():
     for i in range(3):
         x, y = batch(i)
         booster.train_step(model, opt, crit, x, target=y)
-    assert_states_close(state_of(model, opt), state_of(reference[0], reference[1]), **FP32_ROUNDING)
+    assert_states_close(
+        state_of(model, opt), state_of(reference[0], reference[1]), **fp32_rounding()
+    )
     with pytest.raises(TypeError, match="compile_step=1 must be a bool"):
         mixprec.Booster(compile_step=1)
     assert mixprec.Booster(compile_step=True).compile_step

@@ -17,7 +17,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 from test_compiled_step import state_of
-from tolerances import EXACT, FP32_ROUNDING
+from tolerances import EXACT, fp32_rounding
 from torch import nn
 
 import mixprec
@@ -154,7 +154,7 @@ def test_a_callers_auto_cast_reaches_the_forward_and_stops_at_the_loss(compile):
     assert step.compiled == compile
     # foreach SGD vs the functional update: ~1 fp32 ulp per step (test_compiled_step)
     for i, (a, b) in enumerate(zip(state_of(model, opt), reference, strict=True)):
-        torch.testing.assert_close(a, b, **FP32_ROUNDING, msg=f"state tensor {i}")
+        torch.testing.assert_close(a, b, **fp32_rounding(), msg=f"state tensor {i}")
 
 
 class PrebuiltContext(nn.Module):
