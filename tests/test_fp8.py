@@ -261,7 +261,9 @@ def test_input_without_grad_and_no_bias():
 def test_emulated_matches_the_real_kernel(shape, autocast):
     m, k, n = shape
     real, _ = make_pair(Float8Config(), k, n)
-    real = Float8Linear.from_float(real, Float8Config(emulate=False))
+    # fast accumulation off: the contract below is the kernel's full fp32 accumulation
+    exact_sum = Float8Config(emulate=False, use_fast_accum_forward=False)
+    real = Float8Linear.from_float(real, exact_sum)
     emulated = Float8Linear.from_float(copy.deepcopy(real), Float8Config(emulate=True))
     x, grad = torch.randn(m, k), torch.randn(m, n)
     bias = real.bias.detach().abs().float()
@@ -512,3 +514,27 @@ def test_digits_mlp_trains_to_fp32_accuracy_in_fp8():
     assert hp_accuracy > 90  # the reference itself learned
     # Within 1.5 points: float8 noise (~25 dB per GEMM) must not cost accuracy on this task.
     assert abs(lp_accuracy - hp_accuracy) <= 1.5, (hp_accuracy, lp_accuracy)
+
+
+def test_fast_accum_reaches_the_kernel_forward_on_backward_off(monkeypatch) -> None:
+    calls: list[bool] = []
+
+    def recording_scaled_mm(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum=False):
+        calls.append(use_fast_accum)
+        return ((a.float() @ b.float()) * scale_a * scale_b).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording_scaled_mm)
+    monkeypatch.setitem(fp8_kernels._CPU_KERNEL, "ok", True)  # the recorder is the kernel
+    for config, expected in (
+        (Float8Config(emulate=False), [True, False, False]),  # torchao's default
+        (
+            Float8Config(emulate=False, use_fast_accum_forward=False, use_fast_accum_backward=True),
+            [False, True, True],
+        ),
+    ):
+        calls.clear()
+        f8 = Float8Linear.from_float(nn.Linear(32, 16), config)
+        f8(torch.randn(8, 32, requires_grad=True)).sum().backward()
+        assert calls == expected  # forward, then backward's grad_input and grad_weight GEMMs
+    with pytest.raises(TypeError, match="use_fast_accum_forward must be a bool"):
+        Float8Config(use_fast_accum_forward=1)
