@@ -40,8 +40,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "device" not in metafunc.fixturenames:
         return
     devices = requested_devices(metafunc.config)
-    if metafunc.definition.get_closest_marker("distributed") is not None:
-        # gloo workers are separate processes on the CPU: a CUDA variant would rerun the CPU test
+    if any(metafunc.definition.get_closest_marker(m) for m in ("distributed", "host_only")):
+        # gloo workers and subprocesses run on the CPU: a CUDA variant would rerun the CPU test
         devices = [d for d in devices if d != "cuda"]
     if devices in ([], ["cpu"]):
         return  # the fixture's default, cpu, and the test ids of a plain run

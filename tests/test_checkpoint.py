@@ -237,6 +237,7 @@ save_checkpoint({"w": torch.zeros(1 << 20), "slow": Slow()}, sys.argv[1])
 """
 
 
+@pytest.mark.host_only
 def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
     import signal
     import subprocess

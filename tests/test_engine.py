@@ -573,6 +573,7 @@ def _accuracies(stdout: str) -> list[float]:
     return [float(m[2]) for m in ACCURACY.finditer(stdout)]
 
 
+@pytest.mark.host_only
 def test_example_runs_with_each_config() -> None:
     procs = {
         name: subprocess.Popen(

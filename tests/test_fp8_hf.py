@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # from config only: nothing is fet
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 
+@pytest.mark.host_only
 def test_import_mixprec_gives_fp8() -> None:
     # a fresh interpreter: in this one the test's own imports already loaded mixprec.fp8
     code = "import mixprec; print(mixprec.fp8.convert_to_fp8.__name__)"

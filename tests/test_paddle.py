@@ -578,6 +578,7 @@ def test_accumulation_matches_reference(device: str, examples):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)  # the pending 5th batch
 
 
+@pytest.mark.host_only
 def test_example_script_runs_from_the_command_line():
     cmd = [sys.executable, str(EXAMPLES / "train_o2.py"), *TINY, "--epochs", "1", "--master-weight"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
