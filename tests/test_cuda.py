@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+import torch._dynamo
 from tolerances import EXACT, FP32_ROUNDING_CUDA
 from torch import nn
 
@@ -134,6 +135,7 @@ def test_compiled_step_under_cuda_graphs_equals_the_eager_step() -> None:
     model, twin = mlp(), mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-3)
+    torch._dynamo.utils.counters.clear()
     graphed = compile_step(model, opt, nn.MSELoss(), mode="reduce-overhead")
     eager = compile_step(twin, twin_opt, nn.MSELoss(), compile=False)
     for i in range(5):
@@ -147,6 +149,8 @@ def test_compiled_step_under_cuda_graphs_equals_the_eager_step() -> None:
             for p, b in zip(model.parameters(), before, strict=True):
                 torch.testing.assert_close(p, b, **EXACT)
     assert graphed.compiled
+    # inductor counts each graph it ran without CUDA graphs (a mutated input, a CPU tensor...)
+    assert not torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, **FP32_ROUNDING_CUDA)
 
@@ -178,7 +182,9 @@ def test_nccl_world_of_one_equals_the_single_process_step(plugin: str) -> None:
     }
     with nccl_world_of_one():
         model, reference = mlp(), mlp()
-        booster = Booster(device=CUDA, mixed_precision="bf16", plugin=make[plugin]())
+        # ZeRO's plugin brings its own precision (the Booster's must stay unset)
+        precision = {} if plugin.startswith("zero") else {"mixed_precision": "bf16"}
+        booster = Booster(device=CUDA, plugin=make[plugin](), **precision)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         model, opt, crit, *_ = booster.boost(model, opt, nn.MSELoss())
         ref_booster = Booster(device=CUDA, mixed_precision="bf16")
