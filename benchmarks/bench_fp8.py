@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from mixprec.bench.runner import cpu_model
+from mixprec.bench.timing import time_call
 from mixprec.fp8 import Float8Config, convert_to_fp8, fp8_kernel_problem, fp8_summary
 
 RESULTS = Path(__file__).parent / "results"
@@ -70,11 +71,15 @@ def scaled_mm_ops(device: torch.device) -> list[str]:
     return list(dict.fromkeys(children))
 
 
+FAST_ACCUM = True  # set by --fast-accum: the real kernel's forward GEMM (Float8Config)
+
+
 def build(width: int, depth: int, mode: str, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).to(device)
     if mode != "bf16":
-        model = convert_to_fp8(model, config=Float8Config(emulate=mode == "fp8-emulated"))
+        config = Float8Config(emulate=mode == "fp8-emulated", use_fast_accum_forward=FAST_ACCUM)
+        model = convert_to_fp8(model, config=config)
         summary = fp8_summary(model)
         assert len(summary.converted) == depth, summary  # widths are multiples of 16
     return model
@@ -85,7 +90,7 @@ def make_step(
 ) -> Callable[[], None]:
     """One forward+backward of a fresh model in `mode` (same weights and data in every mode)."""
     model = build(width, depth, mode, device)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(1)  # CPU numbers, moved: the same data on every device
     x = torch.randn(tokens, width, generator=gen).to(device).requires_grad_()
     grad = torch.randn(tokens, width, generator=gen).to(device, torch.bfloat16)
 
@@ -115,21 +120,13 @@ def time_case(
     """
     step_fns = {mode: make_step(width, depth, mode, tokens, device) for mode in modes}
 
-    def sync() -> None:
-        if device.type == "cuda":  # CUDA launches are async: time the work, not the launch
-            torch.cuda.synchronize(device)
-
     for fn in step_fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(steps):
         for mode, fn in step_fns.items():
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[mode].append(time.perf_counter() - t0)
+            times[mode].append(time_call(fn, device))  # CUDA events on a GPU
     return times
 
 
@@ -143,7 +140,8 @@ def markdown(results: list[dict], machine: dict[str, str], args: argparse.Namesp
         f"tokens per step={args.tokens}, warmup={args.warmup}, timed steps={args.steps} per mode, "
         "modes taking turns; each time is the fastest step (other processes share the cores).",
         "All modes under bf16 autocast with fp32 parameters; ratio = mode time / bf16 time "
-        "(below 1 is faster than bf16).",
+        "(below 1 is faster than bf16). "
+        f"fp8 forward GEMM use_fast_accum={args.fast_accum == 'on'} (backward: off).",
         "",
         "| model | width | bf16 ms | fp8 ms | fp8 / bf16 | fp8-emulated ms | emulated / bf16 |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -226,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
         help="torch.set_num_threads (default: torch's). On cores shared with other processes, "
         "1 avoids OpenMP threads waiting on each other at every op's barrier",
     )
+    parser.add_argument(
+        "--fast-accum",
+        choices=("on", "off"),
+        default="on",
+        help="the fp8 forward GEMM's use_fast_accum (default on, torchao's); 'off' writes "
+        "fp8_exact_accum_<device>.*",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     args.argv, args.skipped = argv, []
@@ -236,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--modes must include bf16: every ratio is to bf16.")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    global FAST_ACCUM
+    FAST_ACCUM = args.fast_accum == "on"
     device = torch.device(args.device)
     modes = list(args.modes)
     problem = fp8_kernel_problem(device)
@@ -281,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if not args.no_write:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        stem = RESULTS / f"fp8_{device.type}"
+        stem = RESULTS / f"fp8{'' if FAST_ACCUM else '_exact_accum'}_{device.type}"
         stem.with_suffix(".md").write_text(table)
         payload = {
             "machine": machine,

@@ -20,7 +20,6 @@ import gc
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,8 +30,10 @@ from tqdm import tqdm
 import mixprec
 from mixprec import AMP_TYPE, convert_to_amp
 from mixprec.bench.runner import machine_name
+from mixprec.bench.timing import time_call
 
 RESULTS = Path(__file__).parent / "results"
+DEVICE = torch.device("cpu")  # set by --device
 
 
 def simple_net(width: int, depth: int) -> nn.Module:
@@ -46,16 +47,14 @@ def median_step_seconds(step: Callable[[], None], warmup: int, steps: int, bar: 
         bar.update()
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+        times.append(time_call(step, DEVICE))  # CUDA events on a GPU
         bar.update()
     return statistics.median(times)
 
 
 def make_loops(width: int, depth: int, batch: int, lr: float):
     """name -> builder returning a no-argument training step (built lazily: one model in memory)."""
-    gen = torch.Generator().manual_seed(100)
+    gen = torch.Generator(DEVICE).manual_seed(100)
     x = torch.rand(batch, width, generator=gen)
     y = torch.rand(batch, width, generator=gen)
     mse = nn.MSELoss()
@@ -80,7 +79,7 @@ def make_loops(width: int, depth: int, batch: int, lr: float):
         opt = torch.optim.SGD(model.parameters(), lr=lr)
 
         def step():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
                 out = model(x)
             mse(out.float(), y).backward()
             opt.step()
@@ -231,8 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--opt-steps", type=int, default=5, help="timed optimizer-only steps")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for md/json/png")
-    parser.add_argument("--tag", default="cpu", help="file name suffix, e.g. the device")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--tag", default=None, help="file name suffix (default: the device)")
     args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    args.tag = args.tag or DEVICE.type
+    if DEVICE.type == "cuda":
+        torch.set_default_device(DEVICE)  # every model and tensor a loop builds lives there
     for name in ("width", "depth", "batch", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -255,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, cls in OPTIMIZERS.items()
         }
 
-    where = machine_name(torch.device("cpu"))
+    where = machine_name(DEVICE)
     table = render(args, loops, opt_steps, where)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

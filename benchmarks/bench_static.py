@@ -53,6 +53,7 @@ import mixprec
 from mixprec import AMP_TYPE, convert_to_amp
 from mixprec.bench.models import PRESETS, build_model, make_batch
 from mixprec.bench.runner import machine_name
+from mixprec.bench.timing import time_call
 from mixprec.fp8 import convert_to_fp8
 
 RESULTS = Path(__file__).parent / "results"
@@ -61,6 +62,7 @@ LOOPS = ("raw eager", CHECKED, "raw compile", "mixprec eager", "mixprec step")
 MODES = ("bf16", "naive", "fp16", "fp8")
 SIZES = ("tiny", "mlp", "vit")
 CLOCK = time.process_time  # set by --clock
+DEVICE = torch.device("cpu")  # set by --device
 TARGETS = {
     "step / mixprec eager (tiny; bf16, naive)": 1.3,
     "step / raw compile": 1.0,
@@ -79,14 +81,14 @@ def tiny_model() -> nn.Module:
 
 def size_setup(size: str, args) -> tuple[Callable[[], nn.Module], torch.Tensor, torch.Tensor]:
     """(fresh fp32 model builder, input, target) for a size; MSE loss throughout."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(DEVICE).manual_seed(0)
     if size == "tiny":
         x, y = torch.rand(64, 128, generator=gen), torch.rand(64, 128, generator=gen)
         return tiny_model, x, y
     spec = PRESETS[size]
     if size == "mlp":
         spec = type(spec)(name="mlp", width=args.mlp_width, depth=9, batch=args.mlp_batch)
-    x, y = make_batch(spec, seed=0)
+    x, y = make_batch(spec, seed=0, device=DEVICE)
     if size == "vit":  # MSE against one-hot targets keeps one loss for every size
         y = nn.functional.one_hot(y, spec.num_classes).float()
 
@@ -123,9 +125,7 @@ def interleaved_medians(
         shuffle(order)
         for name in order:
             step = steps[name]
-            t0 = CLOCK()
-            step()
-            times[name].append(CLOCK() - t0)
+            times[name].append(time_call(step, DEVICE, CLOCK))  # CUDA events on a GPU
             bar.update()
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -149,13 +149,13 @@ def loops_for(build, x, y, mode: str) -> dict[str, Callable[[], Callable[[], obj
             if mode == "fp8":  # the same float8 layers, trained by a plain bf16 loop
                 model = convert_to_fp8(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-            scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+            scaler = torch.amp.GradScaler(DEVICE.type, enabled=scaled)
             if check:  # scale 1 that never grows: the scaler only checks and skips
-                scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2**30)
+                scaler = torch.amp.GradScaler(DEVICE.type, init_scale=1.0, growth_interval=2**30)
             forward = torch.compile(model) if compiled else model
 
             def step():
-                with torch.autocast("cpu", dtype=dtype):
+                with torch.autocast(DEVICE.type, dtype=dtype):
                     out = forward(x)
                 loss = mse(out.float(), y)
                 scaler.scale(loss).backward()
@@ -199,7 +199,7 @@ def loops_for(build, x, y, mode: str) -> dict[str, Callable[[], Callable[[], obj
 def static_loops(args) -> dict[str, Callable[[], Callable[[], torch.Tensor]]]:
     """Seed 002 §2.2: SimpleNet, SGD(lr=1e-4), MSE; fp32 / O1 / O2, eager and compiled."""
     width, batch = args.static_width, args.static_batch
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(DEVICE).manual_seed(1)
     x, y = torch.rand(batch, width, generator=gen), torch.rand(batch, width, generator=gen)
     dtype = args.dtype
     configs = {
@@ -383,7 +383,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "does not inflate (one thread: CPU time is the step's cost); wall: perf_counter",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for md/json/png")
-    parser.add_argument("--tag", default="cpu", help="file name suffix, e.g. the device")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--tag", default=None, help="file name suffix (default: the device)")
     args = parser.parse_args(argv)
     args.sizes = [s for s in args.sizes.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]
@@ -402,8 +403,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     torch.set_num_threads(args.threads)
-    global CLOCK
+    global CLOCK, DEVICE
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    DEVICE = torch.device(args.device)
+    args.tag = args.tag or DEVICE.type
+    if DEVICE.type == "cuda":
+        torch.set_default_device(DEVICE)  # every model and tensor a loop builds lives there
     torch._dynamo.config.cache_size_limit = 64  # one graph per loop, many loops per process
     per_loop = args.warmup + args.steps
     loops_per_size = sum(len(LOOPS) - mode_config(m)[3] for m in args.modes)  # scaled: no CHECKED
@@ -433,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                 del steps
                 gc.collect()
     rows = ratio_rows(speed)
-    where = machine_name(torch.device("cpu"))
+    where = machine_name(DEVICE)
     table = render(args, speed, rows, static, where)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,13 @@
-"""Shared fixtures: deterministic seeds, a tiny model factory, a host-sync counter."""
+"""Shared fixtures: the device option, deterministic seeds, a tiny model factory, a host-sync counter.
+
+`--device cpu` (the default) and `--device cuda` (repeatable) choose the devices the numerics
+tests run on. A test opts in by taking the `device` fixture (or a module's
+`pytestmark = pytest.mark.usefixtures("device")`): it is then collected once per requested
+device, its CUDA variant marked `cuda`, and while it runs torch's default device is that device,
+so every tensor and module it builds without naming a device lands there. With the default
+`--device cpu` nothing is parametrized and test ids stay as they were.
+The CUDA suite: `python -m pytest --device cuda -m cuda` (its tests skip without a GPU).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +18,68 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub from a test
+
+
+DEVICES = ("cpu", "cuda")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        action="append",
+        choices=DEVICES,
+        dest="devices",
+        help="run the device-generic tests on this device (repeatable; default: cpu)",
+    )
+
+
+def requested_devices(config: pytest.Config) -> list[str]:
+    return list(dict.fromkeys(config.getoption("devices") or ["cpu"]))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "device" not in metafunc.fixturenames:
+        return
+    devices = requested_devices(metafunc.config)
+    if any(metafunc.definition.get_closest_marker(m) for m in ("distributed", "host_only")):
+        # gloo workers and subprocesses run on the CPU: a CUDA variant would rerun the CPU test
+        devices = [d for d in devices if d != "cuda"]
+    if devices in ([], ["cpu"]):
+        return  # the fixture's default, cpu, and the test ids of a plain run
+    metafunc.parametrize(
+        "device",
+        [pytest.param(d, id=d, marks=[pytest.mark.cuda] if d == "cuda" else []) for d in devices],
+        indirect=True,
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (none here)")
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest):
+    """The device this test variant runs on; torch's default device while it runs."""
+    name = getattr(request, "param", "cpu")
+    if name == "cpu":
+        yield "cpu"
+        return
+    matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    previous = torch.get_default_device()
+    # The fp32 references are fp32: TF32 (10-bit mantissa, cuDNN's default for convolutions)
+    # would put a low-precision error into them that the tests' tolerances do not carry.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_default_device(name)
+    try:
+        yield name
+    finally:
+        # back to no default-device mode at all when it was the CPU (the mode costs a call)
+        torch.set_default_device(None if previous.type == "cpu" else previous)
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
 
 
 @pytest.fixture(autouse=True)

@@ -10,11 +10,14 @@ from conftest import tiny_mlp
 
 from mixprec import AMP_TYPE, convert_to_amp
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 CE = torch.nn.CrossEntropyLoss()
 
 
 def data(steps: int = 6, n: int = 16):
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(3)
     return [
         (torch.randn(n, 8, generator=gen), torch.randint(0, 4, (n,), generator=gen))
         for _ in range(steps)
@@ -42,7 +45,7 @@ def twin_run(dtype, scaler=None, steps=6, opt_cls=torch.optim.SGD):
     opt = opt_cls(model.parameters(), lr=0.05)
     for x, y in data(steps):
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(torch.get_default_device().type, dtype=dtype):
             out = model(x)
         loss = CE(out.float(), y)
         if scaler is None:
@@ -60,10 +63,10 @@ def assert_same_params(a, b) -> None:
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
-def test_torch_mode_equals_autocast_plus_grad_scaler_exactly() -> None:
+def test_torch_mode_equals_autocast_plus_grad_scaler_exactly(device: str) -> None:
     model, opt, _ = amp_run(AMP_TYPE.TORCH, {"init_scale": 2.0**10}, opt_cls=torch.optim.Adam)
     twin = twin_run(
-        torch.float16, torch.amp.GradScaler("cpu", init_scale=2.0**10), opt_cls=torch.optim.Adam
+        torch.float16, torch.amp.GradScaler(device, init_scale=2.0**10), opt_cls=torch.optim.Adam
     )
     assert_same_params(model.module, twin)
     assert opt.loss_scale == 2.0**10
@@ -122,13 +125,13 @@ def test_colossal_optimizer_clip_grad_norm_signature() -> None:
     opt.step()
 
 
-def test_criterion_runs_in_fp32_inside_autocast() -> None:
+def test_criterion_runs_in_fp32_inside_autocast(device: str) -> None:
     model = tiny_mlp()
     model, _, crit = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1), CE, "bf16")
     x, y = data(1)[0]
     out = model(x)
     assert out.dtype == torch.bfloat16
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         loss = crit(out, y)
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, CE(out.float(), y), rtol=0, atol=0)

@@ -22,6 +22,9 @@ from mixprec.apex import FP16_Optimizer, amp
 from mixprec.apex._optim import AmpOptimizer
 from mixprec.optim import ScaleCollapseError
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 X = torch.tensor([[1.0, 2.0]])
 W0 = [[0.5, -1.0], [2.0, 0.25]]
 W1 = [[-0.5, 1.0], [1.0, 0.5]]

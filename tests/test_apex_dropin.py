@@ -18,6 +18,9 @@ from torch import nn
 
 from mixprec.apex import amp
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 X = torch.tensor([[1.0, 2.0]])
 W = [[0.5, -1.0], [2.0, 0.25]]
 A = torch.tensor([[1.0, -2.0]])  # loss = sum(A * model(X)): dL/dW = A^T X

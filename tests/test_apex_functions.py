@@ -12,6 +12,9 @@ from dist_utils import assert_same_on_every_rank, spawn
 from mixprec.apex import amp, functions
 from mixprec.apex.parallel import DistributedDataParallel
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 ORIGINAL_MM = torch.mm
 ORIGINAL_SIGMOID = torch.sigmoid
 
@@ -67,21 +70,21 @@ def test_registered_float_and_half_functions_decide_the_dtype() -> None:
     assert torch.mm is ORIGINAL_MM and torch.sigmoid is ORIGINAL_SIGMOID
 
 
-def test_registered_promote_function_casts_to_the_widest_input() -> None:
+def test_registered_promote_function_casts_to_the_widest_input(device: str) -> None:
     ops = types.SimpleNamespace(mm=ORIGINAL_MM)
     model = _o1(MmNet(ops))  # registering while a patching amp is live patches at once
     x16 = torch.randn(4, 8).half()
     w = model.w.detach()
-    with torch.autocast("cpu", dtype=torch.float16):
+    with torch.autocast(device, dtype=torch.float16):
         assert ops.mm(x16, w).dtype == torch.float16  # autocast's choice
     amp.register_promote_function(ops, "mm")
-    with torch.autocast("cpu", dtype=torch.float16):
+    with torch.autocast(device, dtype=torch.float16):
         out = ops.mm(x16, w)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ORIGINAL_MM(x16.float(), w), rtol=0, atol=0)
 
 
-def test_decorators_cast_inside_o1_regions_only() -> None:
+def test_decorators_cast_inside_o1_regions_only(device: str) -> None:
     @amp.half_function
     def scaled_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a * 2 + b
@@ -92,7 +95,7 @@ def test_decorators_cast_inside_o1_regions_only() -> None:
 
     a, b = torch.randn(3), torch.randn(3)
     assert scaled_sum(a, b).dtype == torch.float32  # no region: untouched
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         assert scaled_sum(a, b).dtype == torch.bfloat16  # the region's low dtype
         assert log_softmax(a.bfloat16()).dtype == torch.float32
     torch.testing.assert_close(
@@ -119,7 +122,7 @@ def _master_grads(rank: int, **ddp_kwargs: object) -> list[torch.Tensor]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
     model = DistributedDataParallel(model, **ddp_kwargs)
-    g = torch.Generator().manual_seed(rank)  # each rank its own batch
+    g = torch.Generator(torch.get_default_device()).manual_seed(rank)  # each rank its own batch
     x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
     with amp.scale_loss(torch.nn.functional.mse_loss(model(x), y), opt) as scaled:
         scaled.backward()
@@ -145,7 +148,7 @@ def _ddp_after_initialize(rank: int, world: int) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
     model = DistributedDataParallel(model)
-    g = torch.Generator().manual_seed(10 + rank)
+    g = torch.Generator(torch.get_default_device()).manual_seed(10 + rank)
     losses = []
     for _ in range(4):
         x = torch.randn(8, 8, generator=g)

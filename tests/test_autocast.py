@@ -26,7 +26,12 @@ from mixprec.autocast import (
 )
 from mixprec.policy import preset
 
-BF16 = dict(dtype=torch.bfloat16, device_type="cpu")
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
+
+def bf16_on_device() -> dict:
+    return dict(dtype=torch.bfloat16, device_type=torch.get_default_device().type)
 
 
 def exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -43,11 +48,11 @@ def mode_stack_depth() -> int:
 
 
 @pytest.mark.parametrize("op", ["softmax", torch.softmax, F.softmax, torch.Tensor.softmax], ids=str)
-def test_white_listed_softmax_runs_in_bf16_and_equals_manual_cast(op: object) -> None:
+def test_white_listed_softmax_runs_in_bf16_and_equals_manual_cast(device: str, op: object) -> None:
     x = torch.randn(4, 16)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         assert torch.softmax(x, -1).dtype == torch.float32  # torch's default, so the list acts
-    with autocast(custom_white_list=[op], **BF16):
+    with autocast(custom_white_list=[op], **bf16_on_device()):
         outs = [torch.softmax(x, -1), F.softmax(x, dim=-1), x.softmax(-1), nn.Softmax(-1)(x)]
     for out in outs:
         exact(out, torch.softmax(x.bfloat16(), -1))
@@ -56,7 +61,7 @@ def test_white_listed_softmax_runs_in_bf16_and_equals_manual_cast(op: object) ->
 def test_white_listed_add_covers_every_spelling() -> None:
     x, y = torch.randn(3, 5), torch.randn(3, 5)
     ref = x.bfloat16() + y.bfloat16()
-    with autocast(custom_white_list=["add"], **BF16):
+    with autocast(custom_white_list=["add"], **bf16_on_device()):
         for out in (x + y, torch.add(x, y), x.add(y), y.__radd__(x)):
             exact(out, ref)
         exact(1.5 + x, 1.5 + x.bfloat16())
@@ -64,15 +69,15 @@ def test_white_listed_add_covers_every_spelling() -> None:
 
 def test_white_list_casts_tensors_inside_lists_and_leaves_fp64_and_ints() -> None:
     a, b = torch.randn(2, 3), torch.randn(2, 3)
-    with autocast(custom_white_list=["cat", "softmax", "add"], **BF16):
+    with autocast(custom_white_list=["cat", "softmax", "add"], **bf16_on_device()):
         exact(torch.cat([a, b]), torch.cat([a.bfloat16(), b.bfloat16()]))
         assert torch.softmax(a.double(), -1).dtype == torch.float64  # fp64 is never cast
         assert (torch.arange(3) + torch.arange(3)).dtype == torch.int64
 
 
-def test_white_list_in_float16_on_tiny_tensors() -> None:
+def test_white_list_in_float16_on_tiny_tensors(device: str) -> None:
     x = torch.randn(2, 4)  # fp16 kernels are slow on this CPU: tiny shapes only
-    with autocast(dtype=torch.float16, custom_white_list=["softmax"], device_type="cpu"):
+    with autocast(dtype=torch.float16, custom_white_list=["softmax"], device_type=device):
         out = torch.softmax(x, -1)
     exact(out, torch.softmax(x.half(), -1))
 
@@ -81,11 +86,11 @@ def test_white_list_in_float16_on_tiny_tensors() -> None:
 
 
 @pytest.mark.parametrize("op", ["linear", F.linear, "fc"], ids=["name", "F", "paddle"])
-def test_black_listed_linear_runs_in_fp32_and_casts_low_inputs_up(op: object) -> None:
+def test_black_listed_linear_runs_in_fp32_and_casts_low_inputs_up(device: str, op: object) -> None:
     x, w, b = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         assert F.linear(x, w, b).dtype == torch.bfloat16  # torch's default, so the list acts
-    with autocast(custom_black_list=[op], **BF16):
+    with autocast(custom_black_list=[op], **bf16_on_device()):
         out = F.linear(x, w, b)
         from_low = F.linear(x.bfloat16(), w, b)
         layer_out = nn.Linear(8, 6)(x)
@@ -96,31 +101,31 @@ def test_black_listed_linear_runs_in_fp32_and_casts_low_inputs_up(op: object) ->
 
 def test_black_listed_matmul_covers_operator_and_method() -> None:
     a, b = torch.randn(4, 8), torch.randn(8, 3)
-    with autocast(custom_black_list=[torch.matmul], **BF16):
+    with autocast(custom_black_list=[torch.matmul], **bf16_on_device()):
         outs = [a @ b, torch.matmul(a, b), a.matmul(b), a.bfloat16() @ b]
         assert torch.mm(a, b).dtype == torch.bfloat16  # mm is another op: torch's lists decide
     for out in outs:
         exact(out, a.bfloat16().float() @ b if out is outs[-1] else a @ b)
 
 
-def test_unlisted_ops_follow_torch_autocast() -> None:
+def test_unlisted_ops_follow_torch_autocast(device: str) -> None:
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     ops = {
         "mm": lambda: torch.mm(x, w),
         "layer_norm": lambda: F.layer_norm(x, (8,)),
         "gelu": lambda: F.gelu(x),
     }
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         expected = {name: fn() for name, fn in ops.items()}
-    with autocast(custom_white_list=["softmax"], custom_black_list=["linear"], **BF16):
+    with autocast(custom_white_list=["softmax"], custom_black_list=["linear"], **bf16_on_device()):
         for name, fn in ops.items():
             exact(fn(), expected[name])
 
 
-def test_enabled_false_turns_autocast_and_lists_off() -> None:
+def test_enabled_false_turns_autocast_and_lists_off(device: str) -> None:
     x = torch.randn(3, 4)
-    with autocast(custom_white_list=["softmax"], enabled=False, **BF16):
-        assert not torch.is_autocast_enabled("cpu")
+    with autocast(custom_white_list=["softmax"], enabled=False, **bf16_on_device()):
+        assert not torch.is_autocast_enabled(device)
         assert torch.softmax(x, -1).dtype == torch.float32
         assert (x @ x.T).dtype == torch.float32
         assert current_op_lists() == (frozenset(), frozenset())
@@ -148,9 +153,9 @@ def test_every_documented_name_resolves() -> None:
 
 def test_paddle_alias_acts_like_the_torch_name() -> None:
     x, y = torch.randn(3, 4), torch.randn(3, 4)
-    with autocast(custom_white_list={"elementwise_add"}, **BF16):
+    with autocast(custom_white_list={"elementwise_add"}, **bf16_on_device()):
         exact(x + y, x.bfloat16() + y.bfloat16())
-    with autocast(custom_white_list=["subtract"], **BF16):
+    with autocast(custom_white_list=["subtract"], **bf16_on_device()):
         exact(x - y, x.bfloat16() - y.bfloat16())  # synonyms share one op: sub and subtract
 
 
@@ -199,10 +204,10 @@ def test_device_type_defaults_to_cuda_if_available_else_cpu() -> None:
     assert autocast(dtype="bf16").dtype == torch.bfloat16
 
 
-def test_policy_lists_feed_autocast() -> None:
+def test_policy_lists_feed_autocast(device: str) -> None:
     white = resolve_ops(["elementwise_add", "softmax"])
     policy = preset("bf16")
-    ctx = autocast(dtype=policy.compute_dtype, custom_white_list=white, device_type="cpu")
+    ctx = autocast(dtype=policy.compute_dtype, custom_white_list=white, device_type=device)
     x = torch.randn(2, 3)
     with ctx:
         exact(torch.softmax(x, -1), torch.softmax(x.bfloat16(), -1))
@@ -211,42 +216,46 @@ def test_policy_lists_feed_autocast() -> None:
 # --- nesting and state ------------------------------------------------------------------------
 
 
-def test_inner_lists_override_outer_and_exit_restores() -> None:
+def test_inner_lists_override_outer_and_exit_restores(device: str) -> None:
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     depth = mode_stack_depth()
-    with autocast(custom_white_list=["softmax"], custom_black_list=["matmul"], **BF16):
+    with autocast(custom_white_list=["softmax"], custom_black_list=["matmul"], **bf16_on_device()):
         assert torch.softmax(a, -1).dtype == torch.bfloat16
         assert (a @ b).dtype == torch.float32
-        with autocast(custom_white_list=["matmul"], custom_black_list=["softmax"], **BF16):
+        with autocast(
+            custom_white_list=["matmul"], custom_black_list=["softmax"], **bf16_on_device()
+        ):
             assert torch.softmax(a, -1).dtype == torch.float32
             assert (a @ b).dtype == torch.bfloat16
             assert current_op_lists() == ({"matmul"}, {"softmax"})
-        with autocast(custom_white_list=["add"], **BF16):  # extends: outer lists still hold
+        with autocast(
+            custom_white_list=["add"], **bf16_on_device()
+        ):  # extends: outer lists still hold
             assert current_op_lists() == ({"softmax", "add"}, {"matmul"})
             assert (a @ b).dtype == torch.float32
         assert torch.softmax(a, -1).dtype == torch.bfloat16
         assert (a @ b).dtype == torch.float32
         assert current_op_lists() == ({"softmax"}, {"matmul"})
-    assert not torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled(device)
     assert mode_stack_depth() == depth
     assert current_op_lists() == (frozenset(), frozenset())
     assert torch.softmax(a, -1).dtype == torch.float32
 
 
-def test_inner_dtype_applies_to_its_white_list() -> None:
+def test_inner_dtype_applies_to_its_white_list(device: str) -> None:
     x = torch.randn(2, 4)
-    with autocast(custom_white_list=["softmax"], **BF16):
-        with autocast(dtype=torch.float16, device_type="cpu"):
+    with autocast(custom_white_list=["softmax"], **bf16_on_device()):
+        with autocast(dtype=torch.float16, device_type=device):
             exact(torch.softmax(x, -1), torch.softmax(x.half(), -1))
         assert torch.softmax(x, -1).dtype == torch.bfloat16
 
 
-def test_exception_inside_a_region_restores_state() -> None:
+def test_exception_inside_a_region_restores_state(device: str) -> None:
     depth = mode_stack_depth()
-    ctx = autocast(custom_white_list=["softmax"], **BF16)
+    ctx = autocast(custom_white_list=["softmax"], **bf16_on_device())
     with pytest.raises(RuntimeError, match="boom"), ctx, fp32_region():
         raise RuntimeError("boom")
-    assert not torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled(device)
     assert mode_stack_depth() == depth
     with ctx, ctx:  # one object may be entered again, and nested
         assert torch.softmax(torch.randn(2, 2), -1).dtype == torch.bfloat16
@@ -256,7 +265,7 @@ def test_exception_inside_a_region_restores_state() -> None:
 def test_lists_are_per_thread() -> None:
     seen: list[torch.dtype] = []
     x = torch.randn(2, 3)
-    with autocast(custom_white_list=["softmax"], **BF16):
+    with autocast(custom_white_list=["softmax"], **bf16_on_device()):
         worker = threading.Thread(target=lambda: seen.append(torch.softmax(x, -1).dtype))
         worker.start()
         worker.join()
@@ -267,11 +276,11 @@ def test_lists_are_per_thread() -> None:
 # --- fp32 and low-precision regions -------------------------------------------------------------
 
 
-def test_fp32_region_turns_autocast_and_lists_off() -> None:
+def test_fp32_region_turns_autocast_and_lists_off(device: str) -> None:
     a = torch.randn(4, 4)
-    with autocast(custom_white_list=["softmax"], **BF16):
+    with autocast(custom_white_list=["softmax"], **bf16_on_device()):
         with fp32_region():
-            assert not torch.is_autocast_enabled("cpu")
+            assert not torch.is_autocast_enabled(device)
             assert (a @ a).dtype == torch.float32
             assert torch.softmax(a, -1).dtype == torch.float32
             assert (a.bfloat16() @ a.bfloat16()).dtype == torch.bfloat16  # not cast up: documented
@@ -280,7 +289,7 @@ def test_fp32_region_turns_autocast_and_lists_off() -> None:
 
 def test_low_precision_region_inherits_the_enclosing_dtype_and_lists() -> None:
     a, w = torch.randn(4, 4), torch.randn(4, 4)
-    with autocast(custom_white_list=["softmax"], custom_black_list=["linear"], **BF16):
+    with autocast(custom_white_list=["softmax"], custom_black_list=["linear"], **bf16_on_device()):
         with fp32_region(), low_precision_region():
             assert (a @ w).dtype == torch.bfloat16
             exact(torch.softmax(a, -1), torch.softmax(a.bfloat16(), -1))
@@ -289,25 +298,25 @@ def test_low_precision_region_inherits_the_enclosing_dtype_and_lists() -> None:
             assert (a[:2, :2] @ w[:2, :2]).dtype == torch.float16
 
 
-def test_low_precision_region_alone_is_float16_and_fp16_guard_is_it() -> None:
+def test_low_precision_region_alone_is_float16_and_fp16_guard_is_it(device: str) -> None:
     a = torch.randn(2, 2)
     assert fp16_guard is low_precision_region
-    with fp16_guard(device_type="cpu"):
+    with fp16_guard(device_type=device):
         assert (a @ a).dtype == torch.float16
-    assert not torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled(device)
 
 
 # --- decorators ----------------------------------------------------------------------------------
 
 
-def test_fp32_decorator_on_a_function_casts_low_args_up() -> None:
+def test_fp32_decorator_on_a_function_casts_low_args_up(device: str) -> None:
     @fp32
     def body(a: torch.Tensor, pair: list, *, k: torch.Tensor, d: torch.Tensor) -> tuple:
-        assert not torch.is_autocast_enabled("cpu")
+        assert not torch.is_autocast_enabled(device)
         return a.dtype, [t.dtype for t in pair], k.dtype, d.dtype, (a @ a).dtype
 
     x = torch.randn(2, 2)
-    with autocast(custom_white_list=["matmul"], **BF16):
+    with autocast(custom_white_list=["matmul"], **bf16_on_device()):
         got = body(x.bfloat16(), [x.half(), torch.arange(2)], k=x, d=x.double())
     f32 = torch.float32
     assert got == (f32, [f32, torch.int64], f32, torch.float64, f32)
@@ -322,7 +331,7 @@ def test_fp32_decorator_on_a_module_class_and_instance() -> None:
     x = torch.randn(3, 8)
     norm, lin = FP32Norm(8), fp32(nn.Linear(8, 8))
     plain = nn.Linear(8, 8)
-    with autocast(**BF16):
+    with autocast(**bf16_on_device()):
         assert norm(x.bfloat16()).dtype == torch.float32
         assert lin(x.bfloat16()).dtype == torch.float32
         assert copy.deepcopy(lin)(x.bfloat16()).dtype == torch.float32
@@ -332,17 +341,17 @@ def test_fp32_decorator_on_a_module_class_and_instance() -> None:
     assert is_fp32_module(norm) and is_fp32_module(lin) and not is_fp32_module(plain)
 
 
-def test_decorated_module_that_raises_restores_state() -> None:
+def test_decorated_module_that_raises_restores_state(device: str) -> None:
     class Boom(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             raise RuntimeError("boom")
 
     boom = fp32(Boom())
-    with autocast(**BF16):
+    with autocast(**bf16_on_device()):
         with pytest.raises(RuntimeError, match="boom"):
             boom(torch.randn(2))
-        assert torch.is_autocast_enabled("cpu")
-    assert not torch.is_autocast_enabled("cpu")
+        assert torch.is_autocast_enabled(device)
+    assert not torch.is_autocast_enabled(device)
 
 
 def test_low_precision_decorator_bare_and_with_dtype() -> None:
@@ -357,7 +366,7 @@ def test_low_precision_decorator_bare_and_with_dtype() -> None:
         return (t @ t).dtype
 
     assert bf16(a) == torch.bfloat16
-    with autocast(**BF16), fp32_region():
+    with autocast(**bf16_on_device()), fp32_region():
         assert enclosing(a) == torch.bfloat16
     lp_linear = low_precision(nn.Linear(2, 2), dtype=torch.bfloat16)
     assert lp_linear(a).dtype == torch.bfloat16
@@ -370,14 +379,14 @@ def test_low_precision_decorator_bare_and_with_dtype() -> None:
 def test_autocast_as_a_decorator() -> None:
     x = torch.randn(2, 3)
 
-    @autocast(custom_white_list=["softmax"], **BF16)
+    @autocast(custom_white_list=["softmax"], **bf16_on_device())
     def probs(t: torch.Tensor) -> torch.Tensor:
         return torch.softmax(t, -1)
 
     exact(probs(x), torch.softmax(x.bfloat16(), -1))
     assert torch.softmax(x, -1).dtype == torch.float32
-    module = autocast(custom_black_list=["linear"], **BF16)(nn.Linear(3, 3))
-    with autocast(**BF16):
+    module = autocast(custom_black_list=["linear"], **bf16_on_device())(nn.Linear(3, 3))
+    with autocast(**bf16_on_device()):
         assert module(x).dtype == torch.float32
 
 
@@ -393,7 +402,9 @@ def test_backward_flows_and_grads_have_the_param_dtype(param_dtype: torch.dtype)
     model = make_block().to(param_dtype)
     x = torch.randn(5, 8, dtype=param_dtype)
     # layer_norm forced to fp32 casts bf16 params up inside the op; autograd casts grads back.
-    with autocast(custom_white_list=["softmax", "add"], custom_black_list=["layer_norm"], **BF16):
+    with autocast(
+        custom_white_list=["softmax", "add"], custom_black_list=["layer_norm"], **bf16_on_device()
+    ):
         out = torch.softmax(model(x), -1) + 1
         assert out.dtype == torch.bfloat16
     out.float().square().sum().backward()  # outside the region, as torch.autocast advises
@@ -406,7 +417,7 @@ def test_black_listed_linear_gives_the_fp32_gradient_exactly() -> None:
     lin = nn.Linear(8, 4)
     ref = copy.deepcopy(lin)
     x = torch.randn(6, 8)
-    with autocast(custom_black_list=["linear"], **BF16):
+    with autocast(custom_black_list=["linear"], **bf16_on_device()):
         loss = lin(x).square().sum()
     loss.backward()  # backward inside the region would run its GEMMs under torch's autocast
     ref(x).square().sum().backward()
@@ -426,7 +437,9 @@ def test_compiled_function_matches_eager_under_op_lists() -> None:
         return torch.softmax(h, -1) + 1, h @ h.T, F.layer_norm(h, (4,))
 
     lists = dict(
-        custom_white_list=["softmax", "add"], custom_black_list=["linear", "matmul"], **BF16
+        custom_white_list=["softmax", "add"],
+        custom_black_list=["linear", "matmul"],
+        **bf16_on_device(),
     )
     with autocast(**lists):
         eager = step(x)

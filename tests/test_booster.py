@@ -20,6 +20,9 @@ from mixprec.module import FP32Criterion, PrecisionModule, prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import MODES
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 try:
     import mixprec.fp8  # noqa: F401
 
@@ -32,7 +35,7 @@ STEPS = 6
 
 
 def _data(n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
     return torch.randn(n, WIDTH, generator=g), torch.randn(n, 4, generator=g)
 
 

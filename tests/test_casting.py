@@ -11,6 +11,9 @@ from torch import nn
 
 from mixprec.casting import NORM_TYPES, cast_call_args, cast_floating, cast_module
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 
 class Net(nn.Module):
     def __init__(self) -> None:

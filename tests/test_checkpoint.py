@@ -15,6 +15,9 @@ from mixprec.booster.plugin import TorchDDPPlugin, TorchFSDPPlugin
 from mixprec.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mixprec.mixed_precision import FP16NaiveMixedPrecision, FP16TorchMixedPrecision
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 WIDTH = 8  # fp16 matmuls are slow on CPU: tiny layers
 
 
@@ -52,7 +55,7 @@ def test_unreadable_files_name_the_path(tmp_path: Path) -> None:
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator(torch.get_default_device()).manual_seed(3)
     return torch.randn(8, WIDTH, generator=g), torch.randn(8, 4, generator=g)
 
 
@@ -234,6 +237,7 @@ save_checkpoint({"w": torch.zeros(1 << 20), "slow": Slow()}, sys.argv[1])
 """
 
 
+@pytest.mark.host_only
 def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
     import signal
     import subprocess

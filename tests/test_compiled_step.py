@@ -14,7 +14,7 @@ import torch
 import torch._dynamo
 from conftest import CountHostSyncs
 from dist_utils import assert_same_on_every_rank, spawn
-from tolerances import FP32_ROUNDING
+from tolerances import fp32_rounding
 from torch import nn
 
 import mixprec
@@ -28,6 +28,9 @@ from mixprec.compiled_step import (
     _with_cpu_options,
     compile_step,
 )
+
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
 
 # fp16 params written from fp32 masters: a 1-ulp master difference moves the fp16 rounding
 # by at most one fp16 ulp (2**-10 relative) where it sits on a rounding boundary.
@@ -50,7 +53,7 @@ def make_model(width: int = 8) -> nn.Module:
 
 
 def batch(step: int, width: int = 8, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(step)
     x = torch.randn(16, width, generator=gen)
     return x.to(dtype), torch.randn(16, 4, generator=gen)
 
@@ -150,7 +153,9 @@ def _paddle(opt_cls, kwargs):
     model = make_model()
     opt = opt_cls(model.parameters(), **kwargs)
     model, opt = paddle_amp.decorate(models=model, optimizers=opt, level="O2")
-    scaler = paddle_amp.GradScaler(device="cpu", init_loss_scaling=1024, incr_every_n_steps=2)
+    scaler = paddle_amp.GradScaler(
+        device=torch.get_default_device().type, init_loss_scaling=1024, incr_every_n_steps=2
+    )
     crit = nn.MSELoss()
 
     def loss_of(out, y):
@@ -202,7 +207,7 @@ def test_functional_step_equals_the_face_eager_step(name):
     for i in range(3):
         loss = step(*face_batch(name, i))
     assert loss.dim() == 0
-    tol = FP16_PARAM_ROUNDING if fp16_face(name) else FP32_ROUNDING
+    tol = FP16_PARAM_ROUNDING if fp16_face(name) else fp32_rounding()
     tol = PURE_FP16 if name == "apex_O3" else tol
     assert_states_close(state_of(model, opt, scaler), reference, **tol)
 
@@ -368,7 +373,7 @@ def test_compile_failure_falls_back_to_eager_with_one_warning():
         step(*batch(1))  # warned once
 
 
-def test_bad_input():
+def test_bad_input(device: str):
     model, opt, crit, _, _ = FACES["bf16"](torch.optim.SGD, SGD)
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         compile_step(lambda x: x, opt, crit)
@@ -377,7 +382,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="max_norm=-1"):
         compile_step(model, opt, crit, max_norm=-1)
     with pytest.raises(TypeError, match="scaler=.*mixprec.GradScaler"):
-        compile_step(model, opt, crit, scaler=torch.amp.GradScaler("cpu"))
+        compile_step(model, opt, crit, scaler=torch.amp.GradScaler(device))
     model = make_model()
     rms = torch.optim.RMSprop(model.parameters())
     with pytest.raises(CompileStepError, match="RMSprop.*Supported: SGD"):
@@ -476,7 +481,9 @@ def test_booster_train_step_equals_its_eager_loop():
     for i in range(3):
         x, y = batch(i)
         booster.train_step(model, opt, crit, x, target=y)
-    assert_states_close(state_of(model, opt), state_of(reference[0], reference[1]), **FP32_ROUNDING)
+    assert_states_close(
+        state_of(model, opt), state_of(reference[0], reference[1]), **fp32_rounding()
+    )
     with pytest.raises(TypeError, match="compile_step=1 must be a bool"):
         mixprec.Booster(compile_step=1)
     assert mixprec.Booster(compile_step=True).compile_step

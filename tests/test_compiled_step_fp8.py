@@ -14,13 +14,16 @@ import pytest
 import torch
 import torch._dynamo
 from test_compiled_step import _core_eager, state_of
-from tolerances import FP32_ROUNDING
+from tolerances import fp32_rounding
 from torch import nn
 
 import mixprec
 from mixprec.compiled_step import compile_step
 from mixprec.fp8.config import Float8Config
 from mixprec.fp8.linear import HISTORY_NAMES, Float8Linear
+
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
 
 # FP32_ROUNDING holds for fp8 too: a 1-ulp different weight or amax lands on the other side of
 # an fp8 rounding boundary with probability ~2**-20 per element, so at these sizes the fp8
@@ -40,7 +43,7 @@ def fp8_model(scaling: str) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(step)
     return torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
 
 
@@ -72,7 +75,7 @@ def test_fp8_step_equals_the_eager_fp8_step(scaling, compiled):
     got = state_of(model, opt)
     assert len(got) == len(reference)
     for i, (a, b) in enumerate(zip(got, reference, strict=True)):
-        torch.testing.assert_close(a, b, msg=f"state tensor {i}", **FP32_ROUNDING)
+        torch.testing.assert_close(a, b, msg=f"state tensor {i}", **fp32_rounding())
     if scaling == "delayed":  # three steps recorded: input, weight and grad amaxes
         for layer in (m for m in model.modules() if isinstance(m, Float8Linear)):
             for name in HISTORY_NAMES:
@@ -107,7 +110,7 @@ def test_fp8_skipped_step_changes_no_weight_or_optimizer_state_and_records_as_ea
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"state tensor {i} changed")
         runs.append(after)
     for i, (a, b) in enumerate(zip(*runs, strict=True)):
-        torch.testing.assert_close(a, b, msg=f"state tensor {i}", **FP32_ROUNDING)
+        torch.testing.assert_close(a, b, msg=f"state tensor {i}", **fp32_rounding())
 
 
 class _TripledWeightGrad(torch.autograd.Function):
@@ -160,7 +163,7 @@ def test_a_user_autograd_function_keeps_its_custom_backward_when_compiled():
         expected = [p - 0.1 * p.grad for p in model.parameters()]
     for got in results:
         for a, b in zip(got, expected, strict=True):
-            torch.testing.assert_close(a, b, **FP32_ROUNDING)
+            torch.testing.assert_close(a, b, **fp32_rounding())
 
 
 @pytest.mark.slow
@@ -178,7 +181,7 @@ def test_inductor_fp8_step_with_emulated_precision_casts_equals_the_eager_step()
         step(*batch(i))
     assert step.compiled
     for i, (a, b) in enumerate(zip(state_of(model, opt), reference, strict=True)):
-        torch.testing.assert_close(a, b, msg=f"state tensor {i}", **FP32_ROUNDING)
+        torch.testing.assert_close(a, b, msg=f"state tensor {i}", **fp32_rounding())
 
 
 def test_warnings_as_errors_do_not_stop_the_compile_at_torchs_own_deprecation(caplog):

@@ -17,13 +17,16 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 from test_compiled_step import state_of
-from tolerances import EXACT, FP32_ROUNDING
+from tolerances import EXACT, fp32_rounding
 from torch import nn
 
 import mixprec
 import mixprec.paddle as paddle_amp
 from mixprec.autocast import autocast, fp16_guard, fp32, fp32_region
 from mixprec.compiled_step import compile_step
+
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
 
 
 @fp32
@@ -80,7 +83,7 @@ def region_step(compile: bool):
 
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(1)
     return [
         (torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)) for _ in range(n)
     ]
@@ -151,7 +154,7 @@ def test_a_callers_auto_cast_reaches_the_forward_and_stops_at_the_loss(compile):
     assert step.compiled == compile
     # foreach SGD vs the functional update: ~1 fp32 ulp per step (test_compiled_step)
     for i, (a, b) in enumerate(zip(state_of(model, opt), reference, strict=True)):
-        torch.testing.assert_close(a, b, **FP32_ROUNDING, msg=f"state tensor {i}")
+        torch.testing.assert_close(a, b, **fp32_rounding(), msg=f"state tensor {i}")
 
 
 class PrebuiltContext(nn.Module):

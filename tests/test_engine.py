@@ -37,13 +37,16 @@ from mixprec.module import prepare_model
 from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError
 from mixprec.policy import preset
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 CE = torch.nn.CrossEntropyLoss()
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "colossal_engine"
 
 
 def data(steps: int = 6, n: int = 8, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
     return [
         (torch.randn(n, 8, generator=gen), torch.randint(0, 4, (n,), generator=gen))
         for _ in range(steps)
@@ -99,7 +102,7 @@ def test_fp32_engine_equals_plain_loop_exactly() -> None:
     assert engine.loss_scale == 1.0 and engine.skipped_steps == 0
 
 
-def test_bf16_engine_equals_plain_autocast_loop_exactly() -> None:
+def test_bf16_engine_equals_plain_autocast_loop_exactly(device: str) -> None:
     engine, model = make_engine({"fp16": {"mode": "bf16"}})
     run_engine(engine, data())
     torch.manual_seed(0)
@@ -107,14 +110,14 @@ def test_bf16_engine_equals_plain_autocast_loop_exactly() -> None:
     opt = sgd(ref)
     for x, y in data():
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             out = ref(x)
         CE(out.float(), y).backward()
         opt.step()
     assert_same_params(model, ref)
 
 
-def test_torch_fp16_clips_unscaled_grads_like_grad_scaler_exactly() -> None:
+def test_torch_fp16_clips_unscaled_grads_like_grad_scaler_exactly(device: str) -> None:
     max_norm = 0.05  # far below these gradients' norm, so every step really clips
     config = {"fp16": {"mode": AMP_TYPE.TORCH, "init_scale": 2.0**10}, "clip_grad_norm": max_norm}
     adam = lambda m: torch.optim.Adam(m.parameters(), lr=1e-2)  # noqa: E731
@@ -122,11 +125,11 @@ def test_torch_fp16_clips_unscaled_grads_like_grad_scaler_exactly() -> None:
     torch.manual_seed(0)
     ref = tiny_mlp()
     opt = adam(ref)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
     for x, y in data(4, n=4):  # fp16 matmuls are slow on CPU: tiny batches
         run_engine(engine, [(x, y)])
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device, dtype=torch.float16):
             out = ref(x)
         scaler.scale(CE(out.float(), y)).backward()
         scaler.unscale_(opt)
@@ -189,7 +192,7 @@ def test_naive_fp16_default_scale_backs_off_and_schedule_counts_real_steps() -> 
 
 
 @pytest.mark.parametrize("fp16", [None, {"mode": "bf16"}], ids=["fp32", "bf16"])
-def test_accumulation_equals_mean_of_micro_losses_exactly(fp16) -> None:
+def test_accumulation_equals_mean_of_micro_losses_exactly(device: str, fp16) -> None:
     n_accum, windows = 2, 3
     config = {"gradient_accumulation": n_accum, **({"fp16": fp16} if fp16 else {})}
     engine, model = make_engine(config)
@@ -211,7 +214,7 @@ def test_accumulation_equals_mean_of_micro_losses_exactly(fp16) -> None:
         losses = []
         for x, y in batches[w * n_accum : (w + 1) * n_accum]:
             # one autocast region per micro-batch: its cast cache must not join their graphs
-            with torch.autocast("cpu", dtype=dtype, enabled=fp16 is not None):
+            with torch.autocast(device, dtype=dtype, enabled=fp16 is not None):
                 out = ref(x)
             losses.append(CE(out.float(), y))
         (sum(losses) / n_accum).backward()
@@ -481,7 +484,7 @@ def test_dataloader_to_distributed_refuses_orders_it_cannot_keep() -> None:
 def _ddp_worker(rank: int, world: int) -> None:
     torch.manual_seed(0)  # same init on both ranks (DDP broadcasts rank 0's anyway)
     model = tiny_mlp()
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(5)
     n = 32
     dataset = TensorDataset(
         torch.randn(n, 8, generator=gen), torch.randint(0, 4, (n,), generator=gen), torch.arange(n)
@@ -570,6 +573,7 @@ def _accuracies(stdout: str) -> list[float]:
     return [float(m[2]) for m in ACCURACY.finditer(stdout)]
 
 
+@pytest.mark.host_only
 def test_example_runs_with_each_config() -> None:
     procs = {
         name: subprocess.Popen(

@@ -17,6 +17,9 @@ from test_scaling import reference_trajectory
 
 from mixprec import AMP_TYPE, convert_to_amp
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 STEPS = 40
 CE = torch.nn.CrossEntropyLoss()
 
@@ -35,7 +38,7 @@ MODES = {
 
 def injection_plan(seed: int) -> dict[int, tuple[str, str, int]]:
     """step -> (where: 'grad' or 'loss', value: 'inf'/'-inf'/'nan', param index)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
     steps = torch.randperm(STEPS, generator=gen)[:12].tolist()
     plan = {}
     for i, step in enumerate(sorted(steps)):
@@ -46,7 +49,7 @@ def injection_plan(seed: int) -> dict[int, tuple[str, str, int]]:
 
 
 def batches():
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(11)
     return [
         (torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen))
         for _ in range(STEPS)

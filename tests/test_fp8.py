@@ -38,6 +38,9 @@ from mixprec.fp8 import (
 )
 from mixprec.fp8 import kernels as fp8_kernels
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 OUT_SNR_FLOOR_DB = 25.0
 GRAD_SNR_FLOOR_DB = 21.0
@@ -184,7 +187,7 @@ def make_pair(config: Float8Config, in_f: int = 256, out_f: int = 128, seed: int
 def fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast: bool = False):
     x = x.detach().clone().requires_grad_()
     layer.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16, enabled=autocast):
         out = layer(x)
     out.backward(grad.to(out.dtype))
     return out, x.grad, layer.weight.grad, layer.bias.grad
@@ -258,7 +261,9 @@ def test_input_without_grad_and_no_bias():
 def test_emulated_matches_the_real_kernel(shape, autocast):
     m, k, n = shape
     real, _ = make_pair(Float8Config(), k, n)
-    real = Float8Linear.from_float(real, Float8Config(emulate=False))
+    # fast accumulation off: the contract below is the kernel's full fp32 accumulation
+    exact_sum = Float8Config(emulate=False, use_fast_accum_forward=False)
+    real = Float8Linear.from_float(real, exact_sum)
     emulated = Float8Linear.from_float(copy.deepcopy(real), Float8Config(emulate=True))
     x, grad = torch.randn(m, k), torch.randn(m, n)
     bias = real.bias.detach().abs().float()
@@ -442,7 +447,7 @@ def test_deepcopy_and_pickle(scaling):
 
 
 @pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
-def test_compiled_forward_backward_matches_eager(scaling):
+def test_compiled_forward_backward_matches_eager(device: str, scaling):
     # aot_eager runs dynamo and AOTAutograd (where an autograd.Function or a buffer mutated in
     # backward would break) in ~2 s; inductor's codegen would add ~20 s on 2 cores, and by
     # default skips the bias's bf16 rounding (emulate_precision_casts=False): 1-ulp diffs.
@@ -451,7 +456,7 @@ def test_compiled_forward_backward_matches_eager(scaling):
     compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
     x = torch.randn(16, 32)
     for _ in range(2):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             want, got = eager(x), compiled(x)
         want.float().sum().backward()
         got.float().sum().backward()
@@ -471,7 +476,9 @@ def train_digits(fp8: bool) -> tuple[float, nn.Module]:
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0  # 64 features: already 16-aligned
     y = torch.tensor(digits.target)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    perm = torch.randperm(
+        len(x), generator=torch.Generator(torch.get_default_device()).manual_seed(0)
+    )
     train, test = perm[:1400], perm[1400:]
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -482,17 +489,20 @@ def train_digits(fp8: bool) -> tuple[float, nn.Module]:
         summary = fp8_summary(model)
         assert summary.converted == ("0", "2") and list(summary.skipped) == ["4"]
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    batches = torch.Generator().manual_seed(1)
+    batches = torch.Generator(torch.get_default_device()).manual_seed(1)
     for _ in range(10):
         order = train[torch.randperm(len(train), generator=batches)]
         for i in range(0, len(order), 32):
             idx = order[i : i + 32]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fp8):
+            with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16, enabled=fp8):
                 loss = nn.functional.cross_entropy(model(x[idx]).float(), y[idx])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=fp8):
+    with (
+        torch.no_grad(),
+        torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16, enabled=fp8),
+    ):
         accuracy = (model(x[test]).argmax(1) == y[test]).float().mean().item() * 100
     return accuracy, model
 
@@ -504,3 +514,27 @@ def test_digits_mlp_trains_to_fp32_accuracy_in_fp8():
     assert hp_accuracy > 90  # the reference itself learned
     # Within 1.5 points: float8 noise (~25 dB per GEMM) must not cost accuracy on this task.
     assert abs(lp_accuracy - hp_accuracy) <= 1.5, (hp_accuracy, lp_accuracy)
+
+
+def test_fast_accum_reaches_the_kernel_forward_on_backward_off(monkeypatch) -> None:
+    calls: list[bool] = []
+
+    def recording_scaled_mm(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum=False):
+        calls.append(use_fast_accum)
+        return ((a.float() @ b.float()) * scale_a * scale_b).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording_scaled_mm)
+    monkeypatch.setitem(fp8_kernels._CPU_KERNEL, "ok", True)  # the recorder is the kernel
+    for config, expected in (
+        (Float8Config(emulate=False), [True, False, False]),  # torchao's default
+        (
+            Float8Config(emulate=False, use_fast_accum_forward=False, use_fast_accum_backward=True),
+            [False, True, True],
+        ),
+    ):
+        calls.clear()
+        f8 = Float8Linear.from_float(nn.Linear(32, 16), config)
+        f8(torch.randn(8, 32, requires_grad=True)).sum().backward()
+        assert calls == expected  # forward, then backward's grad_input and grad_weight GEMMs
+    with pytest.raises(TypeError, match="use_fast_accum_forward must be a bool"):
+        Float8Config(use_fast_accum_forward=1)

@@ -19,6 +19,9 @@ from torch.utils.checkpoint import checkpoint
 from mixprec.fp8 import Float8Config, Float8Linear, convert_to_fp8, delayed_amax, tensor_to_amax
 from mixprec.fp8.linear import HISTORY_NAMES
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 DELAYED = Float8Config(scaling="delayed", amax_history_len=4)
 
 
@@ -208,7 +211,7 @@ def _skipping_run(bias: bool, bad_step: int, steps: int) -> tuple[list[bool], li
     mlp, opt, crit, _, _ = mixprec.Booster(mixed_precision=precision).boost(mlp, opt, nn.MSELoss())
     skipped, after_bad = [], []
     for i in range(steps):
-        gen = torch.Generator().manual_seed(i)
+        gen = torch.Generator(torch.get_default_device()).manual_seed(i)
         x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
         if i == bad_step:
             y[0, 0] = float("inf")

@@ -15,11 +15,15 @@ from torch import nn
 
 from mixprec.fp8 import Float8Conv1D, Float8Linear, convert_to_fp8, fp8_summary
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 transformers = pytest.importorskip("transformers")  # the dev extra installs it
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # from config only: nothing is fetched
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 
+@pytest.mark.host_only
 def test_import_mixprec_gives_fp8() -> None:
     # a fresh interpreter: in this one the test's own imports already loaded mixprec.fp8
     code = "import mixprec; print(mixprec.fp8.convert_to_fp8.__name__)"

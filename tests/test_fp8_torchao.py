@@ -26,6 +26,9 @@ from torch import nn
 from mixprec.fp8 import Float8Config, Float8Linear, convert_to_fp8, fp8_summary
 from mixprec.fp8 import kernels as fp8_kernels
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 torchao_float8 = pytest.importorskip("torchao.float8")
 
 needs_cpu_kernel = pytest.mark.skipif(
@@ -54,14 +57,14 @@ def fwd_bwd(
     model: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast: bool = False
 ) -> list[torch.Tensor]:
     x = x.detach().clone().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16, enabled=autocast):
         out = model(x)
     out.backward(grad.to(out.dtype))
     return [out, x.grad, model[0].weight.grad, model[0].bias.grad]
 
 
 def data(m: int, k: int, n: int, dtype: torch.dtype = torch.float32):
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(1)
     x = 3 * torch.randn(m, k, generator=generator)
     grad = torch.randn(m, n, generator=generator)
     return x.to(dtype), grad.to(dtype)

@@ -7,11 +7,14 @@ import logging
 import pytest
 import torch
 from dist_utils import spawn
-from tolerances import FP32_ROUNDING
+from tolerances import fp32_rounding
 
 from mixprec import fused_step as fused
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import ScalerConfig
+
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
 
 SCALE = ScalerConfig(init_scale=2.0**8, growth_interval=2)  # grows during the test: 2**8..2**9
 
@@ -74,8 +77,8 @@ def test_fused_matches_unfused(name) -> None:
     assert all(m.grad is None for m in opt.hp_masters), "fused steps allocate no master grads"
     assert all(p.grad is None for p in params[:2]), "lp grads live from backward to step only"
     for got, want in zip(opt.hp_masters, ref_opt.hp_masters, strict=True):
-        torch.testing.assert_close(got, want, **FP32_ROUNDING)
-    torch.testing.assert_close(params[2], ref_params[2], **FP32_ROUNDING)
+        torch.testing.assert_close(got, want, **fp32_rounding())
+    torch.testing.assert_close(params[2], ref_params[2], **fp32_rounding())
     for got, want in zip(params[:2], opt.hp_masters, strict=True):
         assert torch.equal(got, want.to(got.dtype)), "lp params are their masters, rounded"
     for (_, got), (_, want) in zip(
@@ -83,7 +86,7 @@ def test_fused_matches_unfused(name) -> None:
     ):
         assert got.keys() == want.keys()
         for key in got:
-            torch.testing.assert_close(got[key], want[key], **FP32_ROUNDING)
+            torch.testing.assert_close(got[key], want[key], **fp32_rounding())
     assert opt.scaler.scale == ref_opt.scaler.scale == 2.0**9
 
 
@@ -92,7 +95,7 @@ def test_fused_fp16_matches_unfused() -> None:
     _, ref_opt, _ = train(make, fused_step=False, dtype=torch.float16)
     _, opt, _ = train(make, fused_step=True, dtype=torch.float16)
     for got, want in zip(opt.hp_masters, ref_opt.hp_masters, strict=True):
-        torch.testing.assert_close(got, want, **FP32_ROUNDING)
+        torch.testing.assert_close(got, want, **fp32_rounding())
 
 
 @pytest.mark.parametrize("name", ["sgd-decay-momentum-dampening", "adamw-decay"])
@@ -122,7 +125,7 @@ def test_clipping_fused_matches_unfused() -> None:
         # A norm summed in another order: within fp32 rounding of a sum of ~700 squares.
         assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-6)
     for got, want in zip(opt.hp_masters, ref_opt.hp_masters, strict=True):
-        torch.testing.assert_close(got, want, **FP32_ROUNDING)
+        torch.testing.assert_close(got, want, **fp32_rounding())
 
 
 def test_fused_and_unfused_steps_continue_each_other() -> None:
@@ -139,7 +142,7 @@ def test_fused_and_unfused_steps_continue_each_other() -> None:
             assert opt.hp_masters[0].grad is not None
         opt.step()
     for got, want in zip(opt.hp_masters, ref_opt.hp_masters, strict=True):
-        torch.testing.assert_close(got, want, **FP32_ROUNDING)
+        torch.testing.assert_close(got, want, **fp32_rounding())
 
 
 def test_lr_changes_reach_the_compiled_kernel() -> None:
@@ -155,7 +158,7 @@ def test_lr_changes_reach_the_compiled_kernel() -> None:
             sched.step()
         results[fused_step] = opt.hp_masters
     for got, want in zip(results[True], results[False], strict=True):
-        torch.testing.assert_close(got, want, **FP32_ROUNDING)
+        torch.testing.assert_close(got, want, **fp32_rounding())
 
 
 def test_auto_fuses_only_large_cpu_steps() -> None:
@@ -208,7 +211,7 @@ def test_compile_failure_falls_back_to_the_same_math_eagerly(monkeypatch, caplog
         _, opt, _ = train(OPTIMIZERS["adamw-decay"], fused_step=True)
     assert "could not compile (no C++ compiler)" in caplog.text
     for got, want in zip(opt.hp_masters, ref_opt.hp_masters, strict=True):
-        torch.testing.assert_close(got, want, **FP32_ROUNDING)
+        torch.testing.assert_close(got, want, **fp32_rounding())
 
 
 def _one_rank_overflows(rank: int, world: int) -> None:

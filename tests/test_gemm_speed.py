@@ -6,6 +6,7 @@ import argparse
 import re
 
 import pytest
+import torch
 
 from mixprec.debugging.doctor import add_doctor_arguments, run_doctor
 from mixprec.debugging.gemm_speed import GemmSpeed, measure_gemm_speed
@@ -51,3 +52,21 @@ def test_doctor_prints_the_measured_ratio_under_the_hardware_table(capsys) -> No
         r"float16 \d+\.\d\dx fp32 \(> 1: faster than fp32\)",
         line,
     ), line
+
+
+def test_default_size_is_per_device() -> None:
+    from mixprec.debugging.gemm_speed import GEMM_SIZE
+
+    assert measure_gemm_speed("cpu", budget_s=0.01, min_rounds=1).size == GEMM_SIZE
+
+
+@pytest.mark.cuda
+def test_cuda_gemm_is_compute_bound_and_bf16_beats_fp32() -> None:
+    from mixprec.debugging.gemm_speed import CUDA_GEMM_SIZE
+
+    speed = measure_gemm_speed("cuda", budget_s=0.5)
+    assert speed.size == CUDA_GEMM_SIZE
+    # tensor cores (sm_80+): bf16 several times fp32 at a compute-bound size; a launch-bound
+    # timing would read ~1x
+    if torch.cuda.get_device_capability() >= (8, 0):
+        assert speed.speedup("bfloat16") > 2.0, speed.line()

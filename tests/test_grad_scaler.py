@@ -10,10 +10,15 @@ from dist_utils import spawn
 
 from mixprec import GradScaler
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 
 def train(scaler, model, opt, overflow_steps, steps=12):
     scales = []
-    gen = torch.Generator().manual_seed(7)  # the same batches for every scaler compared
+    gen = torch.Generator(torch.get_default_device()).manual_seed(
+        7
+    )  # the same batches for every scaler compared
     for i in range(steps):
         opt.zero_grad()
         x = torch.randn(4, 6, generator=gen)
@@ -27,17 +32,20 @@ def train(scaler, model, opt, overflow_steps, steps=12):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_drop_in_for_torch_grad_scaler(fused: bool) -> None:
+def test_drop_in_for_torch_grad_scaler(device: str, fused: bool) -> None:
     # Same arguments, same overflow pattern: same scales and bitwise-equal parameters.
     kw = dict(init_scale=2.0**8, growth_interval=3)
     model = torch.nn.Linear(6, 3)
     twin = copy.deepcopy(model)
     ours = train(
-        GradScaler("cpu", **kw), model, torch.optim.Adam(model.parameters(), fused=fused), {2, 5, 6}
+        GradScaler(device, **kw),
+        model,
+        torch.optim.Adam(model.parameters(), fused=fused),
+        {2, 5, 6},
     )
     torch.manual_seed(0)
     ref = train(
-        torch.amp.GradScaler("cpu", **kw),
+        torch.amp.GradScaler(device, **kw),
         twin,
         torch.optim.Adam(twin.parameters(), fused=fused),
         {2, 5, 6},
@@ -47,30 +55,30 @@ def test_drop_in_for_torch_grad_scaler(fused: bool) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_hysteresis_and_floor() -> None:
+def test_hysteresis_and_floor(device: str) -> None:
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = GradScaler("cpu", init_scale=4.0, hysteresis=2, min_scale=1.0, growth_interval=100)
+    scaler = GradScaler(device, init_scale=4.0, hysteresis=2, min_scale=1.0, growth_interval=100)
     scales = train(scaler, model, opt, set(range(6)), steps=6)
     assert scales == [4.0, 2.0, 1.0, 1.0, 1.0, 1.0]
 
 
-def test_state_dict_round_trip_includes_hysteresis() -> None:
+def test_state_dict_round_trip_includes_hysteresis(device: str) -> None:
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    a = GradScaler("cpu", init_scale=64.0, hysteresis=3, growth_interval=5)
+    a = GradScaler(device, init_scale=64.0, hysteresis=3, growth_interval=5)
     train(a, model, opt, {1}, steps=3)
     state = a.state_dict()
     assert state["_hysteresis_tracker"] == 2 and state["_growth_tracker"] == 1
-    b = GradScaler("cpu")
+    b = GradScaler(device)
     b.load_state_dict(state)
     assert b.state_dict() == state
 
 
-def test_disabled_is_passthrough() -> None:
+def test_disabled_is_passthrough(device: str) -> None:
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = GradScaler("cpu", enabled=False)
+    scaler = GradScaler(device, enabled=False)
     loss = model(torch.randn(2, 6)).sum()
     assert scaler.scale(loss) is loss
     loss.backward()
@@ -85,7 +93,7 @@ def _one_rank_overflows(rank: int, world: int) -> None:
     model = torch.nn.Linear(6, 3)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = GradScaler("cpu", init_scale=2.0**4)
+    scaler = GradScaler(torch.get_default_device().type, init_scale=2.0**4)
     scaler.scale(model(torch.randn(4, 6)).sum()).backward()
     if rank == 1:
         model.bias.grad[0] = float("nan")
@@ -101,24 +109,24 @@ def test_overflow_on_one_rank_skips_on_all() -> None:
     spawn(_one_rank_overflows, 2)
 
 
-def test_paddle_keyword_names() -> None:
+def test_paddle_keyword_names(device: str) -> None:
     # Seed 002: paddle.amp.GradScaler(init_loss_scaling=1024); decr_every_n_nan_or_inf is hysteresis.
-    s = GradScaler("cpu", init_loss_scaling=1024, incr_every_n_steps=7, decr_every_n_nan_or_inf=2)
+    s = GradScaler(device, init_loss_scaling=1024, incr_every_n_steps=7, decr_every_n_nan_or_inf=2)
     assert (s.get_scale(), s.get_growth_interval(), s.cfg.hysteresis) == (1024.0, 7, 2)
     with pytest.raises(TypeError, match="unknown keyword 'init_loss_scale'.*'init_loss_scaling'"):
-        GradScaler("cpu", init_loss_scale=8)
+        GradScaler(device, init_loss_scale=8)
 
 
-def test_static_scale_never_moves() -> None:
+def test_static_scale_never_moves(device: str) -> None:
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = GradScaler(
-        "cpu", init_loss_scaling=8.0, use_dynamic_loss_scaling=False, growth_interval=1
+        device, init_loss_scaling=8.0, use_dynamic_loss_scaling=False, growth_interval=1
     )
     assert set(train(scaler, model, opt, {1, 2}, steps=5)) == {8.0}
 
 
-def test_drives_the_master_weight_optimizer() -> None:
+def test_drives_the_master_weight_optimizer(device: str) -> None:
     # GradScaler + MixedPrecisionOptimizer over fp16 params == a hand-written fp32-master loop.
     from mixprec import MixedPrecisionOptimizer, cast_module
 
@@ -128,8 +136,8 @@ def test_drives_the_master_weight_optimizer() -> None:
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     masters = [p.detach().float().requires_grad_() for p in ref.parameters()]
     ref_opt = torch.optim.SGD(masters, lr=0.1)
-    scaler = GradScaler("cpu", init_scale=2.0**6)
-    gen = torch.Generator().manual_seed(1)
+    scaler = GradScaler(device, init_scale=2.0**6)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(1)
     for step in range(4):
         x = torch.randn(4, 6, generator=gen).half()
         opt.zero_grad()

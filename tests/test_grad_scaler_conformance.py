@@ -17,11 +17,14 @@ from dist_utils import spawn
 
 from mixprec import GradScaler
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 PAIR = [torch.amp.GradScaler, GradScaler]
 
 
 def make(cls: type, **kwargs: object) -> torch.amp.GradScaler:
-    return cls("cpu", **kwargs)
+    return cls(torch.get_default_device().type, **kwargs)
 
 
 def model_and_opt(seed: int = 0) -> tuple[torch.nn.Linear, torch.optim.SGD]:
@@ -61,10 +64,10 @@ def test_setters_drive_update() -> None:
     assert runs[0] == runs[1] == [16.0, 64.0]
 
 
-def test_load_state_dict_factors_drive_update() -> None:
+def test_load_state_dict_factors_drive_update(device: str) -> None:
     # torch: load_state_dict restores the factors and the interval, and update() uses them,
     # whatever the loading scaler was constructed with.
-    source = torch.amp.GradScaler("cpu", init_scale=64.0, growth_factor=4.0, backoff_factor=0.25)
+    source = torch.amp.GradScaler(device, init_scale=64.0, growth_factor=4.0, backoff_factor=0.25)
     source.set_growth_interval(1)
     runs = []
     for cls in PAIR:
@@ -90,9 +93,9 @@ def test_getters_match_torch() -> None:
             assert a.get_growth_interval() == b.get_growth_interval() == 9
 
 
-def test_setters_reject_values_torch_would_misuse() -> None:
+def test_setters_reject_values_torch_would_misuse(device: str) -> None:
     # mixprec validates what torch's setters store blindly (a factor <= 1 would shrink on growth).
-    scaler = GradScaler("cpu")
+    scaler = GradScaler(device)
     with pytest.raises(ValueError, match="growth_factor=1.0 must be > 1"):
         scaler.set_growth_factor(1.0)
     with pytest.raises(ValueError, match="backoff_factor=2.0 must be in"):
@@ -128,10 +131,10 @@ def test_disabled_state_dict_is_empty_and_refused_like_torch() -> None:
             make(cls).load_state_dict({})
 
 
-def test_pickling_mid_run_keeps_every_tracker() -> None:
+def test_pickling_mid_run_keeps_every_tracker(device: str) -> None:
     # torch: pickling between iterations keeps scale and growth tracker; mixprec also keeps
     # the hysteresis tracker (one overflow of three tolerated already spent).
-    scaler = GradScaler("cpu", init_scale=64.0, hysteresis=3, growth_interval=10)
+    scaler = GradScaler(device, init_scale=64.0, hysteresis=3, growth_interval=10)
     scales_after(scaler, "..x")
     clone = pickle.loads(pickle.dumps(scaler))
     assert clone.state_dict() == scaler.state_dict()
@@ -262,28 +265,28 @@ def test_skipped_step_changes_nothing_like_torch() -> None:
 
 
 # ----- what mixprec adds -----
-def test_floor_and_ceiling() -> None:
+def test_floor_and_ceiling(device: str) -> None:
     # torch's scale halves without a bound and doubles up to fp32's max; mixprec clamps both.
-    low = GradScaler("cpu", init_scale=4.0, min_scale=2.0)
+    low = GradScaler(device, init_scale=4.0, min_scale=2.0)
     assert scales_after(low, "xxx") == [2.0, 2.0, 2.0]
-    high = GradScaler("cpu", init_scale=4.0, growth_interval=1, max_scale=16.0)
+    high = GradScaler(device, init_scale=4.0, growth_interval=1, max_scale=16.0)
     assert scales_after(high, "....") == [8.0, 16.0, 16.0, 16.0]
 
 
-def test_hysteresis_tolerates_overflows_and_round_trips() -> None:
+def test_hysteresis_tolerates_overflows_and_round_trips(device: str) -> None:
     # hysteresis=2: the first overflow of a run only spends it; a growth refills it.
-    scaler = GradScaler("cpu", init_scale=64.0, hysteresis=2, growth_interval=2)
+    scaler = GradScaler(device, init_scale=64.0, hysteresis=2, growth_interval=2)
     assert scales_after(scaler, "xx..x") == [64.0, 32.0, 32.0, 64.0, 64.0]
-    other = GradScaler("cpu")
+    other = GradScaler(device)
     other.load_state_dict(scaler.state_dict())
     assert other.cfg.hysteresis == 2 and other.state_dict() == scaler.state_dict()
 
 
-def test_torch_state_dict_into_hysteresis_scaler_starts_full() -> None:
+def test_torch_state_dict_into_hysteresis_scaler_starts_full(device: str) -> None:
     # torch's state_dict has no hysteresis: the loading scaler keeps its own, tracker full.
-    torch_scaler = torch.amp.GradScaler("cpu", init_scale=32.0, growth_interval=5)
+    torch_scaler = torch.amp.GradScaler(device, init_scale=32.0, growth_interval=5)
     scales_after(torch_scaler, ".")
-    scaler = GradScaler("cpu", hysteresis=3, min_scale=4.0)
+    scaler = GradScaler(device, hysteresis=3, min_scale=4.0)
     scales_after(scaler, "x")  # spends one unit of hysteresis before the load
     scaler.load_state_dict(torch_scaler.state_dict())
     state = scaler.state_dict()
@@ -291,9 +294,9 @@ def test_torch_state_dict_into_hysteresis_scaler_starts_full() -> None:
     assert (state["hysteresis"], state["min_scale"]) == (3, 4.0)
 
 
-def test_static_scale_survives_a_round_trip() -> None:
-    scaler = GradScaler("cpu", init_scale=8.0, use_dynamic_loss_scaling=False)
-    other = GradScaler("cpu")
+def test_static_scale_survives_a_round_trip(device: str) -> None:
+    scaler = GradScaler(device, init_scale=8.0, use_dynamic_loss_scaling=False)
+    other = GradScaler(device)
     other.load_state_dict(scaler.state_dict())
     assert scales_after(other, "x.x") == [8.0, 8.0, 8.0]
 
@@ -305,7 +308,7 @@ def _rank_without_grads(rank: int, world: int) -> None:
     model = torch.nn.Linear(4, 2)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = GradScaler("cpu", init_scale=16.0)
+    scaler = GradScaler(torch.get_default_device().type, init_scale=16.0)
     loss = model(torch.ones(2, 4)).sum()
     if rank == 0:
         scaler.scale(loss).backward()
@@ -328,9 +331,9 @@ def test_rank_without_grads_joins_the_reduction_and_warns() -> None:
     spawn(_rank_without_grads, 2)
 
 
-def test_a_scaler_pickled_by_an_older_mixprec_still_loads() -> None:
+def test_a_scaler_pickled_by_an_older_mixprec_still_loads(device: str) -> None:
     # Older pickles held the settings as `cfg` and no hysteresis value: they load, tracker full.
-    scaler = GradScaler("cpu", init_scale=32.0, hysteresis=2)
+    scaler = GradScaler(device, init_scale=32.0, hysteresis=2)
     state = scaler.__getstate__()
     state["cfg"] = state.pop("_base_cfg")
     del state["_init_hysteresis_tracker"]

@@ -13,6 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 transformers = pytest.importorskip("transformers")  # the dev extra installs it
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # from config only: nothing is fetched
 
@@ -67,7 +70,9 @@ def via_convert_to_amp(mode: object, config: dict | None = None) -> Callable[[nn
 
 def via_booster(mixed_precision: object) -> Callable[[nn.Module], Step]:
     def setup(model: nn.Module) -> Step:
-        booster = mixprec.Booster(device="cpu", mixed_precision=mixed_precision)
+        booster = mixprec.Booster(
+            device=torch.get_default_device().type, mixed_precision=mixed_precision
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         model, optimizer, *_ = booster.boost(model, optimizer)
 

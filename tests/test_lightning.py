@@ -232,3 +232,12 @@ def test_fabric_ddp_two_gloo_processes_skip_together() -> None:
     )
     skipped = fabric.launch(ddp_worker)
     assert skipped == [0, 1, 0]  # rank 1's inf skipped the step on rank 0 too
+
+
+def test_autocast_follows_the_accelerator_not_whether_cuda_exists(monkeypatch) -> None:
+    plugin = MixprecPrecision("bf16")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=plugin)
+    model = fabric.setup(nn.Linear(4, 3))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU the run does not use
+    out = model(torch.randn(2, 4))
+    assert out.dtype == torch.bfloat16  # CPU autocast ran: the accelerator's device

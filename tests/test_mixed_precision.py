@@ -23,6 +23,9 @@ from mixprec.module import FP32Criterion, PrecisionModule
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import MODES, ScalerConfig, naive_amp_policy, to_policy, torch_amp_policy
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 
 def _defaults(cls: type) -> dict[str, object]:
     return {n: p.default for n, p in inspect.signature(cls).parameters.items()}

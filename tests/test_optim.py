@@ -13,6 +13,9 @@ from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import ScalerConfig
 from mixprec.scaling import LossScaler
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 SCALE = ScalerConfig(dynamic=False, init_scale=2.0**10)
 
 
@@ -384,7 +387,7 @@ def test_a_clean_step_reads_the_overflow_flag_alone(monkeypatch) -> None:
     assert syncs.calls == ["item"]
 
 
-def test_the_host_copy_of_the_scale_is_dropped_by_any_write() -> None:
+def test_the_host_copy_of_the_scale_is_dropped_by_any_write(device: str) -> None:
     scaler = LossScaler(ScalerConfig(init_scale=4.0, growth_interval=10))
     assert scaler.host_state() is None  # never read yet
     scaler.remember_host_state(4.0, 0.0)
@@ -399,5 +402,5 @@ def test_the_host_copy_of_the_scale_is_dropped_by_any_write() -> None:
     scaler.scale_tensor.mul_(2)  # anyone's in-place write
     assert scaler.host_state() is None
     scaler.remember_host_state(128.0, 0.0)
-    scaler.to("cpu")  # same device: the same tensors, still known
+    scaler.to(device)  # same device: the same tensors, still known
     assert scaler.host_state() == (128.0, 0.0)

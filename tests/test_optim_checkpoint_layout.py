@@ -19,12 +19,15 @@ from mixprec import MixedPrecisionOptimizer, cast_module
 from mixprec.apex import amp
 from mixprec.policy import ScalerConfig
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 TORCH_KEYS = {"state", "param_groups"}
 MIXPREC_KEYS = {"master_weights", "master_index", "scaler", "steps", "skipped_steps"}
 
 
 def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
+    g = torch.Generator(torch.get_default_device()).manual_seed(step)
     return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
 
 

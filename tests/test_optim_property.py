@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import struct
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,6 +14,9 @@ from test_scaling import reference_trajectory
 
 from mixprec.optim import MixedPrecisionOptimizer
 from mixprec.policy import ScalerConfig
+
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
 
 LR = 2.0**-4  # a power of two: lr * grad is exact, only the final add rounds (once, in fp32)
 

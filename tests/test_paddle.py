@@ -18,6 +18,9 @@ from torch import nn
 import mixprec
 import mixprec.paddle as amp
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "paddle_style"
 LP, HP = torch.bfloat16, torch.float32
@@ -86,29 +89,29 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("level", ["O0", "OD", "O2", "O2_no_promote"])
-def test_level_op_dtypes(level, xy):
+def test_level_op_dtypes(device: str, level, xy):
     promote = not level.endswith("_no_promote")
-    with amp.auto_cast(level=level[:2], dtype="bfloat16", use_promote=promote, device_type="cpu"):
+    with amp.auto_cast(level=level[:2], dtype="bfloat16", use_promote=promote, device_type=device):
         assert probe(*xy) == EXPECTED[level]
 
 
-def test_o1_runs_paddles_black_list_in_fp32(xy):
+def test_o1_runs_paddles_black_list_in_fp32(device: str, xy):
     """Paddle's O1 black list: mean (and losses, norms, softmax) in fp32 where torch.autocast
     would keep a low input low, so the loss is not rounded to the low dtype."""
     lin, x, _ = xy
-    with torch.autocast("cpu", dtype=LP):
+    with torch.autocast(device, dtype=LP):
         assert lin(x).mean().dtype == LP  # torch.autocast alone
-    with amp.auto_cast(level="O1", dtype="bfloat16", device_type="cpu"):
+    with amp.auto_cast(level="O1", dtype="bfloat16", device_type=device):
         h = lin(x)
         got = h.mean()
     assert h.dtype == LP and got.dtype == HP
     assert got.item() == h.float().mean().item()  # the same fp32 mean of the same low values
 
 
-def test_o1_is_torch_autocast(xy):
-    with torch.autocast("cpu", dtype=LP):
+def test_o1_is_torch_autocast(device: str, xy):
+    with torch.autocast(device, dtype=LP):
         expected = probe(*xy)
-    with amp.auto_cast(level="O1", dtype="bfloat16", device_type="cpu"):
+    with amp.auto_cast(level="O1", dtype="bfloat16", device_type=device):
         assert probe(*xy) == expected
     assert expected["linear"] == LP and expected["add"] == HP  # the probe tells lists apart
 
@@ -180,7 +183,7 @@ class Net(nn.Module):
 
 
 def batches(n: int = 3, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
     return [(torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)) for _ in range(n)]
 
 
@@ -255,16 +258,16 @@ def test_decorate_returns_the_structure_given():
     assert model is m4 and same is plain  # no masters: the optimizer steps bf16 params
 
 
-def test_masters_match_hand_written_fp32_master_loop():
+def test_masters_match_hand_written_fp32_master_loop(device: str):
     """decorate(model, optimizer) + mixprec.GradScaler == fp32 masters written out by hand."""
     base = Net()
     hp_init = {n: p.detach().clone() for n, p in base.named_parameters()}
-    ctx = amp.auto_cast(level="O2", dtype="bfloat16", device_type="cpu")
+    ctx = amp.auto_cast(level="O2", dtype="bfloat16", device_type=device)
 
     model = copy.deepcopy(base)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, opt = amp.decorate(model, opt, level="O2", dtype="bfloat16")
-    scaler = mixprec.GradScaler("cpu", init_loss_scaling=SCALE)  # the core one: any scaler works
+    scaler = mixprec.GradScaler(device, init_loss_scaling=SCALE)  # the core one: any scaler works
 
     ref = amp.decorate(
         copy.deepcopy(base), level="O2", dtype="bfloat16"
@@ -306,11 +309,11 @@ def test_masters_match_hand_written_fp32_master_loop():
         torch.testing.assert_close(hp, want, rtol=0, atol=0)
 
 
-def test_overflow_skips_the_step_bit_for_bit():
+def test_overflow_skips_the_step_bit_for_bit(device: str):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, opt = amp.decorate(model, opt, level="O2", dtype="float16")
-    scaler = amp.GradScaler(device="cpu", init_loss_scaling=SCALE)
+    scaler = amp.GradScaler(device=device, init_loss_scaling=SCALE)
     ctx = amp.auto_cast(level="O2", dtype="float16")
     (x, y), *_ = batches(1)
     for poison in (1.0, math.inf):
@@ -372,7 +375,9 @@ def test_added_param_group_gets_a_master_and_its_grads():
     assert model.fc2.weight.grad is None and opt.hp_masters[2].grad.dtype == HP
 
 
-def test_pure_fp16_without_optimizers_needs_the_paddle_grad_scaler(caplog, monkeypatch):
+def test_pure_fp16_without_optimizers_needs_the_paddle_grad_scaler(
+    device: str, caplog, monkeypatch
+):
     """Seed 002's O2: decorate(models) only; the earlier optimizer steps fp16 params directly."""
     monkeypatch.setattr(amp.dygraph, "_warned_no_optimizer", False)
 
@@ -383,11 +388,11 @@ def test_pure_fp16_without_optimizers_needs_the_paddle_grad_scaler(caplog, monke
         with caplog.at_level(logging.WARNING, logger="mixprec"):
             return amp.decorate(models=model, level="O2", dtype="float16"), opt
 
-    ctx = amp.auto_cast(level="O2", dtype="float16", device_type="cpu")
+    ctx = amp.auto_cast(level="O2", dtype="float16", device_type=device)
     x, y = torch.randn(3, 4), torch.randn(3, 2)
     model, opt = make()
     assert "decorate(models, optimizers)" in caplog.text
-    core = mixprec.GradScaler("cpu", init_loss_scaling=SCALE)
+    core = mixprec.GradScaler(device, init_loss_scaling=SCALE)
     with ctx:
         loss = F.mse_loss(model(x), y)
     core.scale(loss).backward()
@@ -397,7 +402,7 @@ def test_pure_fp16_without_optimizers_needs_the_paddle_grad_scaler(caplog, monke
     model, opt = make()
     ref, ref_opt = make()
     caplog.clear()
-    scaler = amp.GradScaler(device="cpu", init_loss_scaling=SCALE)
+    scaler = amp.GradScaler(device=device, init_loss_scaling=SCALE)
     for _ in range(2):
         with ctx:
             loss = F.mse_loss(model(x), y)
@@ -418,7 +423,7 @@ def test_pure_fp16_without_optimizers_needs_the_paddle_grad_scaler(caplog, monke
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
-def test_minimize_is_step_then_update():
+def test_minimize_is_step_then_update(device: str):
     ctx = amp.auto_cast(level="O2", dtype="float16")
     (x, y), *_ = batches(1)
     runs = []
@@ -427,7 +432,7 @@ def test_minimize_is_step_then_update():
         model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, opt = amp.decorate(model, opt, level="O2", dtype="float16")
-        scaler = amp.GradScaler(device="cpu", init_loss_scaling=SCALE, incr_every_n_steps=1)
+        scaler = amp.GradScaler(device=device, init_loss_scaling=SCALE, incr_every_n_steps=1)
         with ctx:
             scaled = scaler.scale(F.mse_loss(model(x), y))
         scaled.backward()
@@ -475,11 +480,11 @@ def test_loading_a_model_state_dict_loads_the_fp32_masters():
         torch.testing.assert_close(lp, want.to(LP), rtol=0, atol=0)
 
 
-def test_o2_trains_with_norm_and_excluded_layers():
+def test_o2_trains_with_norm_and_excluded_layers(device: str):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model, opt = amp.decorate(model, opt, "O2", "float16", excluded_layers=Head)
-    scaler = amp.GradScaler(device="cpu", init_loss_scaling=SCALE)
+    scaler = amp.GradScaler(device=device, init_loss_scaling=SCALE)
     start = copy.deepcopy(model.state_dict())
     with amp.auto_cast(level="O2", dtype="float16"):
         for x, y in batches():
@@ -584,7 +589,7 @@ def test_seed_loops_run_in_fp16(examples):
         assert math.isfinite(result.loss)
 
 
-def test_accumulation_matches_reference(examples):
+def test_accumulation_matches_reference(device: str, examples):
     """Updates every 2 batches (5 batches: the last one's grads stay pending) == by hand."""
     # float16: after a bfloat16 auto_cast Paddle's GradScaler switches itself off (no scaling)
     argv = [*TINY, "--num-batches", "5", "--epochs", "1", "--dtype", "float16", "--accumulate", "2"]
@@ -592,7 +597,7 @@ def test_accumulation_matches_reference(examples):
     sn = examples["simple_net"]
     model, opt, loader = sn.build(sn.build_parser(None).parse_args(argv[:-2]))
     for i, (x, y) in enumerate(loader):
-        with torch.autocast("cpu", dtype=torch.float16):  # O1 without custom lists
+        with torch.autocast(device, dtype=torch.float16):  # O1 without custom lists
             loss = F.mse_loss(model(x), y)
         (loss * SCALE).backward()
         if (i + 1) % 2 == 0:
@@ -605,6 +610,7 @@ def test_accumulation_matches_reference(examples):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)  # the pending 5th batch
 
 
+@pytest.mark.host_only
 def test_example_script_runs_from_the_command_line():
     cmd = [sys.executable, str(EXAMPLES / "train_o2.py"), *TINY, "--epochs", "1", "--master-weight"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)

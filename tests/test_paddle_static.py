@@ -15,12 +15,15 @@ import numpy as np
 import pytest
 import torch
 import torch._dynamo
-from tolerances import FP32_ROUNDING
+from tolerances import fp32_rounding
 from torch import nn
 
 import mixprec
 from mixprec.paddle import static
 from mixprec.paddle.static import executor
+
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "paddle_static"
@@ -106,7 +109,7 @@ def test_fp32_program_equals_the_eager_torch_loop():
         assert got.shape == () and got.dtype == np.float32  # Paddle 3: a mean loss is 0-d
         np.testing.assert_allclose(float(got), ref_loss.item(), rtol=1e-6)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, **FP32_ROUNDING)
+        torch.testing.assert_close(p, q, **fp32_rounding())
 
 
 def test_o1_program_equals_the_core_autocast_loop():
@@ -133,7 +136,7 @@ def test_o1_program_equals_the_core_autocast_loop():
         ref_opt.step()
         ref_opt.zero_grad()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, **FP32_ROUNDING)
+        torch.testing.assert_close(p, q, **fp32_rounding())
     assert float(opt.get_loss_scaling()) == 128.0
 
 

@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 from mixprec.policy import NAIVE_SCALER, ScalerConfig
 from mixprec.scaling import LossScaler, unscale_and_check_
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 
 def reference_trajectory(cfg: ScalerConfig, overflows: list[bool]) -> list[tuple[float, int, int]]:
     """Megatron's DynamicGradScaler written plainly in Python floats (powers of two: exact)."""
@@ -122,7 +125,7 @@ def test_state_dict_round_trips_every_counter() -> None:
             assert torch.equal(a.state_dict()[key], b.state_dict()[key])
 
 
-def test_inv_scale_is_cached_until_the_scale_changes() -> None:
+def test_inv_scale_is_cached_until_the_scale_changes(device: str) -> None:
     scaler = LossScaler(ScalerConfig(dynamic=False, init_scale=8.0))
     inv = scaler.inv_scale()
     assert scaler.inv_scale() is inv and inv.item() == 0.125  # static: computed once
@@ -130,7 +133,7 @@ def test_inv_scale_is_cached_until_the_scale_changes() -> None:
     state["scale"] = torch.tensor([4.0])
     scaler.load_state_dict(state)  # writes the scale tensor in place
     assert scaler.inv_scale().item() == 0.25
-    scaler.to("cpu")
+    scaler.to(device)
     scaler._scale = torch.tensor([2.0])  # a replaced tensor (e.g. moved to another device)
     assert scaler.inv_scale().item() == 0.5
     dynamic = LossScaler(ScalerConfig(init_scale=2.0**16, growth_interval=1))
@@ -157,7 +160,9 @@ def test_unit_scale_backward_gives_the_scaled_paths_grads_bitwise() -> None:
     lin = torch.nn.Linear(8, 8).bfloat16()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1))
     assert opt.scaler.is_unit
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x = torch.randn(
+        4, 8, generator=torch.Generator(torch.get_default_device()).manual_seed(1)
+    ).bfloat16()
     grads = []
     for backward in (opt.backward, lambda loss: opt.scale_loss(loss).backward()):
         opt.zero_grad()

@@ -11,6 +11,9 @@ from torch import nn
 import mixprec
 from mixprec.skip_monitor import SkipMonitor, scale_text
 
+# numerics: one variant per --device (conftest); tensors built here land on that device
+pytestmark = pytest.mark.usefixtures("device")
+
 
 def test_warmup_summary_once_with_the_scales_it_fell_through() -> None:
     monitor = SkipMonitor()
@@ -92,7 +95,7 @@ def test_fp16_naive_default_scale_warm_up_is_reported_once_with_the_real_counts(
     assert not optimizer.skip_monitor.warming_up
 
 
-def test_engine_and_booster_expose_the_same_counts() -> None:
+def test_engine_and_booster_expose_the_same_counts(device: str) -> None:
     model = nn.Linear(4, 1)
     engine, *_ = mixprec.initialize(
         model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), config={}, verbose=False
@@ -102,7 +105,7 @@ def test_engine_and_booster_expose_the_same_counts() -> None:
     engine.step()
     assert engine.skip_stats == engine.optimizer.skip_stats
     assert (engine.skip_stats.steps, engine.skip_stats.skipped_steps) == (1, 0)
-    booster = mixprec.Booster(device="cpu", mixed_precision="bf16")
+    booster = mixprec.Booster(device=device, mixed_precision="bf16")
     model = nn.Linear(4, 1)
     _, optimizer, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert booster.skip_stats(optimizer) == optimizer.skip_stats

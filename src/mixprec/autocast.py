@@ -473,17 +473,22 @@ class autocast(_RegionContext):  # noqa: N801 - mirrors torch.autocast
 
 
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "ipu", "maia")
+# Asked once here, not per region: dynamo (torch 2.11) cannot trace the C call behind
+# torch.amp.is_autocast_available, and fp32_region(device_type) runs inside compiled steps.
+_AUTOCAST_AVAILABLE = {d: torch.amp.is_autocast_available(d) for d in _DEVICE_TYPES}
 
 
 def _check_device_type(device_type: str | None) -> str:
     if device_type is None:
         return default_device_type()
-    try:  # torch raises RuntimeError on a string that names no device at all
-        ok = isinstance(device_type, str) and torch.amp.is_autocast_available(device_type)
-    except RuntimeError:
-        ok = False
+    ok = _AUTOCAST_AVAILABLE.get(device_type) if isinstance(device_type, str) else False
+    if ok is None:  # a device type outside the table (a backend registered later): ask torch
+        try:  # torch raises RuntimeError on a string that names no device at all
+            ok = torch.amp.is_autocast_available(device_type)
+        except RuntimeError:
+            ok = False
     if not ok:
-        available = [d for d in _DEVICE_TYPES if torch.amp.is_autocast_available(d)]
+        available = [d for d, on in _AUTOCAST_AVAILABLE.items() if on]
         raise ValueError(
             f"device_type={device_type!r} has no autocast here."
             + did_you_mean(device_type, available)

@@ -211,13 +211,14 @@ def make_batch(
     spec: ModelSpec, *, seed: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One synthetic (input, target) batch, the same for every mode given the same seed."""
-    gen = torch.Generator().manual_seed(seed)
+    # made on the CPU (one stream of numbers for every device, whatever the default device is)
+    gen, cpu = torch.Generator().manual_seed(seed), "cpu"
     if spec.name == "mlp":  # seed 002: uniform inputs and targets, MSE
-        x = torch.rand(spec.batch, spec.width, generator=gen)
-        y = torch.rand(spec.batch, spec.width, generator=gen)
+        x = torch.rand(spec.batch, spec.width, generator=gen, device=cpu)
+        y = torch.rand(spec.batch, spec.width, generator=gen, device=cpu)
     else:
-        x = torch.randn(spec.batch, 3, spec.image_size, spec.image_size, generator=gen)
-        y = torch.randint(0, spec.num_classes, (spec.batch,), generator=gen)
+        x = torch.randn(spec.batch, 3, spec.image_size, spec.image_size, generator=gen, device=cpu)
+        y = torch.randint(0, spec.num_classes, (spec.batch,), generator=gen, device=cpu)
     return x.to(device), y.to(device)
 
 

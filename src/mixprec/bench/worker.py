@@ -130,11 +130,6 @@ def rss_peak_bytes() -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # a step's time must include its queued kernels
-
-
 def run_job(job: WorkerJob) -> ModeResult:
     """Build data, model and optimizer, convert through convert_to_amp, train, measure."""
     from mixprec import convert_to_amp
@@ -146,6 +141,7 @@ def run_job(job: WorkerJob) -> ModeResult:
         make_criterion,
     )
     from mixprec.bench.modes import amp_args, amp_call_text, mode_policy
+    from mixprec.bench.timing import time_call
 
     spec = ModelSpec(**job.model)
     device = torch.device(job.device)
@@ -188,17 +184,19 @@ def run_job(job: WorkerJob) -> ModeResult:
     times: list[float] = []
     lp_losses: list[torch.Tensor] = []
     for i in range(job.warmup + job.steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = criterion(model(x), y)
-        optimizer.backward(loss)
-        step = optimizer.step()  # one host sync inside: the skip decision
-        optimizer.zero_grad()
-        _sync(device)
+        out: dict[str, Any] = {}
+
+        def train_step(out: dict[str, Any] = out) -> None:
+            out["loss"] = criterion(model(x), y)
+            optimizer.backward(out["loss"])
+            out["step"] = optimizer.step()  # one host sync inside: the skip decision
+            optimizer.zero_grad()
+
+        seconds = time_call(train_step, device)  # CUDA events on a GPU
         if i >= job.warmup:
-            times.append(time.perf_counter() - t0)
-        lp_losses.append(loss.detach())
-        result.loss_scales.append(step.scale)
+            times.append(seconds)
+        lp_losses.append(out["loss"].detach())
+        result.loss_scales.append(out["step"].scale)
         print(PROGRESS_LINE, flush=True)
 
     result.losses = [float(v) for v in torch.stack(lp_losses).float().cpu()]

@@ -13,7 +13,12 @@ from dataclasses import dataclass
 import torch
 
 GEMM_SIZE = 512
-"""n of the n x n @ n x n product: 0.27 GFLOP, milliseconds in fp32 on one CPU core."""
+"""n of the n x n @ n x n product on a CPU: 0.27 GFLOP, milliseconds in fp32 on one core."""
+CUDA_GEMM_SIZE = 4096
+"""n on a GPU: 137 GFLOP, compute-bound (a 512^3 GEMM finishes in microseconds, so its time
+is the kernel launch and the ratio reads ~1x whatever the tensor cores do)."""
+CUDA_GEMMS_PER_TIMING = 10
+"""GEMMs between two CUDA events: one event pair times them all, the launch gaps amortized."""
 LOW_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
 
@@ -54,15 +59,27 @@ def default_gemm_device() -> torch.device:
     )
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # a host sync: GEMMs are asynchronous on CUDA
+def _time_cpu(a: torch.Tensor, b: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    torch.mm(a, b)
+    return time.perf_counter() - t0
+
+
+def _time_cuda(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Seconds per GEMM from CUDA events around CUDA_GEMMS_PER_TIMING back-to-back GEMMs."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(CUDA_GEMMS_PER_TIMING):
+        torch.mm(a, b)
+    end.record()
+    end.synchronize()  # a host sync: the events' times exist once the GEMMs ran
+    return start.elapsed_time(end) / 1e3 / CUDA_GEMMS_PER_TIMING
 
 
 def measure_gemm_speed(
     device: torch.device | str = "cpu",
     *,
-    size: int = GEMM_SIZE,
+    size: int | None = None,
     budget_s: float = 1.0,
     min_rounds: int = 3,
 ) -> GemmSpeed:
@@ -70,12 +87,15 @@ def measure_gemm_speed(
 
     Interleaving keeps the ratios fair on a machine whose load changes during the measurement.
     At least `min_rounds` timed rounds run, so a dtype without fast kernels can exceed the budget.
+    size: None is GEMM_SIZE on a CPU, CUDA_GEMM_SIZE on a GPU (timed with CUDA events).
     """
+    device = torch.device(device)
+    if size is None:
+        size = CUDA_GEMM_SIZE if device.type == "cuda" else GEMM_SIZE
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"measure_gemm_speed size={size!r} must be an int >= 1.")
     if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or budget_s <= 0:
         raise ValueError(f"measure_gemm_speed budget_s={budget_s!r} must be a number > 0.")
-    device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
     hp_a = torch.randn(size, size, generator=generator).to(device)
     hp_b = torch.randn(size, size, generator=generator).to(device)
@@ -83,17 +103,16 @@ def measure_gemm_speed(
         str(dtype).removeprefix("torch."): (hp_a.to(dtype), hp_b.to(dtype))
         for dtype in (torch.float32, *LOW_DTYPES)
     }
+    time_one = _time_cuda if device.type == "cuda" else _time_cpu
     times: dict[str, list[float]] = {name: [] for name in operands}
     start = time.perf_counter()
-    rounds = -1  # round 0 is the warm-up (kernel selection, allocator, caches)
+    # round 0 is the warm-up (cuBLAS handle and kernel selection, allocator, caches, clocks)
+    rounds = -1
     while rounds < min_rounds or time.perf_counter() - start < budget_s:
         for name, (a, b) in operands.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            _sync(device)
+            seconds = time_one(a, b)
             if rounds >= 0:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(seconds)
         rounds += 1
     return GemmSpeed(
         device=str(device),

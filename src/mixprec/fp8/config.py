@@ -45,6 +45,12 @@ class Float8Config:
     on CPU emulation (torch's CPU kernel is a slow reference kernel; same fp8 rounding)."""
     allow_emulation: bool = False
     """With emulate=None, fall back to emulation (logged) where no float8 kernel exists."""
+    use_fast_accum_forward: bool = True
+    """The forward GEMM on the CUDA kernel accumulates in the tensor cores' faster, less precise
+    way (torch._scaled_mm's use_fast_accum; torchao's default for the output GEMM). Emulation
+    and the CPU kernel accumulate in fp32 whatever this says: they have no fast mode."""
+    use_fast_accum_backward: bool = False
+    """The same for the two backward GEMMs (off, as torchao: gradients keep full accumulation)."""
     persist_amax_history: bool = False
     """Save the delayed-scaling history in state_dict (exact resume; keys then differ from
     nn.Linear's, though a plain nn.Linear checkpoint still loads: the history restarts)."""
@@ -65,7 +71,13 @@ class Float8Config:
                 raise TypeError(f"Float8Config.{name} must be an int, got {value!r}.")
             if value < low:
                 raise ValueError(f"Float8Config.{name}={value!r} must be >= {low}.")
-        for name in ("power_of_two_scale", "allow_emulation", "persist_amax_history"):
+        for name in (
+            "power_of_two_scale",
+            "allow_emulation",
+            "persist_amax_history",
+            "use_fast_accum_forward",
+            "use_fast_accum_backward",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Float8Config.{name} must be a bool, got {getattr(self, name)!r}.")
         if self.emulate is not None and not isinstance(self.emulate, bool):

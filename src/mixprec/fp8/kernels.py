@@ -97,13 +97,14 @@ def lp_gemm(
     out_dtype: torch.dtype,
     *,
     emulate: bool,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """(a @ b) * a_inv_scale * b_inv_scale in out_dtype, from float8 a (M, K) and b (K, N).
 
     emulate=True upcasts to fp32, where products of two float8 values are exact and sums
     accumulate in fp32 as in the kernel: the two differ only by summation order and the
     final rounding to out_dtype. It also takes a or b already upcast to fp32 (exactly, from
-    float8), which it uses as they are.
+    float8), which it uses as they are. use_fast_accum goes to the kernel (see Float8Config).
     """
     if emulate:
         hp_out = (lp_a.to(torch.float32) @ lp_b.to(torch.float32)) * (a_inv_scale * b_inv_scale)
@@ -119,6 +120,11 @@ def lp_gemm(
     # exact to the kernel's own fp32 accumulation, widened.
     kernel_dtype = torch.float32 if out_dtype == torch.float64 else out_dtype
     out = torch._scaled_mm(
-        lp_a, lp_b, scale_a=a_inv_scale, scale_b=b_inv_scale, out_dtype=kernel_dtype
+        lp_a,
+        lp_b,
+        scale_a=a_inv_scale,
+        scale_b=b_inv_scale,
+        out_dtype=kernel_dtype,
+        use_fast_accum=use_fast_accum,
     ).to(out_dtype)
     return out[:, :n] if out.shape[1] != n else out

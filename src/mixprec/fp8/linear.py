@@ -53,7 +53,13 @@ class _Float8LinearFn(torch.autograd.Function):
             if emulate and torch.compiler.is_compiling():  # see the class docstring
                 lp_input, lp_weight = _upcast(lp_input), _upcast(lp_weight)
             out = lp_gemm(
-                lp_input, lp_weight.t(), input_inv, weight_inv, out_dtype, emulate=emulate
+                lp_input,
+                lp_weight.t(),
+                input_inv,
+                weight_inv,
+                out_dtype,
+                emulate=emulate,
+                use_fast_accum=config.use_fast_accum_forward,
             )
         return out, lp_input, lp_weight, input_inv, weight_inv
 
@@ -82,13 +88,12 @@ class _Float8LinearFn(torch.autograd.Function):
             if ctx.emulate:  # both GEMMs read one upcast, not one each
                 lp_grad = _upcast(lp_grad)
             grad_input = grad_weight = None
+            fast = {"emulate": ctx.emulate, "use_fast_accum": ctx.config.use_fast_accum_backward}
             if ctx.needs_input_grad[0]:
-                grad_input = lp_gemm(
-                    lp_grad, lp_weight, grad_inv, weight_inv, input_dtype, emulate=ctx.emulate
-                )
+                grad_input = lp_gemm(lp_grad, lp_weight, grad_inv, weight_inv, input_dtype, **fast)
             if ctx.needs_input_grad[1]:
                 grad_weight = lp_gemm(
-                    lp_grad.t(), lp_input, grad_inv, input_inv, weight_dtype, emulate=ctx.emulate
+                    lp_grad.t(), lp_input, grad_inv, input_inv, weight_dtype, **fast
                 )
             return grad_input, grad_weight, None, None, None, None, None, None, None
 

@@ -14,6 +14,7 @@ Needs the optional `lightning` package (`pip install lightning`).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -22,6 +23,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
+from mixprec.autocast import default_device_type
 from mixprec.casting import cast_floating, cast_module
 from mixprec.module import autocast_context, prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer
@@ -71,11 +73,13 @@ class MixprecPrecision(Precision):
         self.optimizer: MixedPrecisionOptimizer | None = None  # made at the first step
         self._wrapped_id: int | None = None
         self._pending: dict[str, Any] | None = None  # checkpoint state loaded before the step
+        self._module: weakref.ref[nn.Module] | None = None  # the module convert_module saw
 
     # ----- the module and its inputs / outputs -----
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Cast (and fp8-convert) in place: a LightningModule must stay itself for the Trainer."""
         check_module_has_parameters("module", module)
+        self._module = weakref.ref(module)
         if self.policy.fp8:
             from mixprec.fp8 import convert_to_fp8
 
@@ -86,8 +90,15 @@ class MixprecPrecision(Precision):
         return module
 
     def forward_context(self) -> Any:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        return autocast_context(self.policy, device_type)
+        return autocast_context(self.policy, self._device_type())
+
+    def _device_type(self) -> str:
+        """Where Lightning's accelerator put the module (its parameters' device), read at each
+        forward: a CPU accelerator on a machine with a GPU autocasts on the CPU. Before any
+        module was converted: the default device."""
+        module = self._module() if self._module is not None else None
+        param = next(module.parameters(), None) if module is not None else None
+        return default_device_type() if param is None else param.device.type
 
     def convert_input(self, data: Any) -> Any:
         if self.policy.casts_params:  # low-precision params take low-precision inputs

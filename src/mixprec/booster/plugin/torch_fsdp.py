@@ -54,7 +54,8 @@ ShardFilter = Callable[[str, nn.Module], bool]
 
 
 def direct_children_with_params(name: str, module: nn.Module) -> bool:
-    """Default sharding units: each top-level child that owns parameters (plus the root)."""
+    """Default sharding units: each top-level child that owns parameters (plus the root); a
+    container child (ModuleList, ModuleDict) gives its children with parameters instead."""
     return "." not in name and any(True for _ in module.parameters())
 
 
@@ -76,7 +77,9 @@ class TorchFSDPPlugin(Plugin):
             sum over ranks, and an fp16 sum of scaled gradients cannot overflow there).
         reshard_after_forward: fully_shard's option (free unsharded params after forward).
         shard_filter: (name, module) -> True for each submodule to make its own FSDP unit
-            (default: every top-level child with parameters); the root is always one.
+            (default: every top-level child with parameters); the root is always one. A
+            container picked (ModuleList, ModuleDict: fully_shard needs a forward) is replaced
+            by its children with parameters.
     """
 
     def __init__(
@@ -156,6 +159,9 @@ class TorchFSDPPlugin(Plugin):
         lp_mp = MixedPrecisionPolicy(param_dtype=lp_dtype, reduce_dtype=self.reduce_dtype)
         hp_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=self.reduce_dtype)
         units: list[tuple[nn.Module, MixedPrecisionPolicy]] = []
+        # Containers the filter picked (ModuleList, ModuleDict: no forward of their own, which
+        # fully_shard refuses): each of their children with parameters is a unit instead.
+        containers: set[str] = set()
         for name, module in model.named_modules():
             if not name:
                 continue
@@ -163,8 +169,13 @@ class TorchFSDPPlugin(Plugin):
                 # Own unit gathered in fp32; the core's hooks upcast its input, recast output.
                 keep_module_fp32(module, lp_dtype)
                 units.append((module, hp_mp))
-            elif self.shard_filter(name, module):
-                units.append((module, lp_mp))
+            elif self.shard_filter(name, module) or (
+                name.rpartition(".")[0] in containers and any(True for _ in module.parameters())
+            ):
+                if type(module).forward is nn.Module.forward:
+                    containers.add(name)
+                else:
+                    units.append((module, lp_mp))
         # named_modules is pre-order: reversed, every child is sharded before its parent.
         for module, mp in reversed(units):
             fully_shard(
