@@ -15,6 +15,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import CountHostSyncs
 from tolerances import EXACT, FP32_ROUNDING
 from torch import nn
 
@@ -22,7 +23,7 @@ import mixprec
 import mixprec.paddle as paddle_amp
 from mixprec.apex import amp as apex_amp
 from mixprec.compiled_step import compile_step
-from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError
 from mixprec.policy import ScalerConfig
 
 _REGIONS = importlib.import_module("mixprec.autocast")  # the module; mixprec.autocast is a class
@@ -295,3 +296,35 @@ def test_the_step_compiles_once_under_the_callers_regions(inner):
             assert len(_REGIONS._STATE.exits) == 1 + inner  # the caller's, given back
     assert backend.compiles == 1
     assert _REGIONS._STATE.exits == []
+
+
+# ----- the compiled step reports skips as the eager step does, one host read per N steps -----
+def test_compiled_step_reports_skips_every_check_every_steps(monkeypatch, caplog):
+    """Two warm-up skips (the scale falls), clean steps, then skips in a row: the counts, the
+    warm-up summary and ScaleCollapseError arrive at the reads (every 4 steps here), with no
+    host sync on the steps between them."""
+    model = make_model()
+    cfg = ScalerConfig(init_scale=INIT_SCALE, growth_interval=1000)
+    opt = MixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=cfg, max_consecutive_skips=3
+    )
+    step = compile_step(model, opt, nn.MSELoss(), compile=False, check_every=4)
+    syncs = CountHostSyncs(monkeypatch)
+    for i, bad in enumerate([True, True, False]):
+        step(*batch(i, bad))
+    assert syncs.calls == [] and opt.skipped_steps == 0  # nothing read yet
+    with caplog.at_level("WARNING", logger="mixprec"):
+        step(*batch(3))  # the 4th step: one read of the record
+    assert syncs.calls == ["tolist"]
+    assert (opt.steps, opt.skipped_steps, opt.consecutive_skips) == (4, 2, 0)
+    assert "the first 2 step(s) were skipped" in caplog.text
+    assert opt.last_result.scale == INIT_SCALE / 4  # the scale the last step ran under
+    step(*batch(4, True))
+    stats = step.skip_stats  # a read, on demand
+    assert (stats.steps, stats.skipped_steps, stats.consecutive_skips) == (5, 3, 1)
+    assert step.sync_counters() == 3
+    step(*batch(5, True))
+    step(*batch(6, True))
+    with pytest.raises(ScaleCollapseError, match="3 compiled steps in a row"):
+        for i in range(7, 7 + 4):  # raised at the next read, within check_every steps
+            step(*batch(i, True))

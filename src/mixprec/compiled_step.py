@@ -35,8 +35,14 @@ self.ctx:`) falls back to eager with one warning: dynamo cannot enter a context 
 outside the graph (torch 2.13). A caller's region around `step(...)` (Paddle's auto_cast around
 the loop body) reaches the forward and the loss and ends there: scaling, backward and the update
 run in an fp32_region, as an eager loop runs them outside auto_cast. One call is one optimizer
-step: no gradient accumulation. Skipped steps are counted on the device; sync_counters() adds
-them to optimizer.skipped_steps, and the consecutive-skip guard is not run.
+step: no gradient accumulation.
+
+Skips are reported as the eager step reports them (optimizer.skipped_steps, consecutive_skips,
+skip_stats, the skip monitor's warm-up summary and rate warning, ScaleCollapseError after the
+optimizer's max_consecutive_skips) without a host sync per step: the graph writes each step's
+skip flag and scale into a device buffer, and the host reads it once every `check_every` steps
+(one sync) and when the user reads the counts (step.sync_counters(), step.skip_stats). A
+collapse is therefore raised up to check_every - 1 steps after the step that reached the limit.
 """
 
 from __future__ import annotations
@@ -53,8 +59,9 @@ from torch import nn
 
 from mixprec import fused_step as fused
 from mixprec.autocast import fp32_region, scopes_set_aside
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.scaling import ProcessGroup, default_group
+from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
+from mixprec.scaling import ProcessGroup, default_group, rank_and_world
+from mixprec.skip_monitor import SkipMonitor, SkipStats
 
 _LAST = object()  # step(x, y): no target keyword, so the last positional is the target
 _TRACE_AUTOGRAD_GRAD = torch._dynamo.config.patch(trace_autograd_ops=True)
@@ -181,6 +188,7 @@ class CompiledStep:
         scaler: Any,
         compile: bool,
         compile_options: dict[str, Any],
+        check_every: int = 32,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
@@ -237,8 +245,18 @@ class CompiledStep:
         """Whose loss scale the step runs under and advances, by that scaler's own rule."""
         self._hp_key: tuple | None = None  # the host values self._hp_tensors holds
         self._hp_tensors: list[torch.Tensor] = []
-        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
-        """Steps this object skipped, counted on the device (see sync_counters)."""
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+            raise ValueError(f"check_every={check_every!r} must be an int >= 1.")
+        self.check_every = check_every
+        """Steps between the host's reads of the skip record (each read is one host sync)."""
+        self._record = torch.zeros(check_every, 2, device=device)  # (skipped, scale) per step
+        self._cursor = torch.zeros(1, dtype=torch.int64, device=device)  # next row, on device
+        self._recorded = 0  # rows written since the last read (a host count: no sync)
+        self._unreported = 0  # skips read since the last sync_counters() call
+        own = isinstance(optimizer, MixedPrecisionOptimizer)
+        self.skip_monitor = optimizer.skip_monitor if own else SkipMonitor()
+        self._counts = optimizer if own else _Counts()
+        self.max_consecutive_skips = optimizer.max_consecutive_skips if own else None
         self._compiled = None
         self._plain_options: dict[str, Any] | None = None  # a second try, without CPU options
         self._quiet_torch_deprecations = False  # set once one of them stopped a compile
@@ -357,6 +375,7 @@ class CompiledStep:
         loss: torch.Tensor,
     ) -> torch.Tensor:
         scale = self.scaler.scale_tensor.reshape(1)
+        scale_used = scale.float().clone()  # the scaler's rule writes `scale` in place below
         inv_scale = scale.double().reciprocal().float()  # as LossScaler.inv_scale: exact in fp64
         with torch.enable_grad():
             # materialize: a param the loss does not reach gets zeros, as the eager path's
@@ -382,7 +401,9 @@ class CompiledStep:
             g = self.group_of[i]
             self._update(i, grad, head, hparams[g], keep, skip, flags[g])
         _advance_scale(self.scaler, found_inf)
-        self.skipped_steps.add_(skip.reshape(()).long())
+        row = torch.cat([skip.reshape(1).float(), scale_used]).reshape(1, 2)
+        self._record.index_copy_(0, self._cursor, row)  # a device cursor: no guard, no sync
+        self._cursor.add_(1)
         return loss.reshape(())
 
     def _update(self, i, grad, head, h, keep, skip, flags) -> None:
@@ -445,8 +466,10 @@ class CompiledStep:
         args = (self._train, *self._hparams(), tuple(inputs), target)
         with torch.no_grad():  # _run enables grad for forward and backward; the writes need none
             loss = self._step(args)
-        if isinstance(self.optimizer, MixedPrecisionOptimizer):
-            self.optimizer.steps += 1
+        self._counts.steps += 1
+        self._recorded += 1
+        if self._recorded == self.check_every:
+            self._read_record()
         return loss
 
     def _step(self, args: tuple[Any, ...]) -> torch.Tensor:
@@ -502,14 +525,66 @@ class CompiledStep:
         """False once compiling failed and the step runs eagerly."""
         return self._compiled is not None
 
-    def sync_counters(self) -> int:
-        """Add the steps skipped since the last call to optimizer.skipped_steps (a host sync);
-        returns that number."""
-        skipped = int(self.skipped_steps)
-        self.skipped_steps.zero_()
+    def _read_record(self) -> None:
+        """Read the steps recorded on the device (one host sync) and count them as the eager
+        step does: steps, skips, the skip monitor's messages, the consecutive-skip guard."""
+        if not self._recorded:
+            return
+        rows = self._record[: self._recorded].tolist()  # the host sync
+        self._recorded = 0
+        self._cursor.zero_()
+        counts = self._counts
+        for flag, scale in rows:
+            skipped = flag > 0
+            counts.skipped_steps += skipped
+            self._unreported += skipped
+            counts.consecutive_skips = counts.consecutive_skips + 1 if skipped else 0
+            if isinstance(counts, MixedPrecisionOptimizer):
+                counts.last_result = StepResult(
+                    skipped=skipped, scale=scale, grad_norm=None, num_zeros=None
+                )
+            message = self.skip_monitor.record(skipped, scale)
+            if message and rank_and_world()[0] == 0:
+                log.warning(message)
+            limit = self.max_consecutive_skips
+            if limit is not None and counts.consecutive_skips >= limit:
+                raise ScaleCollapseError(
+                    f"{counts.consecutive_skips} compiled steps in a row were skipped for "
+                    f"non-finite gradients (loss scale {scale:g}; the count is read every "
+                    f"{self.check_every} steps). The run overflows at any scale: look for a "
+                    "nan/inf in the data or loss (mixprec.debugging.NonFiniteLocator names the "
+                    "first module), lower the learning rate, or train in bf16."
+                )
+
+    @property
+    def skip_stats(self) -> SkipStats:
+        """Steps, skipped steps (in a row, in the warm-up), the last scale: reads the device
+        record first (one host sync)."""
+        self._read_record()
         if isinstance(self.optimizer, MixedPrecisionOptimizer):
-            self.optimizer.skipped_steps += skipped
+            return self.optimizer.skip_stats
+        counts = self._counts
+        return SkipStats(
+            steps=counts.steps,
+            skipped_steps=counts.skipped_steps,
+            consecutive_skips=counts.consecutive_skips,
+            warmup_skips=self.skip_monitor.warmup_skips,
+            last_scale=None,
+        )
+
+    def sync_counters(self) -> int:
+        """Read the device record (a host sync) into the counts (optimizer.skipped_steps,
+        steps, consecutive_skips); returns the steps skipped since the last call."""
+        self._read_record()
+        skipped, self._unreported = self._unreported, 0
         return skipped
+
+
+class _Counts:
+    """Step counts of a compiled step over a plain torch optimizer (no mixprec wrapper)."""
+
+    def __init__(self) -> None:
+        self.steps = self.skipped_steps = self.consecutive_skips = 0
 
 
 def _with_cpu_options(options: dict[str, Any], device_type: str) -> dict[str, Any]:
@@ -532,6 +607,7 @@ def compile_step(
     max_norm: float | None = None,
     scaler: Any = None,
     compile: bool = True,
+    check_every: int = 32,
     **compile_options: Any,
 ) -> CompiledStep:
     """The whole training step of any face, compiled: `loss = step(*inputs, target=y)`.
@@ -545,6 +621,9 @@ def compile_step(
         outside the optimizer, as in Paddle's dygraph loop; None otherwise.
     compile: False runs the same step eagerly (a reference, and the fallback when compiling
         fails, which warns once).
+    check_every: steps between the host's reads of the on-device skip record (one sync each):
+        skip counts, the skip monitor's reports and ScaleCollapseError arrive then, or when
+        step.sync_counters() / step.skip_stats is read.
     compile_options: passed to torch.compile (mode="reduce-overhead" for CUDA graphs,
         backend=...); fullgraph=True and dynamic=False unless given. On CPU with inductor and
         no mode, CPU_INDUCTOR_OPTIONS (the C++ wrapper) join `options`; the step's
@@ -558,4 +637,5 @@ def compile_step(
         scaler=scaler,
         compile=compile,
         compile_options=compile_options,
+        check_every=check_every,
     )
