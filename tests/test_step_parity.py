@@ -328,3 +328,26 @@ def test_compiled_step_reports_skips_every_check_every_steps(monkeypatch, caplog
     with pytest.raises(ScaleCollapseError, match="3 compiled steps in a row"):
         for i in range(7, 7 + 4):  # raised at the next read, within check_every steps
             step(*batch(i, True))
+
+
+@pytest.mark.parametrize("num_losses", [1, 2])
+def test_colossal_apex_backward_leaves_unscaled_grads_for_any_num_losses(num_losses):
+    """Colossal's AMP_TYPE.APEX scales through apex.amp.scale_loss, which unscales on exit: with
+    one loss the grads stayed 128x (the core optimizer unscales at step), with two they were
+    unscaled. One path now: the grads after backward are the fp32 reference's."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    ref = nn.Linear(8, 4)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"opt_level": "O2", "loss_scale": 128.0, "num_losses": num_losses}
+    model, opt, crit = mixprec.convert_to_amp(
+        model, opt, nn.MSELoss(), mixprec.AMP_TYPE.APEX, config
+    )
+    x, y = batch(0)
+    opt.backward(crit(model(x.half()), y))
+    nn.functional.mse_loss(ref(x), y).backward()
+    grads = [p.grad for p in opt.param_groups[0]["params"]]
+    # fp16 forward and backward (O2): ~2**-10 relative on grads of |g| < 1
+    for got, want in zip(grads, [ref.weight.grad, ref.bias.grad], strict=True):
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-3)
