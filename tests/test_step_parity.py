@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -351,3 +353,14 @@ def test_colossal_apex_backward_leaves_unscaled_grads_for_any_num_losses(num_los
     # fp16 forward and backward (O2): ~2**-10 relative on grads of |g| < 1
     for got, want in zip(grads, [ref.weight.grad, ref.bias.grad], strict=True):
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-3)
+
+
+def test_the_clip_epsilon_is_written_once():
+    """clip_grad_norm_'s epsilon was spelled in four modules (eager, fused, ZeRO, pipeline,
+    compiled); every path now takes step_math.clip_coefficient."""
+    src = Path(mixprec.__file__).resolve().parent
+    pattern = re.compile(r"(?<![\w.])1e-0?6(?![\w.])")
+    spelled = sorted(
+        str(path.relative_to(src)) for path in src.rglob("*.py") if pattern.search(path.read_text())
+    )
+    assert spelled == ["step_math.py"]

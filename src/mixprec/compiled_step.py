@@ -62,14 +62,13 @@ from mixprec.autocast import fp32_region, scopes_set_aside
 from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
 from mixprec.scaling import ProcessGroup, default_group, rank_and_world
 from mixprec.skip_monitor import SkipMonitor, SkipStats
+from mixprec.step_math import clip_coefficient
 
 _LAST = object()  # step(x, y): no target keyword, so the last positional is the target
 _TRACE_AUTOGRAD_GRAD = torch._dynamo.config.patch(trace_autograd_ops=True)
 """dynamo traces torch.autograd.grad into the graph instead of breaking there (read while a
 call compiles; patched per call, so a user's own torch.compile keeps torch's default)."""
 _NO_SCOPE = contextlib.nullcontext()  # the step's usual warning scope: none
-CLIP_EPS = 1e-6
-"""torch.nn.utils.clip_grad_norm_'s epsilon in max_norm / (norm + eps)."""
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 """Inductor options compile_step adds on CPU (the caller's own `options` win). The C++ wrapper
 runs the graph's host side (allocating buffers, calling kernels) without Python, which is most
@@ -394,7 +393,7 @@ class CompiledStep:
         if self.max_norm > 0 and unscaled:
             norms = torch.stack([torch.linalg.vector_norm(u) for u in unscaled])
             total = torch.linalg.vector_norm(norms)
-            clip = torch.clamp(self.max_norm / (total + CLIP_EPS), max=1.0).reshape(1)
+            clip = clip_coefficient(self.max_norm, total).reshape(1)
         head = [inv_scale, clip]
         keep = (~skip).float()
         for i, grad in enumerate(grads):

@@ -30,6 +30,7 @@ from mixprec.scaling import (
     unscale_and_check_,
 )
 from mixprec.skip_monitor import SkipMonitor, SkipStats
+from mixprec.step_math import clip_coefficient
 from mixprec.validate import check_bool, check_int, check_real
 
 log = logging.getLogger("mixprec")
@@ -489,7 +490,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         norm = stats[1]
         clip = None
         if clipping:  # torch's clip_grad_norm_ coefficient, applied inside the kernel
-            clip = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+            clip = clip_coefficient(self.max_norm, norm)
         scale = self.scaler.scale_tensor.to(found_inf).reshape(1)
         growth = self.scaler.growth_tracker.to(found_inf)  # as in _decide, in the same sync
         values = torch.cat([found_inf, scale, norm.reshape(1), growth]).tolist()

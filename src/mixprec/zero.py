@@ -32,6 +32,7 @@ from mixprec.module import prepare_optimizer
 from mixprec.optim import LOW_DTYPES, MixedPrecisionOptimizer
 from mixprec.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
 from mixprec.scaling import ProcessGroup, default_group
+from mixprec.step_math import clip_coefficient
 
 log = logging.getLogger("mixprec")
 STAGES = (1, 2)
@@ -341,7 +342,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         if self.world > 1:
             dist.all_reduce(total, op=op, group=self.process_group)
         total = total[0] if math.isinf(p) else total[0].pow(1.0 / p)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grad_norm_'s coefficient
+        coef = clip_coefficient(max_norm, total)
         if grads:
             torch._foreach_mul_(grads, coef)
         return total
