@@ -364,3 +364,48 @@ def test_the_clip_epsilon_is_written_once():
         str(path.relative_to(src)) for path in src.rglob("*.py") if pattern.search(path.read_text())
     )
     assert spelled == ["step_math.py"]
+
+
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale_+step"])
+def test_an_outside_scalers_check_is_the_steps_one_check_and_one_sync(monkeypatch, unscale_first):
+    """torch's _step_supports_amp_scaling contract: GradScaler.step hands the optimizer its
+    found_inf (and grad_scale while the grads are still scaled) and syncs nothing itself; the
+    fp32 face's optimizer (which scales nothing) takes that flag instead of checking again. The
+    weights equal torch's own loop bit for bit (the same inv_scale, the same SGD)."""
+
+    def build(mixprec_face: bool):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = mixprec.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2)
+        if mixprec_face:
+            model, opt, _ = mixprec.convert_to_amp(model, opt, None, "fp32")
+        return model, opt, scaler
+
+    runs = {}
+    for face in (False, True):
+        model, opt, scaler = build(face)
+        checks, syncs = [], None
+        for i, bad in enumerate(PATTERN):
+            opt.zero_grad()
+            scaler.scale(
+                nn.functional.mse_loss(model(batch(i, bad)[0]), batch(i, bad)[1])
+            ).backward()
+            if face and i == len(PATTERN) - 1:  # count the last step's checks and syncs
+                original = torch._amp_foreach_non_finite_check_and_unscale_
+                monkeypatch.setattr(
+                    torch,
+                    "_amp_foreach_non_finite_check_and_unscale_",
+                    lambda *a, _o=original, _c=checks: _c.append(1) or _o(*a),
+                )
+                syncs = CountHostSyncs(monkeypatch)
+            if unscale_first:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        runs[face] = (model, opt, scaler, checks, syncs)
+    (ref, _, ref_scaler, _, _), (model, opt, scaler, checks, syncs) = runs[False], runs[True]
+    assert len(checks) == 1 and len(syncs.calls) == 1, (checks, syncs.calls)
+    assert opt.skipped_steps == sum(PATTERN)
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, **EXACT)

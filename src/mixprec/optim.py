@@ -122,6 +122,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # Why mixprec.compile_step must not run this optimizer's step (None: it may). A subclass
     # whose step() does collective work the compiled step does not know sets its reason.
     whole_step_refusal: str | None = None
+    # torch's GradScaler.step then sets found_inf (its check, done once) and grad_scale (the
+    # scale still in the grads, or None once unscale_ ran) on this object and calls step()
+    # unconditionally, with no host sync of its own; see _reuse_outside_check.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -400,6 +404,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Unscale + check (if not done yet), then step or skip; copy masters back; update scale."""
         if closure is not None:
             raise RuntimeError("Closures are not supported with loss scaling (as in torch.amp).")
+        self._reuse_outside_check()
         self._warn_once_if_no_grads()
         fused_grads = self._grads_if_fused()
         if fused_grads is not None:
@@ -412,6 +417,25 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         skipped, scale = self._decide(found_inf)
         self.scaler.update(found_inf, clean_growth=self._clean_growth)
         return self._commit(skipped, scale, grad_norm=grad_norm, num_zeros=num_zeros)
+
+    def _reuse_outside_check(self) -> None:
+        """An outside GradScaler's overflow flag taken as this step's: one check, one host sync
+        (the _decide read) per step, where the scaler's .item() and a second check ran before.
+
+        Only for an optimizer that scales nothing itself (a unit scale); a scaling one keeps its
+        own check (its scale is in the grads too)."""
+        found_inf = self.__dict__.get("found_inf")  # torch deletes both after step()
+        if found_inf is None or self._found_inf is not None or not self.scaler.is_unit:
+            return
+        self.grads_to_masters()
+        grads = self._hp_grads()
+        grad_scale = self.__dict__.get("grad_scale")
+        if grad_scale is not None and grads:  # checked, not unscaled: unscale without checking
+            inv_scale = grad_scale.double().reciprocal().float().to(grads[0].device)
+            torch._foreach_mul_(grads, inv_scale)
+        flag = found_inf.reshape(1).float().to(self.scaler.scale_tensor.device)
+        # mixprec's GradScaler reduced it already; torch's did not (MAX twice changes nothing)
+        self._found_inf = all_reduce_found_inf_(flag, self.process_group or default_group())
 
     def _warn_once_if_no_grads(self) -> None:
         """torch's optimizers step nothing, silently, when no param has a grad; we say it once.
