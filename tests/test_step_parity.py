@@ -26,7 +26,7 @@ import mixprec.paddle as paddle_amp
 from mixprec.apex import amp as apex_amp
 from mixprec.compiled_step import compile_step
 from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError
-from mixprec.policy import ScalerConfig
+from mixprec.policy import APEX_SCALER, ScalerConfig
 
 _REGIONS = importlib.import_module("mixprec.autocast")  # the module; mixprec.autocast is a class
 PATTERN = [True, False, True, True, True, False, False, False]
@@ -409,3 +409,21 @@ def test_an_outside_scalers_check_is_the_steps_one_check_and_one_sync(monkeypatc
     assert scaler.get_scale() == ref_scaler.get_scale()
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, **EXACT)
+
+
+def test_apex_per_loss_scaler_moves_as_the_compiled_step_under_apexs_config():
+    """Apex's per-loss scalers are LossScalers with Apex's config: the compiled step under the
+    same config (hysteresis 1, interval 2000, ceiling 2**24) follows the same trajectory."""
+    apex_scales, _, _ = run("apex per-loss", "eager")
+    model = make_model()
+    opt = MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters(), **ADAMW),
+        loss_scale=APEX_SCALER,
+        max_consecutive_skips=None,
+    )
+    step = compile_step(model, opt, nn.MSELoss(), backend="eager")
+    scales = []
+    for i, bad in enumerate(PATTERN):
+        step(*batch(i, bad))
+        scales.append(opt.scaler.scale)
+    assert scales == apex_scales
