@@ -19,6 +19,7 @@ CORE = [
     "grad_scaler.py",
     "optim.py",
     "fused_step.py",
+    "step_math.py",
     "checkpoint.py",
     "module.py",
     "fp8",

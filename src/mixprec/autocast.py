@@ -388,6 +388,20 @@ def _region_scope(region: _Region) -> Iterator[None]:
                 outer_mode.shadowed -= 1
 
 
+@contextlib.contextmanager
+def scopes_set_aside() -> Iterator[None]:
+    """The caller's open region scopes set aside (their effect stays: autocast, op lists) while
+    a compiled program runs: dynamo guards on what the program reads, and a region it enters
+    reads this stack, whose entries are owned by objects built anew each call (the identity of
+    the caller's auto_cast(...)): each call recompiled. Regions entered inside push and pop on
+    an empty stack; the caller's come back on exit."""
+    held, _STATE.exits = _STATE.exits, []
+    try:
+        yield
+    finally:
+        _STATE.exits = held
+
+
 class _RegionContext(contextlib.ContextDecorator):
     """A context manager that pushes one _Region (re-entrant, per thread); also a decorator."""
 

@@ -5,7 +5,8 @@
 dynamo traces into the graph with its trace_autograd_ops switch, set for this call only;
 `.backward()` would break the graph), unscales, checks for inf/nan, clips, all-reduces the
 overflow flag (multi-rank), updates the fp32 masters and the optimizer state with fused_step's
-math, writes the low-precision params, and advances the loss scale with scaling.update_scale_. A
+math, writes the low-precision params, and advances the loss scale by its owning scaler's own rule
+(a LossScaler's update, a GradScaler's _update_scale_: Paddle's GradScaler its Paddle rule). A
 skipped step is a `torch.where` on the device over every tensor it would write, so nothing is
 read on the host: the returned loss is a 0-dim tensor and reading it is the caller's choice.
 
@@ -34,14 +35,21 @@ self.ctx:`) falls back to eager with one warning: dynamo cannot enter a context 
 outside the graph (torch 2.13). A caller's region around `step(...)` (Paddle's auto_cast around
 the loop body) reaches the forward and the loss and ends there: scaling, backward and the update
 run in an fp32_region, as an eager loop runs them outside auto_cast. One call is one optimizer
-step: no gradient accumulation. Skipped steps are counted on the device; sync_counters() adds
-them to optimizer.skipped_steps, and the consecutive-skip guard is not run.
+step: no gradient accumulation.
+
+Skips are reported as the eager step reports them (optimizer.skipped_steps, consecutive_skips,
+skip_stats, the skip monitor's warm-up summary and rate warning, ScaleCollapseError after the
+optimizer's max_consecutive_skips) without a host sync per step: the graph writes each step's
+skip flag and scale into a device buffer, and the host reads it once every `check_every` steps
+(one sync) and when the user reads the counts (step.sync_counters(), step.skip_stats). A
+collapse is therefore raised up to check_every - 1 steps after the step that reached the limit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -50,18 +58,17 @@ import torch
 from torch import nn
 
 from mixprec import fused_step as fused
-from mixprec.autocast import fp32_region
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import ScalerConfig
-from mixprec.scaling import ProcessGroup, default_group, update_scale_
+from mixprec.autocast import fp32_region, scopes_set_aside
+from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
+from mixprec.scaling import ProcessGroup, default_group, rank_and_world
+from mixprec.skip_monitor import SkipMonitor, SkipStats
+from mixprec.step_math import clip_coefficient
 
 _LAST = object()  # step(x, y): no target keyword, so the last positional is the target
 _TRACE_AUTOGRAD_GRAD = torch._dynamo.config.patch(trace_autograd_ops=True)
 """dynamo traces torch.autograd.grad into the graph instead of breaking there (read while a
 call compiles; patched per call, so a user's own torch.compile keeps torch's default)."""
 _NO_SCOPE = contextlib.nullcontext()  # the step's usual warning scope: none
-CLIP_EPS = 1e-6
-"""torch.nn.utils.clip_grad_norm_'s epsilon in max_norm / (norm + eps)."""
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 """Inductor options compile_step adds on CPU (the caller's own `options` win). The C++ wrapper
 runs the graph's host side (allocating buffers, calling kernels) without Python, which is most
@@ -100,10 +107,19 @@ def _refusal(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def _scaler_tensors(
-    optimizer: torch.optim.Optimizer, scaler: Any, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ScalerConfig]:
-    """(scale, growth tracker, hysteresis tracker, config) of the scaler that owns this step."""
+class _UnitScale:
+    """The scale of a step no scaler owns (a plain optimizer): static 1.0, still skips inf/nan."""
+
+    dynamic = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.scale_tensor = torch.ones(1, device=device)
+
+
+def _scale_owner(optimizer: torch.optim.Optimizer, scaler: Any, device: torch.device) -> Any:
+    """The scaler that owns this step's loss scale: the given GradScaler, the optimizer's own
+    LossScaler, or a unit scale. The step reads its `scale_tensor` and advances it by the
+    owner's own rule (see _advance_scale): one rule per scaler, whichever path steps."""
     from mixprec.grad_scaler import GradScaler  # core module; imported late: it imports optim
 
     own = optimizer.scaler if isinstance(optimizer, MixedPrecisionOptimizer) else None
@@ -118,17 +134,22 @@ def _scaler_tensors(
                 f"scaler={scaler!r} given, but the optimizer already scales the loss "
                 f"({own.cfg}): pass one of them."
             )
-        if not scaler.is_enabled():
-            scaler = None
-    if scaler is not None:
-        if scaler._scale is None:
-            scaler._lazy_init_scale_growth_tracker(device)
-        return scaler._scale, scaler._growth_tracker, scaler._hysteresis_tracker, scaler.cfg
-    if own is not None:
-        return own._scale, own._growth_tracker, own._hysteresis_tracker, own.cfg
-    one = torch.ones(1, device=device)  # a plain optimizer: unit scale, still skips inf/nan
-    zero = torch.zeros(1, dtype=torch.int32, device=device)
-    return one, zero, zero.clone(), ScalerConfig(dynamic=False, init_scale=1.0)
+        if scaler.is_enabled():
+            scaler.scale_tensor  # noqa: B018 - created now: the graph cannot create it lazily
+            return scaler
+    return own if own is not None else _UnitScale(device)
+
+
+def _advance_scale(owner: Any, found_inf: torch.Tensor) -> None:
+    """The owning scaler's rule, on the device: a mixprec.GradScaler's _update_scale_ (Paddle's
+    GradScaler overrides it with Paddle's rule), a LossScaler's update (Megatron's hysteresis)."""
+    from mixprec.grad_scaler import GradScaler
+
+    if isinstance(owner, GradScaler):
+        if owner.cfg.dynamic:
+            owner._update_scale_(found_inf.reshape(()))
+    elif owner.dynamic:
+        owner.update(found_inf)
 
 
 def _init_state(
@@ -146,6 +167,10 @@ def _init_state(
         state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
         state["exp_avg"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
+    # On the param's device (torch keeps a non-capturable step on the CPU): the graph counts it
+    # there, where a CPU step would cost a device -> host copy each step. torch's eager Adam
+    # reads either (it takes the value with .item()).
+    state["step"] = state["step"].to(hp.device)
     return [state["step"], state["exp_avg"], state["exp_avg_sq"]]
 
 
@@ -162,6 +187,7 @@ class CompiledStep:
         scaler: Any,
         compile: bool,
         compile_options: dict[str, Any],
+        check_every: int = 32,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
@@ -213,11 +239,23 @@ class CompiledStep:
         self._plan()
         device = self.hp[0].device if self.hp else torch.device("cpu")
         self.device_type = device.type
-        self.scale, self.growth, self.hysteresis, self.cfg = _scaler_tensors(
-            optimizer, scaler, device
-        )
-        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
-        """Steps this object skipped, counted on the device (see sync_counters)."""
+        self.device = device
+        self.scaler = _scale_owner(optimizer, scaler, device)
+        """Whose loss scale the step runs under and advances, by that scaler's own rule."""
+        self._hp_key: tuple | None = None  # the host values self._hp_tensors holds
+        self._hp_tensors: list[torch.Tensor] = []
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+            raise ValueError(f"check_every={check_every!r} must be an int >= 1.")
+        self.check_every = check_every
+        """Steps between the host's reads of the skip record (each read is one host sync)."""
+        self._record = torch.zeros(check_every, 2, device=device)  # (skipped, scale) per step
+        self._cursor = torch.zeros(1, dtype=torch.int64, device=device)  # next row, on device
+        self._recorded = 0  # rows written since the last read (a host count: no sync)
+        self._unreported = 0  # skips read since the last sync_counters() call
+        own = isinstance(optimizer, MixedPrecisionOptimizer)
+        self.skip_monitor = optimizer.skip_monitor if own else SkipMonitor()
+        self._counts = optimizer if own else _Counts()
+        self.max_consecutive_skips = optimizer.max_consecutive_skips if own else None
         self._compiled = None
         self._plain_options: dict[str, Any] | None = None  # a second try, without CPU options
         self._quiet_torch_deprecations = False  # set once one of them stopped a compile
@@ -228,7 +266,22 @@ class CompiledStep:
             self.compile_options = _with_cpu_options(options, self.device_type)
             if self.compile_options is not options:
                 self._plain_options = options
-            self._compiled = torch.compile(self._run, **self.compile_options)
+            self._compiled = self._compile()
+
+    def _compile(self) -> Callable[..., torch.Tensor]:
+        """torch.compile of this object's own copy of _run. dynamo keys its cache (and its
+        recompile limit, 8) by code object: with one shared _run every compile_step in a process
+        filled one cache, guarded on `self`, and the ninth ran eagerly. A fresh code object per
+        step object gives each its own cache: one entry per step object and input shape."""
+        run = CompiledStep._run
+        code = run.__code__.replace(co_name=f"_run_{id(self):x}")
+        fresh = types.FunctionType(code, run.__globals__, code.co_name, run.__defaults__)
+        return torch.compile(types.MethodType(fresh, self), **self.compile_options)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The loss scale the next step runs under (the owning scaler's tensor; no sync)."""
+        return self.scaler.scale_tensor
 
     def _plan(self) -> None:
         """Match each param the optimizer steps to the model param that gets its gradient."""
@@ -263,17 +316,30 @@ class CompiledStep:
         params = dict(self.model.named_parameters())
         self._train = [params[name] for name in self.train_names]
 
-    def _hparams(self) -> list[torch.Tensor]:
-        """Each group's hyperparameters as an fp64 tensor (an LR change recompiles nothing)."""
-        out = []
+    def _hparams(self) -> tuple[list[torch.Tensor], tuple[tuple[bool, ...], ...]]:
+        """Each group's hyperparameters as an fp64 tensor on the params' device, and its flags.
+
+        The values enter the graph as tensors, so an LR schedule (or a changing weight decay,
+        betas, eps) recompiles nothing; the graph reads no param_group (dynamo guards every
+        value of a dict it reads: each new lr recompiled). A tensor is rebuilt only when its
+        values changed (a copy to the device, no sync). The flags pick code paths (a zero
+        weight decay skips its term): they are guarded constants, a change recompiles.
+        """
+        key = []
         for group in self.inner.param_groups:
             if isinstance(self.inner, torch.optim.SGD):
-                values = [group["lr"], group["weight_decay"], group["momentum"], 0.0]
+                key.append((group["lr"], group["weight_decay"], group["momentum"], 0.0))
             else:
                 beta1, beta2 = group["betas"]
-                values = [group["lr"], group["weight_decay"], beta1, beta2, group["eps"]]
-            out.append(torch.tensor(values, dtype=torch.float64))
-        return out
+                key.append((group["lr"], group["weight_decay"], beta1, beta2, group["eps"]))
+        key = tuple(key)
+        if key != self._hp_key:
+            self._hp_tensors = [
+                torch.tensor(values, dtype=torch.float64).to(self.device, non_blocking=True)
+                for values in key
+            ]
+            self._hp_key = key
+        return self._hp_tensors, tuple(self._flags(g) for g in self.inner.param_groups)
 
     def _flags(self, group: dict[str, Any]) -> tuple[bool, ...]:
         decoupled = group.get("decoupled_weight_decay", isinstance(self.inner, torch.optim.AdamW))
@@ -289,6 +355,7 @@ class CompiledStep:
         self,
         params: list[torch.Tensor],
         hparams: list[torch.Tensor],
+        flags: tuple[tuple[bool, ...], ...],
         inputs: tuple[Any, ...],
         target: Any,
     ) -> torch.Tensor:
@@ -297,12 +364,17 @@ class CompiledStep:
         # The caller's autocast and op lists end at the loss, as in an eager loop: scaling,
         # backward and the update are fp32 math (a white-listed 'mul' must not round them).
         with fp32_region(self.device_type):
-            return self._backward_and_update(params, hparams, loss)
+            return self._backward_and_update(params, hparams, flags, loss)
 
     def _backward_and_update(
-        self, params: list[torch.Tensor], hparams: list[torch.Tensor], loss: torch.Tensor
+        self,
+        params: list[torch.Tensor],
+        hparams: list[torch.Tensor],
+        flags: tuple[tuple[bool, ...], ...],
+        loss: torch.Tensor,
     ) -> torch.Tensor:
-        scale = self.scale.reshape(1)
+        scale = self.scaler.scale_tensor.reshape(1)
+        scale_used = scale.float().clone()  # the scaler's rule writes `scale` in place below
         inv_scale = scale.double().reciprocal().float()  # as LossScaler.inv_scale: exact in fp64
         with torch.enable_grad():
             # materialize: a param the loss does not reach gets zeros, as the eager path's
@@ -321,20 +393,21 @@ class CompiledStep:
         if self.max_norm > 0 and unscaled:
             norms = torch.stack([torch.linalg.vector_norm(u) for u in unscaled])
             total = torch.linalg.vector_norm(norms)
-            clip = torch.clamp(self.max_norm / (total + CLIP_EPS), max=1.0).reshape(1)
+            clip = clip_coefficient(self.max_norm, total).reshape(1)
         head = [inv_scale, clip]
         keep = (~skip).float()
         for i, grad in enumerate(grads):
-            group = self.inner.param_groups[self.group_of[i]]
-            self._update(i, grad, head, hparams[self.group_of[i]], keep, skip, group)
-        if self.cfg.dynamic:
-            update_scale_(self.scale, self.growth, self.hysteresis, found_inf.reshape(()), self.cfg)
-        self.skipped_steps.add_(skip.reshape(()).long())
+            g = self.group_of[i]
+            self._update(i, grad, head, hparams[g], keep, skip, flags[g])
+        _advance_scale(self.scaler, found_inf)
+        row = torch.cat([skip.reshape(1).float(), scale_used]).reshape(1, 2)
+        self._record.index_copy_(0, self._cursor, row)  # a device cursor: no guard, no sync
+        self._cursor.add_(1)
         return loss.reshape(())
 
-    def _update(self, i, grad, head, h, keep, skip, group) -> None:
+    def _update(self, i, grad, head, h, keep, skip, flags) -> None:
         """Step param i with fused_step's math; on a skip every write keeps the old value."""
-        maximize, decay, nesterov, decoupled = self._flags(group)
+        maximize, decay, nesterov, decoupled = flags
         hp, lp, state = self.hp[i], self.lp[i], self.states[i]
         clipping = self.max_norm > 0
         written: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -389,11 +462,13 @@ class CompiledStep:
                     "model's inputs and then the target (or target=...)."
                 )
             *inputs, target = inputs
-        args = (self._train, self._hparams(), tuple(inputs), target)
+        args = (self._train, *self._hparams(), tuple(inputs), target)
         with torch.no_grad():  # _run enables grad for forward and backward; the writes need none
             loss = self._step(args)
-        if isinstance(self.optimizer, MixedPrecisionOptimizer):
-            self.optimizer.steps += 1
+        self._counts.steps += 1
+        self._recorded += 1
+        if self._recorded == self.check_every:
+            self._read_record()
         return loss
 
     def _step(self, args: tuple[Any, ...]) -> torch.Tensor:
@@ -403,7 +478,11 @@ class CompiledStep:
         while self._compiled is not None:
             quiet = self._quiet_torch_deprecations
             try:
-                with _TRACE_AUTOGRAD_GRAD, _torch_deprecations_ignored() if quiet else _NO_SCOPE:
+                with (
+                    _TRACE_AUTOGRAD_GRAD,
+                    scopes_set_aside(),
+                    _torch_deprecations_ignored() if quiet else _NO_SCOPE,
+                ):
                     return self._compiled(*args)
             except Exception as exc:  # a missing compiler or an untraceable model
                 self._compile_failed(exc)
@@ -420,7 +499,7 @@ class CompiledStep:
                 why[:160],
             )
             self._quiet_torch_deprecations = True
-            self._compiled = torch.compile(self._run, **self.compile_options)
+            self._compiled = self._compile()
             return
         if self._plain_options is not None:
             log.info(
@@ -430,7 +509,7 @@ class CompiledStep:
                 why,
             )
             self.compile_options, self._plain_options = self._plain_options, None
-            self._compiled = torch.compile(self._run, **self.compile_options)
+            self._compiled = self._compile()
             return
         self._compiled = self.compile_options = None
         warnings.warn(
@@ -445,14 +524,66 @@ class CompiledStep:
         """False once compiling failed and the step runs eagerly."""
         return self._compiled is not None
 
-    def sync_counters(self) -> int:
-        """Add the steps skipped since the last call to optimizer.skipped_steps (a host sync);
-        returns that number."""
-        skipped = int(self.skipped_steps)
-        self.skipped_steps.zero_()
+    def _read_record(self) -> None:
+        """Read the steps recorded on the device (one host sync) and count them as the eager
+        step does: steps, skips, the skip monitor's messages, the consecutive-skip guard."""
+        if not self._recorded:
+            return
+        rows = self._record[: self._recorded].tolist()  # the host sync
+        self._recorded = 0
+        self._cursor.zero_()
+        counts = self._counts
+        for flag, scale in rows:
+            skipped = flag > 0
+            counts.skipped_steps += skipped
+            self._unreported += skipped
+            counts.consecutive_skips = counts.consecutive_skips + 1 if skipped else 0
+            if isinstance(counts, MixedPrecisionOptimizer):
+                counts.last_result = StepResult(
+                    skipped=skipped, scale=scale, grad_norm=None, num_zeros=None
+                )
+            message = self.skip_monitor.record(skipped, scale)
+            if message and rank_and_world()[0] == 0:
+                log.warning(message)
+            limit = self.max_consecutive_skips
+            if limit is not None and counts.consecutive_skips >= limit:
+                raise ScaleCollapseError(
+                    f"{counts.consecutive_skips} compiled steps in a row were skipped for "
+                    f"non-finite gradients (loss scale {scale:g}; the count is read every "
+                    f"{self.check_every} steps). The run overflows at any scale: look for a "
+                    "nan/inf in the data or loss (mixprec.debugging.NonFiniteLocator names the "
+                    "first module), lower the learning rate, or train in bf16."
+                )
+
+    @property
+    def skip_stats(self) -> SkipStats:
+        """Steps, skipped steps (in a row, in the warm-up), the last scale: reads the device
+        record first (one host sync)."""
+        self._read_record()
         if isinstance(self.optimizer, MixedPrecisionOptimizer):
-            self.optimizer.skipped_steps += skipped
+            return self.optimizer.skip_stats
+        counts = self._counts
+        return SkipStats(
+            steps=counts.steps,
+            skipped_steps=counts.skipped_steps,
+            consecutive_skips=counts.consecutive_skips,
+            warmup_skips=self.skip_monitor.warmup_skips,
+            last_scale=None,
+        )
+
+    def sync_counters(self) -> int:
+        """Read the device record (a host sync) into the counts (optimizer.skipped_steps,
+        steps, consecutive_skips); returns the steps skipped since the last call."""
+        self._read_record()
+        skipped, self._unreported = self._unreported, 0
         return skipped
+
+
+class _Counts:
+    """Step counts of a compiled step over a plain torch optimizer (no mixprec wrapper)."""
+
+    def __init__(self) -> None:
+        self.steps = self.skipped_steps = self.consecutive_skips = 0
 
 
 def _with_cpu_options(options: dict[str, Any], device_type: str) -> dict[str, Any]:
@@ -475,6 +606,7 @@ def compile_step(
     max_norm: float | None = None,
     scaler: Any = None,
     compile: bool = True,
+    check_every: int = 32,
     **compile_options: Any,
 ) -> CompiledStep:
     """The whole training step of any face, compiled: `loss = step(*inputs, target=y)`.
@@ -488,6 +620,9 @@ def compile_step(
         outside the optimizer, as in Paddle's dygraph loop; None otherwise.
     compile: False runs the same step eagerly (a reference, and the fallback when compiling
         fails, which warns once).
+    check_every: steps between the host's reads of the on-device skip record (one sync each):
+        skip counts, the skip monitor's reports and ScaleCollapseError arrive then, or when
+        step.sync_counters() / step.skip_stats is read.
     compile_options: passed to torch.compile (mode="reduce-overhead" for CUDA graphs,
         backend=...); fullgraph=True and dynamic=False unless given. On CPU with inductor and
         no mode, CPU_INDUCTOR_OPTIONS (the C++ wrapper) join `options`; the step's
@@ -501,4 +636,5 @@ def compile_step(
         scaler=scaler,
         compile=compile,
         compile_options=compile_options,
+        check_every=check_every,
     )

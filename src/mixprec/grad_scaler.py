@@ -184,7 +184,7 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled or new_scale is not None:
             super().update(new_scale)  # a set scale leaves both trackers alone, as in torch
             return
-        scale, growth_tracker = self._check_scale_growth_tracker("update")
+        scale, _ = self._check_scale_growth_tracker("update")
         found_infs = [
             found_inf.to(device=scale.device, non_blocking=True)
             for state in self._per_optimizer_states.values()
@@ -194,11 +194,26 @@ class GradScaler(torch.amp.GradScaler):
             raise AssertionError("No inf checks were recorded prior to update.")
         if self._hysteresis_tracker is None:
             raise AssertionError("hysteresis tracker missing: scale() was never called.")
-        found_inf = torch.stack(found_infs).amax()
-        cfg = self.cfg
-        if cfg.dynamic:
-            update_scale_(scale, growth_tracker, self._hysteresis_tracker, found_inf, cfg)
+        if self.cfg.dynamic:
+            self._update_scale_(torch.stack(found_infs).amax())
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _update_scale_(self, found_inf: torch.Tensor) -> None:
+        """This scaler's update rule (Megatron's hysteresis, scaling.update_scale_) on its own
+        state tensors, in place, on the device: no host sync. found_inf is already reduced over
+        the ranks. Every path that steps under this scaler (update(), compile_step) calls it;
+        a scaler with another rule (Paddle's) overrides it."""
+        update_scale_(
+            self._scale, self._growth_tracker, self._hysteresis_tracker, found_inf, self.cfg
+        )
+
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The scale as a device tensor (no host sync; created on this scaler's device if
+        scale() was never called), as LossScaler.scale_tensor."""
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(torch.device(self._device))
+        return self._scale
 
     def state_dict(self) -> dict[str, Any]:
         """torch's five entries plus mixprec's (torch's load_state_dict ignores the extras)."""

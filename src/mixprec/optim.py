@@ -31,6 +31,7 @@ from mixprec.scaling import (
     unscale_and_check_,
 )
 from mixprec.skip_monitor import SkipMonitor, SkipStats
+from mixprec.step_math import clip_coefficient
 from mixprec.validate import check_bool, check_int, check_real
 
 log = logging.getLogger("mixprec")
@@ -124,6 +125,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # Why mixprec.compile_step must not run this optimizer's step (None: it may). A subclass
     # whose step() does collective work the compiled step does not know sets its reason.
     whole_step_refusal: str | None = None
+    # torch's GradScaler.step then sets found_inf (its check, done once) and grad_scale (the
+    # scale still in the grads, or None once unscale_ ran) on this object and calls step()
+    # unconditionally, with no host sync of its own; see _reuse_outside_check.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -408,6 +413,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Unscale + check (if not done yet), then step or skip; copy masters back; update scale."""
         if closure is not None:
             raise RuntimeError("Closures are not supported with loss scaling (as in torch.amp).")
+        self._reuse_outside_check()
         self._warn_once_if_no_grads()
         fused_grads = self._grads_if_fused()
         if fused_grads is not None:
@@ -420,6 +426,25 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         skipped, scale = self._decide(found_inf)
         self.scaler.update(found_inf, clean_growth=self._clean_growth)
         return self._commit(skipped, scale, grad_norm=grad_norm, num_zeros=num_zeros)
+
+    def _reuse_outside_check(self) -> None:
+        """An outside GradScaler's overflow flag taken as this step's: one check, one host sync
+        (the _decide read) per step, where the scaler's .item() and a second check ran before.
+
+        Only for an optimizer that scales nothing itself (a unit scale); a scaling one keeps its
+        own check (its scale is in the grads too)."""
+        found_inf = self.__dict__.get("found_inf")  # torch deletes both after step()
+        if found_inf is None or self._found_inf is not None or not self.scaler.is_unit:
+            return
+        self.grads_to_masters()
+        grads = self._hp_grads()
+        grad_scale = self.__dict__.get("grad_scale")
+        if grad_scale is not None and grads:  # checked, not unscaled: unscale without checking
+            inv_scale = grad_scale.double().reciprocal().float().to(grads[0].device)
+            torch._foreach_mul_(grads, inv_scale)
+        flag = found_inf.reshape(1).float().to(self.scaler.scale_tensor.device)
+        # mixprec's GradScaler reduced it already; torch's did not (MAX twice changes nothing)
+        self._found_inf = all_reduce_found_inf_(flag, self.process_group or default_group())
 
     def _warn_once_if_no_grads(self) -> None:
         """torch's optimizers step nothing, silently, when no param has a grad; we say it once.
@@ -500,7 +525,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         norm = stats[1]
         clip = None
         if clipping:  # torch's clip_grad_norm_ coefficient, applied inside the kernel
-            clip = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+            clip = clip_coefficient(self.max_norm, norm)
         scale = self.scaler.scale_tensor.to(found_inf).reshape(1)
         growth = self.scaler.growth_tracker.to(found_inf)  # as in _decide, in the same sync
         values = torch.cat([found_inf, scale, norm.reshape(1), growth]).tolist()

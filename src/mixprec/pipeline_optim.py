@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from mixprec.optim import MixedPrecisionOptimizer, local_shards
 from mixprec.scaling import ProcessGroup
+from mixprec.step_math import clip_coefficient
 
 
 class PipelineOptimizer(MixedPrecisionOptimizer):
@@ -101,8 +102,7 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
             dist.all_reduce(sq, group=self.pp_group)  # dp replicas hold equal grads: pp only
         total = sq.sqrt().reshape(())
-        # torch's clip_grad_norm_ coefficient; inf/nan on a skipped step is harmless.
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_coefficient(max_norm, total)
         if grads:
             torch._foreach_mul_(local_shards(grads), coef)
         return total

@@ -33,6 +33,7 @@ from mixprec.module import prepare_optimizer
 from mixprec.optim import LOW_DTYPES, MixedPrecisionOptimizer
 from mixprec.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
 from mixprec.scaling import ProcessGroup, default_group
+from mixprec.step_math import clip_coefficient
 
 log = logging.getLogger("mixprec")
 STAGES = (1, 2)
@@ -221,6 +222,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             fused_step=False,
             lean=lean,  # each owner's low-bit state is its shard, as fp32 state is
         )
+        self._stepped: dict[int, torch.Tensor] = {}  # see _carry_grads
         if self.world == 1:
             log.warning("mixprec ZeRO: a world of 1 rank, so ZeRO shards nothing.")
 
@@ -244,6 +246,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         reduced = self._reduce_grads()
         lp_to_hp = {id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
         masters, means = [], []
+        self._stepped = {}
         for i, p in enumerate(self.all_params):
             if not self.owns(i):
                 p.grad = None  # no rank keeps a gradient of a param another rank owns
@@ -251,6 +254,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             hp, mean = lp_to_hp.get(id(p)), reduced.get(i)
             if hp is None:  # None when no rank produced a gradient: no update
                 p.grad = mean if mean is None or mean.dtype == p.dtype else mean.to(p.dtype)
+                if p.grad is not None:
+                    self._stepped[i] = p.grad
                 continue
             p.grad = None
             if mean is None:
@@ -260,6 +265,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                 hp.grad = torch.empty_like(hp)
             masters.append(hp.grad)
             means.append(mean)
+            self._stepped[i] = hp.grad
         if masters:
             torch._foreach_copy_(masters, means)  # lp -> fp32 is exact
 
@@ -371,7 +377,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         if self.world > 1:
             dist.all_reduce(total, op=op, group=self.process_group)
         total = total[0] if math.isinf(p) else total[0].pow(1.0 / p)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grad_norm_'s coefficient
+        coef = clip_coefficient(max_norm, total)
         if grads:
             torch._foreach_mul_(grads, coef)
         return total
@@ -380,9 +386,26 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         result = super().step(closure)
+        self._carry_grads()
         if not result.skipped and self.world > 1:
             self._all_gather_params()
         return result
+
+    def _carry_grads(self) -> None:
+        """torch's contract (DDP's, Colossal's): a step leaves its gradients in .grad, so a
+        backward without zero_grad() adds to them and the next step runs on g1 + g2. Each owner
+        keeps the gradient it stepped with (unscaled, clipped, the group's mean) in its param's
+        .grad, times the next loss scale (the next backward's grads come scaled by it) and times
+        the world size (the next reduction divides the sum of every rank's grads by it; the
+        other ranks hold none of this param): that reduction then gives mean(g1) + mean(g2).
+        zero_grad(), the optimizer's or the model's, drops it as in torch."""
+        if not self._stepped:
+            return
+        factor = self.scaler.scale_tensor * self.world  # device tensors: no sync
+        for i, grad in self._stepped.items():
+            p = self.all_params[i]
+            p.grad = (grad * factor).to(p.dtype)
+        self._stepped = {}
 
     def _all_gather_params(self) -> None:
         """Each owner's updated params to every rank: per param dtype, one all-gather (or,

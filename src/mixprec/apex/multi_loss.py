@@ -18,7 +18,7 @@ from torch import nn
 from mixprec.apex._optim import AmpOptimizer, UnscaleEvent
 from mixprec.module import prepare_optimizer
 from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import Policy
+from mixprec.policy import OPT_LEVELS, Policy
 from mixprec.scaling import (
     LossScaler,
     ProcessGroup,
@@ -119,6 +119,11 @@ class MultiLossOptimizer(AmpOptimizer):
         return f"MultiLossOptimizer({self.optim!r}, num_losses={len(self.scalers)})"
 
 
+def is_apex_policy(policy: Policy) -> bool:
+    """A policy Apex's amp built (its opt levels name it; 'O0 (amp disabled)' is not one)."""
+    return policy.name in (*OPT_LEVELS, "fp16_apex")
+
+
 def prepare_loss_optimizer(
     optimizer: torch.optim.Optimizer,
     policy: Policy,
@@ -127,11 +132,16 @@ def prepare_loss_optimizer(
     process_group: ProcessGroup | None = None,
     single: type[MixedPrecisionOptimizer] | None = None,
 ) -> MixedPrecisionOptimizer:
-    """The optimizer wrapper for policy: per-loss scalers when num_losses > 1, else the core's.
+    """The optimizer wrapper for policy: Apex's (per-loss scalers, each backward unscaled as
+    Apex's scale_loss exit does) for an Apex policy, whatever num_losses; else the core's.
+
+    One loss went to the core optimizer, which unscales at step(): after
+    optimizer.backward(loss) the grads were still multiplied by the loss scale under
+    AMP_TYPE.APEX with one loss, and unscaled with two.
 
     single: the class to build for one loss (a face's subclass of MixedPrecisionOptimizer).
     """
-    if policy.num_losses > 1:
+    if policy.num_losses > 1 or is_apex_policy(policy):
         if policy.log_num_zeros_in_grad:
             raise ValueError("log_num_zeros_in_grad=True is not supported with num_losses > 1.")
         return MultiLossOptimizer(
