@@ -39,11 +39,6 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="compiled_step builds its hyperparameters as CPU fp64 tensors and Adam's step count "
-    "on the CPU (torch.cat then mixes devices); the step branch moves them to the params' device",
-)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_compiled_step_update_creates_tensors_on_the_params_device(name: str) -> None:
     model = nn.Sequential(

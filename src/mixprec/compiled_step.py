@@ -322,7 +322,7 @@ class CompiledStep:
         The values enter the graph as tensors, so an LR schedule (or a changing weight decay,
         betas, eps) recompiles nothing; the graph reads no param_group (dynamo guards every
         value of a dict it reads: each new lr recompiled). A tensor is rebuilt only when its
-        values changed (a copy to the device, no sync). The flags pick code paths (a zero
+        values changed (written on the device, no sync). The flags pick code paths (a zero
         weight decay skips its term): they are guarded constants, a change recompiles.
         """
         key = []
@@ -335,7 +335,8 @@ class CompiledStep:
         key = tuple(key)
         if key != self._hp_key:
             self._hp_tensors = [
-                torch.tensor(values, dtype=torch.float64).to(self.device, non_blocking=True)
+                # made on the params' device (a host->device write of the values, no sync)
+                torch.tensor(values, dtype=torch.float64, device=self.device)
                 for values in key
             ]
             self._hp_key = key
