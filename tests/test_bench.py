@@ -153,6 +153,7 @@ def test_parse_modes_and_unknown_mode_text() -> None:
 
 def test_plan_cuts_fp16_steps_on_a_slow_cpu_unless_forced(monkeypatch) -> None:
     monkeypatch.setattr(runner, "cpu_has_fast_fp16", lambda: False)
+    monkeypatch.setattr(runner, "cpu_has_fast_bf16", lambda: True)
     config = BenchConfig(model=TINY["mlp"], modes=("bf16", "fp16"), steps=7, warmup=3)
     plans = {p.mode: p for p in plan_modes(config, CPU)}
     assert list(plans) == ["fp32", "fp16", "bf16"]  # fp32 joins as the baseline
@@ -167,6 +168,13 @@ def test_plan_cuts_fp16_steps_on_a_slow_cpu_unless_forced(monkeypatch) -> None:
     bf = plan_modes(replace(config, modes=("fp16", "O1"), dtype="bfloat16"), CPU)
     slow = runner.CPU_FP16_STEPS
     assert [(p.mode, p.steps) for p in bf] == [("fp32", 7), ("fp16", 7), ("O1", slow)]
+    # a CPU without bf16 kernels: bf16 is cut too; fp8 is not (its CPU GEMMs emulate in fp32)
+    monkeypatch.setattr(runner, "cpu_has_fast_bf16", lambda: False)
+    no_bf16 = {p.mode: p for p in plan_modes(replace(config, modes=("bf16", "fp8")), CPU)}
+    assert no_bf16["bf16"].steps == slow and no_bf16["bf16"].expect_slower
+    assert "bf16 matmul has no fast kernel" in no_bf16["bf16"].note
+    assert no_bf16["fp8"].steps == 7 and not no_bf16["fp8"].expect_slower
+    assert not no_bf16["fp32"].expect_slower
 
 
 def test_a_mode_the_device_cannot_run_is_skipped_or_refused(monkeypatch) -> None:
@@ -186,6 +194,7 @@ def test_runner_end_to_end_in_subprocesses(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(
         runner, "device_problem", lambda m, d, dev: "test: no fp8" if m == "fp8" else None
     )
+    monkeypatch.setattr(runner, "cpu_has_fast_bf16", lambda: True)  # bf16 runs all its steps
     # 8 MiB of weights (+ grads): enough to lift the peak RSS above the import-time high-water
     # mark (smaller models fit in heap memory malloc kept from the imports: a zero delta)
     model = ModelSpec(name="mlp", width=1024, depth=2, batch=4, lr=0.1)

@@ -41,8 +41,8 @@ from mixprec.bench.worker import (
 from mixprec.policy import did_you_mean
 
 CPU_FP16_STEPS = 1
-"""Timed steps per round for fp16 modes on a CPU without fp16 kernels, unless the user names
-them (one such step takes ~25x an fp32 step there)."""
+"""Timed steps per round for fp16 (bf16) modes on a CPU without fp16 (bf16) kernels, unless the
+user names them (one such step took ~25x an fp32 step on the 2-core AMD EPYC)."""
 CPU_FP16_WARMUP = 1
 """Warm-up steps for those modes (one step is enough to fill the allocator)."""
 BUSY_LOAD_PER_CORE = 0.5
@@ -186,6 +186,14 @@ def cpu_has_fast_fp16() -> bool:
     return any(f in flags for f in (*X86_FP16_FLAGS, *ARM_FP16_FLAGS))
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU has native bf16 math (x86 avx512_bf16/amx_bf16, arm bf16)."""
+    from mixprec.debugging.hardware import ARM_BF16_FLAGS, X86_BF16_FLAGS, read_cpu_flags
+
+    flags = read_cpu_flags() or frozenset()
+    return any(f in flags for f in (*X86_BF16_FLAGS, *ARM_BF16_FLAGS))
+
+
 def device_problem(mode: str, dtype: str | None, device: torch.device) -> str | None:
     """Why `device` cannot run this mode, or None if it can."""
     policy = mode_policy(mode, dtype)
@@ -208,16 +216,22 @@ def device_problem(mode: str, dtype: str | None, device: torch.device) -> str | 
 
 
 def slow_reason(mode: str, dtype: str | None, device: torch.device) -> str | None:
-    """Why this mode will be very slow on `device` (fp16 on a CPU without fp16 kernels)."""
-    if device.type != "cpu" or mode_policy(mode, dtype).low_dtype != torch.float16:
+    """Why this mode will be very slow on `device`: fp16 or bf16 on a CPU without native kernels
+    for it converts to fp32 per op, many times slower than fp32."""
+    policy = mode_policy(mode, dtype)
+    low = policy.low_dtype
+    if device.type != "cpu" or low is None:
         return None
-    if cpu_has_fast_fp16():
-        return None
-    return "fp16 matmul has no fast kernel on this CPU (no avx512_fp16/amx_fp16)"
+    if low == torch.float16 and not cpu_has_fast_fp16():
+        return "fp16 matmul has no fast kernel on this CPU (no avx512_fp16/amx_fp16)"
+    # fp8's GEMMs are emulated in fp32 on CPU: only its few non-GEMM ops run bf16 there
+    if low == torch.bfloat16 and not policy.fp8 and not cpu_has_fast_bf16():
+        return "bf16 matmul has no fast kernel on this CPU (no avx512_bf16/amx_bf16)"
+    return None
 
 
 def plan_modes(config: BenchConfig, device: torch.device) -> list[ModePlan]:
-    """The plan per mode: fp32 first as the baseline, skips and reduced fp16 steps explained."""
+    """The plan per mode: fp32 first as the baseline, skips and reduced slow-mode steps explained."""
     modes = [m for m in BENCH_MODES if m in config.modes or m == BASELINE]
     plans = []
     for mode in modes:
