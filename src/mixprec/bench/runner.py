@@ -482,7 +482,8 @@ def run_bench(
     ):
         try:
             # all start at once: start-up is untimed, and 8 imports of torch overlap
-            workers = [ModeWorker(plan, config, device, Path(tmp)) for plan in runnable]
+            for plan in runnable:  # appended one by one: an interrupt here still stops each
+                workers.append(ModeWorker(plan, config, device, Path(tmp)))
             bar.set_postfix_str("starting workers")
             for worker in workers:
                 worker.wait_ready(bar)
