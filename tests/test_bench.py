@@ -331,6 +331,10 @@ def test_a_speedup_contradicting_its_slow_footnote_is_not_printed() -> None:
         _result("fp32", 1.0, 4096, [1.0], [1.0] * 5),
         _result("fp16", 0.7, 4096, [1.0], [0.7] * 5, note=slow, expect_slower=True),
         _result("fp16_naive", 25.0, 4096, [1.0], [25.0] * 5, note=slow, expect_slower=True),
+        # slow as noted, but its rounds disagree: withheld for the spread, its range still shown
+        _result(
+            "O2", 25.0, 4096, [1.0], [25.0, 5.0, 25.0, 50.0, 10.0], note=slow, expect_slower=True
+        ),
     )
     rows = {r["mode"]: r for r in summary_rows(report)}
     assert rows["fp16"]["speedup_vs_fp32"] is None
@@ -340,6 +344,8 @@ def test_a_speedup_contradicting_its_slow_footnote_is_not_printed() -> None:
     table = render_table(report)
     fp16_line = next(line for line in table.splitlines() if line.startswith("| fp16 "))
     assert "1.43x" not in fp16_line and "| withheld " in fp16_line and slow in table
+    o2_line = next(line for line in table.splitlines() if line.startswith("| O2 "))
+    assert "| withheld " in o2_line and "| 0.02–0.20x (5) " in o2_line
 
 
 def test_judge_speedup_rule_edges() -> None:

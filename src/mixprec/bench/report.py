@@ -216,7 +216,7 @@ def render_table(report: BenchReport) -> str:
             shown = {"ok": f"{speedup['median']:.2f}x", "marked": f"{speedup['median']:.2f}x ?"}
             shown = shown.get(speedup["verdict"], "withheld")
             spread = f"{speedup['low']:.2f}–{speedup['high']:.2f}x ({speedup['rounds']})"
-            if speedup["verdict"] == "withheld" and row["expect_slower"]:
+            if speedup["verdict"] == "withheld" and row["expect_slower"] and speedup["median"] > 1:
                 spread = "—"  # its numbers read faster than the note says it can be
             refs.append(note_ref(speedup["why"]))
         cells.append(
