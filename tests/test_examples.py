@@ -103,6 +103,17 @@ def test_resnet_config_is_seed_000s() -> None:
         resnet_example.make_config("bf61", 1, 1)
 
 
+def test_resnet_example_defaults_are_minutes_and_full_is_the_seeds(capsys) -> None:
+    default = resnet_example.parse_args([])
+    assert (default.epochs, default.batch_size) == (2, 64)
+    full = resnet_example.parse_args(["--full"])
+    seed = resnet_example.make_config("torch", batch_size=128, num_epochs=200)
+    assert (full.epochs, full.batch_size) == (seed["NUM_EPOCHS"], seed["BATCH_SIZE"])
+    with pytest.raises(SystemExit):
+        resnet_example.parse_args(["--full", "--epochs", "3"])
+    assert "--full sets --epochs and --batch-size" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("mode", "scaled"), [("bf16", False), ("torch", True)])
 def test_resnet_example_learns(mode: str, scaled: bool, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="colossal_resnet")

@@ -159,17 +159,33 @@ def evaluate(engine: mixprec.Engine, loader: DataLoader) -> float:
     return float(counts[0] / counts[1])
 
 
+DEFAULT_EPOCHS, DEFAULT_BATCH = 2, 64
+"""What runs without flags: a few minutes on a CPU."""
+FULL_EPOCHS, FULL_BATCH = 200, 128
+"""Seed 000's CONFIG (NUM_EPOCHS, BATCH_SIZE), behind --full."""
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", default="torch", choices=MODE_CHOICES, help="fp16 section")
-    parser.add_argument("--epochs", type=int, default=10, help="CONFIG's NUM_EPOCHS")
-    parser.add_argument("--batch-size", type=int, default=64, help="CONFIG's BATCH_SIZE")
+    parser.add_argument("--epochs", type=int, default=None, help="CONFIG's NUM_EPOCHS (2)")
+    parser.add_argument("--batch-size", type=int, default=None, help="CONFIG's BATCH_SIZE (64)")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help=f"seed 000's settings: {FULL_EPOCHS} epochs of batch {FULL_BATCH} (hours on a CPU)",
+    )
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (seed: 0.1)")
     parser.add_argument("--width", type=int, default=16, help="channels of the first stage")
     parser.add_argument(
         "--max-steps", type=int, default=None, help="stop each epoch after this many steps"
     )
     args = parser.parse_args(argv)
+    if args.full and (args.epochs is not None or args.batch_size is not None):
+        parser.error("--full sets --epochs and --batch-size to the seed's; pass one or the other")
+    defaults = (FULL_EPOCHS, FULL_BATCH) if args.full else (DEFAULT_EPOCHS, DEFAULT_BATCH)
+    args.epochs = args.epochs or defaults[0]
+    args.batch_size = args.batch_size or defaults[1]
     for key in ("epochs", "batch_size", "width", "max_steps"):
         value = getattr(args, key)
         if value is not None and value < 1:
