@@ -5,8 +5,9 @@
     mixprec run --nproc_per_node 1 examples/seed_scripts/seed000_resnet_amp.py --full
 
 Run time on the reference CPU (2-core AMD EPYC, no fp16 kernels, so fp16 convolutions are
-slow): the default 2 epochs take RUNTIME_DEFAULT; `--full` (the seed's 200 epochs) about 2.7 h.
-A progress bar (tqdm, rank 0) counts each pass's batches.
+slow; OMP_NUM_THREADS=1): the default 2 epochs (3 passes) took 9.3 min under `mixprec run`
+while the shared machine's load average fell from 8 to 4 (idle is faster); `--full` (the
+seed's 200 epochs) about 2.7 h. A progress bar (tqdm, rank 0) counts each pass's batches.
 
 Changed from the seed, and nothing else: the imports (colossalai -> mixprec; torchvision ->
 the offline stand-ins of offline.py: digits for CIFAR10, a narrow resnet34); NUM_EPOCHS is 2
