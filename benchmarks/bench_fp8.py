@@ -8,7 +8,7 @@ Every case runs under bf16 autocast with fp32 parameters (the library's 'bf16' a
 
 All in one process, one sitting, so the ratios to bf16 compare like with like. A step is one
 forward and one backward (all three GEMMs per layer: the input requires grad too).
-Writes benchmarks/results/fp8_<device>.{md,json,png}.
+Writes runs/bench_fp8-<UTC time>/fp8_<device>.{md,json,png} (--out DIR to choose).
 
     python benchmarks/bench_fp8.py                              # the default sweep (< 3 min)
     python benchmarks/bench_fp8.py --widths 1024 2048 --steps 5
@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mixprec.bench.command import fresh_out_dir
 from mixprec.bench.runner import cpu_model
 from mixprec.bench.timing import time_call
 from mixprec.fp8 import Float8Config, convert_to_fp8, fp8_kernel_problem, fp8_summary
 
-RESULTS = Path(__file__).parent / "results"
 MODES = ("bf16", "fp8", "fp8-emulated")
 MLP_DEPTH = 9
 
@@ -231,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the fp8 forward GEMM's use_fast_accum (default on, torchao's); 'off' writes "
         "fp8_exact_accum_<device>.*",
     )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="directory for md/json/png (default: a new runs/bench_fp8-<UTC time>/; "
+        "benchmarks/results/ holds the references, rewritten only when named here)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     args.argv, args.skipped = argv, []
@@ -287,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(results, machine, args)
     print(table)
     if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        stem = RESULTS / f"fp8{'' if FAST_ACCUM else '_exact_accum'}_{device.type}"
+        out = args.out or fresh_out_dir("bench_fp8")
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"fp8{'' if FAST_ACCUM else '_exact_accum'}_{device.type}"
         stem.with_suffix(".md").write_text(table)
         payload = {
             "machine": machine,

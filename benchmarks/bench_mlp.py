@@ -7,7 +7,7 @@ torch, two through mixprec — and prints speedups vs fp32 and each mixprec mode
     mixprec NAIVE (bf16)    vs  raw pure-bf16 loop (bf16 params, no masters)
 
 Then times the master-weight optimizer step against a plain fp32 optimizer step of the same
-size (SGD and AdamW). Writes benchmarks/results/mlp_<device>.{md,json,png}.
+size (SGD and AdamW). Writes runs/bench_mlp-<UTC time>/mlp_<device>.{md,json,png}.
 
     python benchmarks/bench_mlp.py                      # the seed's size
     python benchmarks/bench_mlp.py --width 1024 --steps 5
@@ -29,10 +29,10 @@ from tqdm import tqdm
 
 import mixprec
 from mixprec import AMP_TYPE, convert_to_amp
+from mixprec.bench.command import fresh_out_dir
 from mixprec.bench.runner import machine_name
 from mixprec.bench.timing import time_call
 
-RESULTS = Path(__file__).parent / "results"
 DEVICE = torch.device("cpu")  # set by --device
 
 
@@ -229,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per loop (median)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--opt-steps", type=int, default=5, help="timed optimizer-only steps")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for md/json/png")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="directory for md/json/png (default: a new runs/bench_mlp-<UTC time>/; benchmarks/results/ holds the references, rewritten only when named here)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--tag", default=None, help="file name suffix (default: the device)")
     args = parser.parse_args(argv)
@@ -263,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     where = machine_name(DEVICE)
     table = render(args, loops, opt_steps, where)
     print(table)
+    args.out = args.out or fresh_out_dir("bench_mlp")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"mlp_{args.tag}"
     stem.with_suffix(".md").write_text(table)

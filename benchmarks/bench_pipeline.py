@@ -15,7 +15,7 @@ goes back to the OS and the peak-RSS mark is reset, so each peak is that run's o
     python benchmarks/bench_pipeline.py                       # small default (< 2 min)
     python benchmarks/bench_pipeline.py --width 1024 --depth 16 --batch 64 --steps 5
 
-Writes benchmarks/results/pipeline_<tag>.{md,json,png}. On a machine with one GPU the
+Writes runs/bench_pipeline-<UTC time>/pipeline_<tag>.{md,json,png}. On a machine with one GPU the
 pipeline still runs on CPU ranks (gloo): pipelines need >= 2 devices to place stages apart.
 """
 
@@ -41,7 +41,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from tqdm import tqdm
 
-RESULTS = Path(__file__).parent / "results"
+from mixprec.bench.command import fresh_out_dir
+
 MODES = ("fp32", "bf16", "fp16_naive")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 PP = 2
@@ -261,7 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for md/json/png")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="directory for md/json/png (default: a new runs/bench_pipeline-<UTC time>/; benchmarks/results/ holds the references, rewritten only when named here)",
+    )
     parser.add_argument("--tag", default="cpu", help="file name suffix, e.g. the device")
     args = parser.parse_args(argv)
     modes, schedules = args.modes.split(","), args.schedules.split(",")
@@ -313,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     where = machine_name(torch.device("cpu"))
     table = render(args, rows, where, load)
     print(table)
+    args.out = args.out or fresh_out_dir("bench_pipeline")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"pipeline_{args.tag}"
     stem.with_suffix(".md").write_text(table)

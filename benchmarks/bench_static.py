@@ -51,12 +51,12 @@ from tqdm import tqdm
 
 import mixprec
 from mixprec import AMP_TYPE, convert_to_amp
+from mixprec.bench.command import fresh_out_dir
 from mixprec.bench.models import PRESETS, build_model, make_batch
 from mixprec.bench.runner import machine_name
 from mixprec.bench.timing import time_call
 from mixprec.fp8 import convert_to_fp8
 
-RESULTS = Path(__file__).parent / "results"
 CHECKED = "raw eager + check"
 LOOPS = ("raw eager", CHECKED, "raw compile", "mixprec eager", "mixprec step")
 MODES = ("bf16", "naive", "fp16", "fp8")
@@ -382,7 +382,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="cpu (default): the process's CPU seconds per step, which a loaded shared machine "
         "does not inflate (one thread: CPU time is the step's cost); wall: perf_counter",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for md/json/png")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="directory for md/json/png (default: a new runs/bench_static-<UTC time>/; benchmarks/results/ holds the references, rewritten only when named here)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--tag", default=None, help="file name suffix (default: the device)")
     args = parser.parse_args(argv)
@@ -441,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     where = machine_name(DEVICE)
     table = render(args, speed, rows, static, where)
     print(table)
+    args.out = args.out or fresh_out_dir("bench_static")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"static_{args.tag}"
     stem.with_suffix(".md").write_text(table)

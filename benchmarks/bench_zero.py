@@ -11,7 +11,7 @@ load from other processes falls on all three alike. Measured in that one run:
     time    the fastest step (forward, backward, step) of each rank, the slowest rank's:
             on shared cores the least disturbed step; speed = DDP time / ZeRO time (>= 0.9)
 
-Writes benchmarks/results/zero_cpu.{md,json,png}.
+Writes runs/bench_zero-<UTC time>/zero_cpu.{md,json,png}.
 
     python benchmarks/bench_zero.py                       # small default run (~1 min here)
     python benchmarks/bench_zero.py --worlds 2 --width 1024 --steps 10
@@ -33,9 +33,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from mixprec.bench.command import fresh_out_dir
 from mixprec.bench.runner import machine_name
 
-RESULTS = Path(__file__).parent / "results"
 PRECISIONS = ("fp16", "bf16", "fp32")
 RUNS = ("ddp", "zero1", "zero2")
 
@@ -231,7 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run (fastest)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for md/json/png")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="directory for md/json/png (default: a new runs/bench_zero-<UTC time>/; benchmarks/results/ holds the references, rewritten only when named here)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     for name in ("width", "depth", "batch", "steps", "threads"):
@@ -246,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_name(torch.device("cpu"))
     table = markdown(rows, args, machine, argv)
     print(table)
+    args.out = args.out or fresh_out_dir("bench_zero")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / "zero_cpu"
     stem.with_suffix(".md").write_text(table)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -36,7 +37,7 @@ from mixprec.bench import (
     write_report,
 )
 from mixprec.bench import report as bench_report
-from mixprec.bench.command import NO_MATPLOTLIB_NOTE, OUT_PREFIX, fresh_out_dir
+from mixprec.bench.command import NO_MATPLOTLIB_NOTE, OUT_PREFIX, RUNS_DIR, fresh_out_dir
 from mixprec.bench.progress import NO_TQDM_NOTE, progress_bar
 from mixprec.cli import main
 
@@ -152,6 +153,7 @@ def test_parse_modes_and_unknown_mode_text() -> None:
 
 def test_plan_cuts_fp16_steps_on_a_slow_cpu_unless_forced(monkeypatch) -> None:
     monkeypatch.setattr(runner, "cpu_has_fast_fp16", lambda: False)
+    monkeypatch.setattr(runner, "cpu_has_fast_bf16", lambda: True)
     config = BenchConfig(model=TINY["mlp"], modes=("bf16", "fp16"), steps=7, warmup=3)
     plans = {p.mode: p for p in plan_modes(config, CPU)}
     assert list(plans) == ["fp32", "fp16", "bf16"]  # fp32 joins as the baseline
@@ -159,11 +161,20 @@ def test_plan_cuts_fp16_steps_on_a_slow_cpu_unless_forced(monkeypatch) -> None:
     fp16 = plans["fp16"]
     assert (fp16.steps, fp16.warmup) == (runner.CPU_FP16_STEPS, runner.CPU_FP16_WARMUP)
     assert "no fast kernel" in fp16.note and "--modes" in fp16.note
+    assert fp16.expect_slower and not plans["bf16"].expect_slower
     forced = plan_modes(replace(config, forced=True), CPU)
     assert all(p.steps == 7 and p.warmup == 3 for p in forced)
     # --dtype bfloat16 moves fp16 off the slow path; O1 stays fp16
     bf = plan_modes(replace(config, modes=("fp16", "O1"), dtype="bfloat16"), CPU)
-    assert [(p.mode, p.steps) for p in bf] == [("fp32", 7), ("fp16", 7), ("O1", 2)]
+    slow = runner.CPU_FP16_STEPS
+    assert [(p.mode, p.steps) for p in bf] == [("fp32", 7), ("fp16", 7), ("O1", slow)]
+    # a CPU without bf16 kernels: bf16 is cut too; fp8 is not (its CPU GEMMs emulate in fp32)
+    monkeypatch.setattr(runner, "cpu_has_fast_bf16", lambda: False)
+    no_bf16 = {p.mode: p for p in plan_modes(replace(config, modes=("bf16", "fp8")), CPU)}
+    assert no_bf16["bf16"].steps == slow and no_bf16["bf16"].expect_slower
+    assert "bf16 matmul has no fast kernel" in no_bf16["bf16"].note
+    assert no_bf16["fp8"].steps == 7 and not no_bf16["fp8"].expect_slower
+    assert not no_bf16["fp32"].expect_slower
 
 
 def test_a_mode_the_device_cannot_run_is_skipped_or_refused(monkeypatch) -> None:
@@ -183,18 +194,23 @@ def test_runner_end_to_end_in_subprocesses(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(
         runner, "device_problem", lambda m, d, dev: "test: no fp8" if m == "fp8" else None
     )
+    monkeypatch.setattr(runner, "cpu_has_fast_bf16", lambda: True)  # bf16 runs all its steps
     # 8 MiB of weights (+ grads): enough to lift the peak RSS above the import-time high-water
     # mark (smaller models fit in heap memory malloc kept from the imports: a zero delta)
     model = ModelSpec(name="mlp", width=1024, depth=2, batch=4, lr=0.1)
-    config = BenchConfig(model=model, modes=("bf16", "fp8"), steps=2, warmup=1, device="cpu")
+    config = BenchConfig(
+        model=model, modes=("bf16", "fp8"), steps=2, rounds=2, warmup=1, device="cpu"
+    )
     report = run_bench(config, progress=False)
+    assert report.rounds_done == 2 and not report.interrupted
     by_mode = {r.mode: r for r in report.results}
     assert list(by_mode) == ["fp32", "bf16", "fp8"]
     assert by_mode["fp8"].status == "skipped" and by_mode["fp8"].reason == "test: no fp8"
     for mode in ("fp32", "bf16"):
         r = by_mode[mode]
         assert r.status == "ok", r.reason
-        assert len(r.losses) == 3 and len(r.loss_scales) == 3  # warm-up + timed steps
+        assert len(r.losses) == 5 and len(r.loss_scales) == 5  # warm-up + 2 rounds of 2 steps
+        assert len(r.step_s) == 4 and len(r.round_step_s) == 2 and all(r.round_step_s)
         assert r.it_s > 0 and r.samples_s == pytest.approx(r.it_s * 4)  # batch 4
         assert r.peak_delta_bytes > 2**20 and r.memory_kind.startswith("peak RSS")
         assert r.peak_bytes == r.baseline_bytes + r.peak_delta_bytes
@@ -208,18 +224,29 @@ def test_runner_end_to_end_in_subprocesses(tmp_path, monkeypatch) -> None:
     data = json.loads(paths["json"].read_text())
     rows = {row["mode"]: row for row in data["summary"]}
     assert rows["fp32"]["speedup_vs_fp32"] == 1.0 and rows["fp32"]["memory_vs_fp32"] == 1.0
+    assert rows["bf16"]["speedup"]["rounds"] == 2  # paired round by round with fp32
     assert rows["fp8"]["speedup_vs_fp32"] is None and rows["fp8"]["reason"] == "test: no fp8"
     md = paths["md"].read_text()
     assert "| fp32 " in md and "| bf16 " in md and "test: no fp8" in md
     assert load_report(paths["json"]).results == report.results  # the JSON round-trips
 
 
-def _result(mode: str, step_s: float, delta: int, losses: list[float]) -> ModeResult:
+def _result(
+    mode: str,
+    step_s: float,
+    delta: int,
+    losses: list[float],
+    rounds: list[float] | None = None,
+    **extra,
+) -> ModeResult:
+    rounds = rounds or [step_s] * 3
     return ModeResult(
         mode=mode,
         status="ok",
         amp_call=repr(mode),
         steps=len(losses),
+        round_step_s=rounds,
+        step_s=rounds,
         step_s_median=step_s,
         it_s=1 / step_s,
         samples_s=8 / step_s,
@@ -227,6 +254,7 @@ def _result(mode: str, step_s: float, delta: int, losses: list[float]) -> ModeRe
         peak_bytes=100 + delta,
         peak_delta_bytes=delta,
         losses=losses,
+        **extra,
     )
 
 
@@ -255,6 +283,83 @@ def test_summary_ratios_and_common_loss_step() -> None:
     assert "loss @ step 2" in table and "| skipped " in table and "[1] no kernel" in table
 
 
+def _report(*results: ModeResult) -> BenchReport:
+    return BenchReport(
+        config={"model": {"name": "mlp"}},
+        device="cpu",
+        machine="test",
+        command="mixprec bench",
+        results=list(results),
+    )
+
+
+def test_a_noisy_speedup_is_withheld_and_a_wobbly_one_marked() -> None:
+    # made-up round timings: fp32 steady at 1 s; bf16 steady at 0.5 s; fp8 reads like the
+    # issue's busy-machine run (3.85x, 12.15x, 0.93x, ...); O1 wobbles by ~30%
+    fp32 = [1.0] * 5
+    report = _report(
+        _result("fp32", 1.0, 4096, [1.0], fp32),
+        _result("bf16", 0.5, 4096, [1.0], [0.5] * 5),
+        _result("fp8", 0.3, 4096, [1.0], [1 / 3.85, 1 / 12.15, 1 / 0.93, 1 / 3.0, 1 / 1.5]),
+        _result("O1", 1.0, 4096, [1.0], [1.0, 0.8, 1.25, 0.8, 1.25]),
+        _result("O2", 1.0, 4096, [1.0], [1.0, 1.0]),
+    )
+    rows = {r["mode"]: r for r in summary_rows(report)}
+    assert rows["bf16"]["speedup_vs_fp32"] == 2.0 and rows["bf16"]["speedup"]["verdict"] == "ok"
+    noisy = rows["fp8"]["speedup"]
+    assert noisy["verdict"] == "withheld" and noisy["spread"] > bench_report.WITHHOLD_SPREAD
+    assert rows["fp8"]["speedup_vs_fp32"] is None  # not printed, not in the JSON's value
+    assert (noisy["low"], noisy["high"]) == pytest.approx((0.93, 12.15))  # the range still is
+    wobbly = rows["O1"]["speedup"]
+    assert wobbly["verdict"] == "marked" and rows["O1"]["speedup_vs_fp32"] == 1.0
+    assert bench_report.MARK_SPREAD < wobbly["spread"] <= bench_report.WITHHOLD_SPREAD
+    few = rows["O2"]["speedup"]  # two rounds agree, but two are fewer than MIN_ROUNDS
+    assert few["verdict"] == "marked" and "only 2 round(s)" in few["why"]
+    table = render_table(report)
+    lines = {line.split("|")[1].strip(): line for line in table.splitlines() if "|" in line}
+    assert "| 2.00x " in lines["bf16"] and "| 0.93–12.15x (5) " in lines["fp8"]
+    assert "| withheld " in lines["fp8"] and "3.00x" not in lines["fp8"]  # not its median
+    assert "| 1.00x ? " in lines["O1"]
+    assert "rounds disagree (spread" in table and "rerun when idle" in table
+
+
+def test_a_speedup_contradicting_its_slow_footnote_is_not_printed() -> None:
+    # fp16 on a CPU without fp16 kernels: the plan notes "slow here"; a run where the
+    # machine got quieter just for fp16 must not print "1.44x faster" above that note
+    slow = "fp16 matmul has no fast kernel on this CPU (no avx512_fp16/amx_fp16)"
+    report = _report(
+        _result("fp32", 1.0, 4096, [1.0], [1.0] * 5),
+        _result("fp16", 0.7, 4096, [1.0], [0.7] * 5, note=slow, expect_slower=True),
+        _result("fp16_naive", 25.0, 4096, [1.0], [25.0] * 5, note=slow, expect_slower=True),
+        # slow as noted, but its rounds disagree: withheld for the spread, its range still shown
+        _result(
+            "O2", 25.0, 4096, [1.0], [25.0, 5.0, 25.0, 50.0, 10.0], note=slow, expect_slower=True
+        ),
+    )
+    rows = {r["mode"]: r for r in summary_rows(report)}
+    assert rows["fp16"]["speedup_vs_fp32"] is None
+    assert rows["fp16"]["speedup"]["verdict"] == "withheld"
+    assert "contradicts" in rows["fp16"]["speedup"]["why"]
+    assert rows["fp16_naive"]["speedup_vs_fp32"] == 0.04  # slower, as the note says: shown
+    table = render_table(report)
+    fp16_line = next(line for line in table.splitlines() if line.startswith("| fp16 "))
+    assert "1.43x" not in fp16_line and "| withheld " in fp16_line and slow in table
+    o2_line = next(line for line in table.splitlines() if line.startswith("| O2 "))
+    assert "| withheld " in o2_line and "| 0.02–0.20x (5) " in o2_line
+
+
+def test_judge_speedup_rule_edges() -> None:
+    assert bench_report.judge_speedup([]) is None
+    one = bench_report.judge_speedup([2.0])
+    assert (one.median, one.spread, one.verdict) == (2.0, 0.0, "marked")
+    steady = bench_report.judge_speedup([2.0, 2.0, 2.0])
+    assert steady.verdict == "ok" and steady.why == ""
+    # slower than fp32 with the slow note is consistent, even with one round above 1
+    assert bench_report.judge_speedup([0.9, 0.95, 1.05], expect_slower=True).verdict == "ok"
+    # rounds fp32 or the mode missed (None) are not paired
+    assert bench_report.round_ratios([1.0, 1.0, None], [0.5, None, 0.5]) == [2.0]
+
+
 def test_worker_timeout_is_a_failed_row_with_its_reason(tmp_path) -> None:
     config = BenchConfig(model=TINY["mlp"], steps=1, warmup=0, timeout_s=0.05)
     plan = runner.ModePlan(mode="fp32", steps=1, warmup=0)
@@ -265,10 +370,66 @@ def test_worker_timeout_is_a_failed_row_with_its_reason(tmp_path) -> None:
         def update(self, k: int) -> None:
             self.n += k
 
-    bar = Bar()
-    result = runner.run_worker(plan, config, CPU, tmp_path, bar)
-    assert result.status == "failed" and "stopped after 0.05 s" in result.reason
-    assert bar.n == 1  # the bar still advances by the mode's steps
+    worker = runner.ModeWorker(plan, config, CPU, tmp_path)
+    worker.wait_ready(Bar())  # importing torch takes far more than 0.05 s
+    assert worker.result.status == "failed" and "stopped after 0.05 s" in worker.result.reason
+    assert worker.proc.poll() is not None  # the worker is gone
+
+
+def _children(pid: int) -> list[int]:
+    """Live child processes of `pid` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc for children")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_parent_alone_stops_the_run_and_writes_partial_results(
+    tmp_path, sig
+) -> None:
+    src = Path(mixprec.__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    argv = "bench --width 16 --depth 2 --batch 4 --steps 1 --warmup 0 --rounds 100000"
+    argv += " --modes fp32,bf16 --no-progress --out out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mixprec.cli", *argv.split()],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in proc.stderr:  # wait until two rounds are measured
+            if line.startswith("mixprec bench: round 2/"):
+                break
+        workers = _children(proc.pid)
+        assert len(workers) == 2  # fp32's and bf16's
+        proc.send_signal(sig)  # to the parent alone, not its process group
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err
+    name = signal.Signals(sig).name
+    assert f"mixprec bench: {name} during round" in err and "partial results written" in err
+    for pid in workers:  # killed, not left running (reaped or at most a zombie)
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    data = json.loads((tmp_path / "out" / "bench_mlp_cpu.json").read_text())
+    assert data["interrupted"].startswith(f"{name} during round")
+    assert data["rounds_done"] >= 2
+    rows = {r["mode"]: r for r in data["summary"]}
+    assert rows["bf16"]["status"] == "ok" and rows["bf16"]["speedup"]["rounds"] >= 2
+    md = (tmp_path / "out" / "bench_mlp_cpu.md").read_text()
+    assert "**Interrupted**" in md and "| bf16 " in md and "| bf16 " in out
 
 
 def test_cli_bench_help_and_errors(capsys) -> None:
@@ -303,7 +464,8 @@ def test_bench_runs_on_the_base_install_without_tqdm_or_matplotlib(tmp_path) -> 
     (hide / "sitecustomize.py").write_text(HIDE_BENCH_EXTRAS)
     src = Path(mixprec.__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hide), str(src)])}
-    argv = "bench --model mlp --width 16 --depth 2 --batch 4 --steps 1 --warmup 0 --modes bf16"
+    argv = "bench --model mlp --width 16 --depth 2 --batch 4 --steps 1 --warmup 0 --rounds 1"
+    argv += " --modes bf16"
     done = subprocess.run(
         [sys.executable, "-m", "mixprec.cli", *argv.split()],
         cwd=tmp_path,
@@ -318,8 +480,8 @@ def test_bench_runs_on_the_base_install_without_tqdm_or_matplotlib(tmp_path) -> 
     assert "| fp32 " in done.stdout and "| bf16 " in done.stdout
     assert done.stdout.startswith("GEMM speed on cpu (512x512 matmul")  # the line above the table
     assert NO_MATPLOTLIB_NOTE in done.stdout
-    # the default --out: one fresh directory under the current one, md + JSON, no PNG
-    (out,) = tmp_path.glob(f"{OUT_PREFIX}*")
+    # the default --out: one fresh directory under ./runs/, md + JSON, no PNG
+    (out,) = (tmp_path / RUNS_DIR).glob(f"{OUT_PREFIX}*")
     assert sorted(p.name for p in out.iterdir()) == ["bench_mlp_cpu.json", "bench_mlp_cpu.md"]
     data = json.loads((out / "bench_mlp_cpu.json").read_text())
     assert data["gemm_speed"].startswith("GEMM speed on cpu")
@@ -329,9 +491,9 @@ def test_bench_runs_on_the_base_install_without_tqdm_or_matplotlib(tmp_path) -> 
 
 
 def test_default_out_is_fresh_and_a_stale_chart_is_removed(tmp_path, monkeypatch) -> None:
-    first = fresh_out_dir(tmp_path)
+    first = fresh_out_dir(parent=tmp_path)
     first.mkdir()
-    second = fresh_out_dir(tmp_path)  # same second: a -N suffix, never the same directory
+    second = fresh_out_dir(parent=tmp_path)  # same second: a -N suffix, never the same one
     assert second != first and not second.exists() and second.name.startswith(OUT_PREFIX)
     model = {"name": "mlp", "width": 2, "depth": 1, "batch": 1, "lr": 0.1}
     config = {"model": model, "seed": 0, "warmup": 0, "steps": 1}

@@ -208,3 +208,24 @@ def test_mixprec_run_exits_1_when_a_worker_fails(tmp_path):
     assert done.returncode == 1
     assert "fail.py FAILED" in done.stderr
     assert re.search(r"exitcode\s*:\s*3", done.stderr), done.stderr  # torchrun's summary
+
+
+def test_doctor_reports_fp8_for_every_device_and_how_mixprec_runs_it(capsys):
+    from mixprec.debugging.hardware import fp8_finding
+    from mixprec.fp8 import fp8_kernel_problem
+
+    real = fp8_finding("cuda:0", None)  # sm_89+: the kernel exists
+    assert real.dtype == "float8" and real.level == "ok" and "torch._scaled_mm" in real.message
+    old = fp8_finding("cuda:0", "float8 GEMMs (torch._scaled_mm) need CUDA compute capability 8.9+")
+    assert old.level == "warn" and "raises here unless" in old.message
+    assert "Float8Config(emulate=True)" in old.message
+    cpu = fp8_finding("cpu", None)
+    assert cpu.level == "warn" and "emulates on CPU" in cpu.message
+    assert "reference kernel" in cpu.message and "emulate=False" in cpu.message
+    no_kernel = fp8_finding("cpu", "this torch 2.x has no CPU kernel for torch._scaled_mm")
+    assert "no CPU kernel" in no_kernel.message and "emulates on CPU" in no_kernel.message
+
+    assert cli.main(["doctor"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "| float8" in line]
+    expected = fp8_finding("cpu", fp8_kernel_problem("cpu")).message
+    assert any(row.startswith("| cpu ") and expected in row for row in rows), rows

@@ -103,6 +103,17 @@ def test_resnet_config_is_seed_000s() -> None:
         resnet_example.make_config("bf61", 1, 1)
 
 
+def test_resnet_example_defaults_are_minutes_and_full_is_the_seeds(capsys) -> None:
+    default = resnet_example.parse_args([])
+    assert (default.epochs, default.batch_size) == (2, 64)
+    full = resnet_example.parse_args(["--full"])
+    seed = resnet_example.make_config("torch", batch_size=128, num_epochs=200)
+    assert (full.epochs, full.batch_size) == (seed["NUM_EPOCHS"], seed["BATCH_SIZE"])
+    with pytest.raises(SystemExit):
+        resnet_example.parse_args(["--full", "--epochs", "3"])
+    assert "--full sets --epochs and --batch-size" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("mode", "scaled"), [("bf16", False), ("torch", True)])
 def test_resnet_example_learns(mode: str, scaled: bool, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="colossal_resnet")
@@ -243,3 +254,60 @@ def test_booster_example_under_mixprec_run_on_two_processes(tmp_path: Path) -> N
     # rank 0 wrote one fp32 model file that loads into a fresh model, and the optimizer's
     assert checkpoint_accuracy(tmp_path, "fp16") > LEARNED
     assert load_checkpoint(tmp_path / "optimizer.pt")["steps"] == 10
+
+
+# ----- every script writes to a fresh runs/<name>-<UTC time>/ by default -----
+
+
+def _reference_results() -> dict[str, bytes]:
+    results = ROOT / "benchmarks" / "results"
+    return {p.name: p.read_bytes() for p in sorted(results.iterdir())}
+
+
+def test_booster_example_saves_to_a_fresh_runs_folder_by_default(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = ["--mixed-precision", "bf16", "--epochs", "1", "--max-steps", "2"]
+    booster_example.main(argv)
+    booster_example.main(argv)  # a second run: a second folder, the first one untouched
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2 and all(r.name.startswith("booster-") for r in runs)
+    for run in runs:
+        assert sorted(p.name for p in run.iterdir()) == ["model.pt", "optimizer.pt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("script", "argv", "files"),
+    [
+        (
+            "benchmarks/bench_fp8.py",
+            "--widths 16 --mlp-max-width 16 --steps 1 --warmup 0 --modes bf16 --threads 1",
+            {"fp8_cpu.md", "fp8_cpu.json", "fp8_cpu.png"},
+        ),
+        (
+            "examples/digits_accuracy.py",
+            "--models cnn --modes fp32 --epochs 1 --fp32-seeds 0",
+            {"digits_accuracy.md", "digits_accuracy.json", "digits_curves.png"},
+        ),
+    ],
+    ids=["bench_fp8", "digits_accuracy"],
+)
+def test_results_go_to_a_fresh_runs_folder_not_the_references(
+    script: str, argv: str, files: set[str], tmp_path: Path
+) -> None:
+    before = _reference_results()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / script), *argv.split()],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert run.name.startswith(Path(script).stem + "-")
+    assert {p.name for p in run.iterdir()} == files
+    assert str(run.relative_to(tmp_path)) in proc.stdout + proc.stderr  # the path is printed
+    assert _reference_results() == before  # the tracked references are untouched

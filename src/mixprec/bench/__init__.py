@@ -1,8 +1,11 @@
 """`mixprec bench`: the seeds' experiments (mode, memory, it/s, throughput) as a product.
 
-fp32 and every mode the device supports run through `mixprec.convert_to_amp`, each in a fresh
+fp32 and every mode the device supports run through `mixprec.convert_to_amp`, each in its own
 process (so peak memory is that mode's alone), on seed 002's MLP, a ViT or a ResNet-shaped CNN
-with synthetic data. The result is the seeds' table, written as markdown, JSON and a PNG chart.
+with synthetic data. The modes are interleaved in rounds, so a change in the machine's load
+lands on all of them; each speedup is the median over rounds with its min-max, marked or
+withheld when the rounds disagree (report.VERDICT_RULE). The result is the seeds' table,
+written as markdown, JSON and a PNG chart; an interrupted run writes what it measured.
 
     from mixprec.bench import BenchConfig, PRESETS, run_bench, write_report
     report = run_bench(BenchConfig(model=PRESETS["mlp"], modes=("fp32", "bf16")))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -12,22 +13,25 @@ from mixprec.bench.models import MODEL_NAMES, PRESETS
 from mixprec.bench.modes import ALIASES, BENCH_MODES, DTYPE_KEYS, dtype_name, parse_modes
 from mixprec.bench.runner import DEVICES, BenchConfig
 
-OUT_PREFIX = "mixprec-bench-"
-"""Default --out: a fresh ./mixprec-bench-<UTC time> directory, so no run overwrites earlier
-results or the repository's committed reference results (benchmarks/results/)."""
+RUNS_DIR = Path("runs")
+"""Where every benchmark and example writes by default (git-ignored): a fresh
+runs/<name>-<UTC time>/ per run, so no run overwrites an earlier one or the repository's
+committed reference results (benchmarks/results/, written only when --out names it)."""
+OUT_PREFIX = "bench-"
+"""`mixprec bench`'s default --out: runs/bench-<UTC time>/."""
 NO_MATPLOTLIB_NOTE = (
     "(no PNG chart: matplotlib is not installed; `pip install 'mixprec[bench]'` adds it)"
 )
 
 
-def fresh_out_dir(parent: Path | str = ".") -> Path:
-    """A directory name under `parent` that does not exist yet: mixprec-bench-<UTC time>[-N]."""
+def fresh_out_dir(name: str = "bench", parent: Path | str = RUNS_DIR) -> Path:
+    """A directory under `parent` that does not exist yet: <name>-<UTC time>[-N] (not created)."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    path = Path(parent) / f"{OUT_PREFIX}{stamp}"
+    path = Path(parent) / f"{name}-{stamp}"
     n = 1
     while path.exists():
         n += 1
-        path = Path(parent) / f"{OUT_PREFIX}{stamp}-{n}"
+        path = Path(parent) / f"{name}-{stamp}-{n}"
     return path
 
 
@@ -78,9 +82,21 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--patch-size", type=_positive, help="vit: side of a patch (4)")
     parser.add_argument("--heads", type=_positive, help="vit: attention heads")
     parser.add_argument("--lr", type=float, help="SGD learning rate (default: the preset's)")
-    parser.add_argument("--steps", type=_positive, default=10, help="timed steps (default: 10)")
     parser.add_argument(
-        "--warmup", type=_non_negative, default=2, help="untimed steps first (default: 2)"
+        "--steps", type=_positive, default=10, help="timed steps per mode per round (default: 10)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_positive,
+        default=7,
+        help="rounds; each runs every mode's timed steps in turn, so all modes share the "
+        "machine's load; speedups are the median over rounds, with their min-max (default: 7)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=2,
+        help="untimed steps before a mode's first round (default: 2)",
     )
     parser.add_argument(
         "--modes",
@@ -100,14 +116,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=DEVICES, default="auto", help="default: auto")
     parser.add_argument("--seed", type=_non_negative, default=0, help="data and init seed")
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds per mode before it is stopped"
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a mode may take to start or to run one round before it is stopped",
     )
     parser.add_argument(
         "--out",
         type=Path,
         default=None,
         help=f"directory for bench_<model>_<device>.md/.json/.png (default: a new "
-        f"./{OUT_PREFIX}<UTC time> directory; the PNG needs matplotlib)",
+        f"./{RUNS_DIR}/{OUT_PREFIX}<UTC time> directory; the PNG needs matplotlib)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -122,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         modes=args.modes or BENCH_MODES,
         forced=args.modes is not None,
         steps=args.steps,
+        rounds=args.rounds,
         warmup=args.warmup,
         dtype=args.dtype,
         device=args.device,
@@ -130,8 +150,33 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    from mixprec.bench.runner import BenchInterrupted
+
+    raise BenchInterrupted("SIGTERM")
+
+
 def bench_command(args: argparse.Namespace) -> int:
-    """Run the bench, print the table, write md/json/png; 1 if a mode failed, 2 on bad input."""
+    """Run the bench, print the table, write md/json/png; 1 if a mode failed, 2 on bad input.
+
+    Ctrl-C (SIGINT) or SIGTERM stops the workers and still writes the rounds measured so far;
+    the exit status is then 128 + the signal's number.
+    """
+    # Python ignores SIGINT when it starts with SIGINT ignored (a background job of a
+    # non-interactive shell): take both signals back, so either one stops the run.
+    old = {sig: signal.signal(sig, handler) for sig, handler in HANDLERS.items()}
+    try:
+        return _bench(args)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: _stop_on_sigterm}
+"""The handlers `mixprec bench` runs under (the caller's come back afterwards)."""
+
+
+def _bench(args: argparse.Namespace) -> int:
     from mixprec.bench.report import render_table, write_report
     from mixprec.bench.runner import resolve_device, run_bench
     from mixprec.debugging.gemm_speed import measure_gemm_speed
@@ -144,6 +189,9 @@ def bench_command(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"mixprec bench: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the first worker started: nothing measured to write
+        print("mixprec bench: interrupted before any mode ran", file=sys.stderr)
+        return 128 + signal.SIGINT
     report.gemm_speed = gemm_speed
     print(gemm_speed)
     print(render_table(report))
@@ -153,4 +201,8 @@ def bench_command(args: argparse.Namespace) -> int:
     print(f"wrote {', '.join(str(p) for p in paths.values())} ({report.wall_s:.0f} s)")
     if "png" not in paths:
         print(NO_MATPLOTLIB_NOTE)
+    if report.interrupted:
+        print(f"mixprec bench: {report.interrupted}; partial results written", file=sys.stderr)
+        sig = signal.SIGTERM if report.interrupted.startswith("SIGTERM") else signal.SIGINT
+        return 128 + sig
     return 1 if any(r.status == "failed" for r in report.results) else 0

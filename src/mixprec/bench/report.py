@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import statistics
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mixprec.bench.modes import BASELINE
 from mixprec.bench.runner import BenchReport
@@ -15,16 +17,102 @@ HEADERS = (
     "mode",
     "convert_to_amp",
     "dtype",
-    "steps",
+    "timed steps",
     "peak mem Δ MiB",
     "peak mem MiB",
     "mem vs fp32",
     "it/s",
     "samples/s",
     "speedup vs fp32",
+    "min–max over rounds",
     "{loss}",
     "note",
 )
+
+
+MIN_ROUNDS = 3
+"""Rounds a speedup needs before it is shown unmarked."""
+MARK_SPREAD = 0.2
+"""Relative spread (IQR over the rounds / median) above which a speedup is marked '?'."""
+WITHHOLD_SPREAD = 0.5
+"""Relative spread above which a speedup is withheld: the rounds disagree too much for their
+median to mean anything (e.g. 3.85x / 12.15x / 0.93x on a busy machine: spread 1.5)."""
+VERDICT_RULE = (
+    f"A speedup is the median over rounds of (fp32's step time / the mode's step time), both "
+    f"timed in the same round; its spread is the interquartile range over rounds / the median. "
+    f"Shown when at least {MIN_ROUNDS} rounds agree within a spread of {MARK_SPREAD:.0%}; "
+    f"marked '?' with fewer rounds or a spread up to {WITHHOLD_SPREAD:.0%}; withheld above that, "
+    "or when it reads faster than fp32 for a mode this device is known to run slower."
+)
+
+Verdict = Literal["ok", "marked", "withheld"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Speedup:
+    """A mode's speed vs fp32 over the rounds, and whether it can be trusted."""
+
+    median: float
+    """Median over rounds of fp32's round step time / the mode's."""
+    low: float
+    """Smallest round ratio."""
+    high: float
+    """Largest round ratio."""
+    spread: float
+    """Interquartile range of the round ratios / their median (0 for one round)."""
+    rounds: int
+    """Rounds both fp32 and the mode ran."""
+    verdict: Verdict
+    """'ok': shown; 'marked': shown with '?' and `why`; 'withheld': not shown, `why` says so."""
+    why: str = ""
+    """The reason for a mark or a withheld ratio."""
+
+
+def round_ratios(base: list[float | None], mode: list[float | None]) -> list[float]:
+    """fp32's / the mode's step time, for every round both ran (the pairs share a load)."""
+    return [b / m for b, m in zip(base, mode, strict=False) if b and m]
+
+
+def judge_speedup(ratios: list[float], *, expect_slower: bool = False) -> Speedup | None:
+    """Median, range and verdict of a mode's round ratios (VERDICT_RULE); None without any."""
+    if not ratios:
+        return None
+    median = statistics.median(ratios)
+    if len(ratios) > 1:
+        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+        spread = (q3 - q1) / median
+    else:
+        spread = 0.0
+    verdict: Verdict = "ok"
+    why = ""
+    n = len(ratios)
+    if expect_slower and median > 1.0:
+        verdict = "withheld"
+        why = (
+            "speedup withheld: it timed faster than fp32, which contradicts this device's slow "
+            "path for the mode (see its note): timing noise, not a speedup (the JSON keeps it)"
+        )
+    elif spread > WITHHOLD_SPREAD:
+        verdict = "withheld"
+        why = (
+            f"speedup withheld: its {n} rounds disagree (spread {spread:.0%} > "
+            f"{WITHHOLD_SPREAD:.0%}): the machine's load changed under the run; rerun when idle"
+        )
+    elif spread > MARK_SPREAD:
+        verdict = "marked"
+        why = f"speedup uncertain: spread {spread:.0%} over {n} rounds (> {MARK_SPREAD:.0%})"
+    elif n < MIN_ROUNDS:
+        verdict = "marked"
+        why = f"speedup uncertain: only {n} round(s) (fewer than {MIN_ROUNDS})"
+    return Speedup(
+        median=median,
+        low=min(ratios),
+        high=max(ratios),
+        spread=spread,
+        rounds=n,
+        verdict=verdict,
+        why=why,
+    )
 
 
 def common_loss_step(report: BenchReport) -> int:
@@ -47,21 +135,31 @@ def summary_rows(report: BenchReport) -> list[dict[str, Any]]:
     rows = []
     for r in report.results:
         ok = r.status == "ok"
+        speedup = (
+            judge_speedup(
+                round_ratios(base.round_step_s, r.round_step_s), expect_slower=r.expect_slower
+            )
+            if base_ok and ok
+            else None
+        )
+        shown = speedup is not None and speedup.verdict != "withheld"
         rows.append(
             {
                 "mode": r.mode,
                 "status": r.status,
                 "amp_call": r.amp_call,
                 "low_dtype": r.low_dtype,
-                "steps": r.steps,
+                "steps": len(r.step_s),
+                "rounds": sum(t is not None for t in r.round_step_s),
                 "peak_delta_mib": r.peak_delta_bytes / MIB if ok and r.peak_delta_bytes else None,
                 "peak_mib": r.peak_bytes / MIB if ok and r.peak_bytes else None,
                 "it_s": r.it_s if ok else None,
                 "samples_s": r.samples_s if ok else None,
-                # fp32 time over this mode's time: > 1 is faster than fp32
-                "speedup_vs_fp32": _ratio(base.step_s_median, r.step_s_median)
-                if base_ok and ok
-                else None,
+                # fp32 time over this mode's time, median over rounds: > 1 is faster than fp32;
+                # None when not measured or withheld (judge_speedup's verdict)
+                "speedup_vs_fp32": speedup.median if shown else None,
+                "speedup": asdict(speedup) if speedup else None,
+                "expect_slower": r.expect_slower,
                 "memory_vs_fp32": _ratio(r.peak_delta_bytes, base.peak_delta_bytes)
                 if base_ok and ok
                 else None,
@@ -107,9 +205,20 @@ def render_table(report: BenchReport) -> str:
     for row in rows:
         if row["status"] != "ok":
             ref = note_ref(row["reason"])
-            cells.append([row["mode"], row["amp_call"] or "—", "—", row["status"]] + ["—"] * 7)
+            cells.append([row["mode"], row["amp_call"] or "—", "—", row["status"]] + ["—"] * 8)
             cells[-1].append(ref)
             continue
+        speedup = row["speedup"]
+        refs = [note_ref(row["note"])]
+        if speedup is None:
+            shown, spread = "—", "—"
+        else:
+            shown = {"ok": f"{speedup['median']:.2f}x", "marked": f"{speedup['median']:.2f}x ?"}
+            shown = shown.get(speedup["verdict"], "withheld")
+            spread = f"{speedup['low']:.2f}–{speedup['high']:.2f}x ({speedup['rounds']})"
+            if speedup["verdict"] == "withheld" and row["expect_slower"] and speedup["median"] > 1:
+                spread = "—"  # its numbers read faster than the note says it can be
+            refs.append(note_ref(speedup["why"]))
         cells.append(
             [
                 row["mode"],
@@ -121,13 +230,16 @@ def render_table(report: BenchReport) -> str:
                 _fmt(row["memory_vs_fp32"], ".2f", "x"),
                 _fmt(row["it_s"], ".2f"),
                 _fmt(row["samples_s"], ".1f"),
-                _fmt(row["speedup_vs_fp32"], ".2f", "x"),
+                shown,
+                spread,
                 _fmt(row["loss"], ".6g"),
-                note_ref(row["note"]),
+                " ".join(r for r in refs if r),
             ]
         )
     headers = [h.format(loss=loss_header) for h in HEADERS]
     lines = [markdown_table(headers, cells)]
+    if report.interrupted:
+        notes.append(f"interrupted ({report.interrupted}): the rows hold what ran until then")
     if notes:
         lines.append("")
         lines += [f"[{i}] {text}" for i, text in enumerate(notes, 1)]
@@ -175,10 +287,19 @@ def render_markdown(report: BenchReport) -> str:
         f"Model: {model['name']} width {model['width']}, depth {model['depth']}, "
         f"batch {model['batch']}{_shape(model)}, SGD lr {model['lr']:g}; synthetic data, "
         f"seed {cfg['seed']}.",
-        f"Each mode ran in its own process through `mixprec.convert_to_amp`: {cfg['warmup']} "
-        f"warm-up step(s), then {cfg['steps']} timed steps unless noted; it/s is 1 / the median "
-        f"step time. Whole run: {report.wall_s:.0f} s.",
+        f"Each mode ran in its own process through `mixprec.convert_to_amp`, the modes "
+        f"interleaved: {cfg.get('rounds', 1)} rounds, each running every mode's {cfg['steps']} "
+        f"timed steps (unless noted) in turn, the order rotated every round; {cfg['warmup']} "
+        f"untimed warm-up step(s) before a mode's first round. it/s is 1 / the median step "
+        f"time. Whole run: {report.wall_s:.0f} s.",
         "",
+        VERDICT_RULE,
+        "",
+        *(
+            [f"**Interrupted** ({report.interrupted}): partial results.", ""]
+            if report.interrupted
+            else []
+        ),
         memory,
         busy,
         render_table(report),
@@ -209,11 +330,21 @@ def plot(report: BenchReport, path: Path) -> None:
             for r in rows
         ]
         bars = ax.bar(names, values, color=colors)
-        ax.bar_label(
-            bars,
-            labels=[r["status"] if r[key] is None else f"{r[key]:.2f}x" for r in rows],
-            fontsize=8,
-        )
+        if key == "speedup_vs_fp32":  # the min–max over rounds of every shown speedup
+            for bar, r in zip(bars, rows, strict=True):
+                if r[key] is not None and r["speedup"]:
+                    x = bar.get_x() + bar.get_width() / 2
+                    ax.plot([x, x], [r["speedup"]["low"], r["speedup"]["high"]], color="black")
+        labels = []
+        for r in rows:
+            if r[key] is not None:
+                marked = key == "speedup_vs_fp32" and r["speedup"]["verdict"] == "marked"
+                labels.append(f"{r[key]:.2f}x" + (" ?" if marked else ""))
+            elif r["status"] == "ok" and key == "speedup_vs_fp32":
+                labels.append("withheld")
+            else:
+                labels.append(r["status"])
+        ax.bar_label(bars, labels=labels, fontsize=8)
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_ylabel(label)
         ax.tick_params(axis="x", labelrotation=30)
@@ -224,6 +355,8 @@ def plot(report: BenchReport, path: Path) -> None:
     )
     if report.busy:
         title += " [busy machine]"
+    if report.interrupted:
+        title += " [interrupted: partial]"
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

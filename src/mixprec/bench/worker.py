@@ -1,8 +1,11 @@
-"""One bench mode in a fresh process: `python -m mixprec.bench.worker JOB.json RESULT.json`.
+"""One bench mode in its own process, run in rounds: `python -m mixprec.bench.worker JOB.json`.
 
 A process per mode makes peak memory that mode's alone (the CPU's peak RSS never goes down).
-The job file holds a WorkerJob as JSON; the result file gets a ModeResult as JSON. Each
-training step prints one PROGRESS_LINE to stdout so the parent can move its progress bar.
+The process stays alive for the whole run so the parent can interleave the modes: it builds
+the model once, says READY_LINE + a ModeResult (RESULT_LINE when it cannot run the mode),
+then for each `run WARMUP STEPS` line on stdin trains that many steps, printing PROGRESS_LINE
+after each, and answers ROUND_LINE + a RoundResult as JSON. EOF on stdin ends it. It ignores
+SIGINT: a Ctrl-C belongs to the parent, which stops its workers and writes what they measured.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import resource
+import signal
 import statistics
 import sys
 import time
@@ -22,8 +26,15 @@ import torch
 
 PROGRESS_LINE = "@step"
 """What the worker prints to stdout after every step (warm-up included)."""
+READY_LINE = "@ready "
+"""Prefix of the mode's ModeResult (JSON: how it runs, its memory baseline) once the model is
+built and converted: the worker then waits for its first round."""
+ROUND_LINE = "@round "
+"""Prefix of a finished round's RoundResult (JSON)."""
+RESULT_LINE = "@result "
+"""Prefix of a ModeResult (JSON) for a worker that cannot run its mode (skipped or failed)."""
 
-Status = Literal["ok", "skipped", "failed"]
+Status = Literal["ok", "skipped", "failed", "interrupted"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,21 +64,29 @@ class ModeResult:
     mode: str
     """The bench mode."""
     status: Status
-    """'ok', 'skipped' (the device or mixprec cannot run it) or 'failed' (it crashed)."""
+    """'ok', 'skipped' (the device or mixprec cannot run it), 'failed' (it crashed) or
+    'interrupted' (the run was stopped before this mode's first round)."""
     reason: str = ""
     """Why it was skipped or failed."""
     note: str = ""
     """A remark on how it ran (e.g. fewer steps for fp16 on a CPU without fp16 kernels)."""
+    expect_slower: bool = False
+    """This device is known to run the mode slower than fp32 (runner.ModePlan.expect_slower)."""
     amp_call: str = ""
     """The convert_to_amp mode and config it ran with."""
     low_dtype: str = ""
     """The reduced-precision dtype the mode used ('' for fp32)."""
     steps: int = 0
-    """Timed steps."""
+    """Timed steps per round."""
     warmup: int = 0
-    """Untimed warm-up steps."""
+    """Untimed warm-up steps, before the first round."""
+    round_step_s: list[float | None] = field(default_factory=list)
+    """Median seconds per timed step in each round (None: the mode did not run that round,
+    the run was interrupted first). The ratios vs fp32 pair these round by round."""
+    step_s: list[float] = field(default_factory=list)
+    """Seconds of every timed step, round after round."""
     step_s_median: float | None = None
-    """Median seconds per timed step (robust to a busy machine's outliers)."""
+    """Median seconds per timed step over every round (robust to a busy machine's outliers)."""
     it_s: float | None = None
     """Iterations per second, 1 / step_s_median."""
     samples_s: float | None = None
@@ -97,6 +116,37 @@ class ModeResult:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModeResult:
         return cls(**data)
+
+    def add_round(self, index: int, step: RoundResult, batch: int) -> None:
+        """Fold round `index`'s measurements in (rounds a mode missed stay None)."""
+        self.round_step_s += [None] * (index + 1 - len(self.round_step_s))
+        self.round_step_s[index] = statistics.median(step.times)
+        self.losses += step.losses
+        self.loss_scales += step.loss_scales
+        self.skipped_steps = step.skipped_steps
+        self.step_s += step.times
+        self.step_s_median = statistics.median(self.step_s)
+        self.it_s = 1.0 / self.step_s_median
+        self.samples_s = batch / self.step_s_median
+        self.peak_bytes = step.peak_bytes
+        if self.baseline_bytes is not None:
+            self.peak_delta_bytes = step.peak_bytes - self.baseline_bytes
+
+
+@dataclass(kw_only=True)
+class RoundResult:
+    """What one round of one mode measured (the worker's answer to `run WARMUP STEPS`)."""
+
+    times: list[float]
+    """Seconds of each timed step."""
+    losses: list[float]
+    """Loss of every step of the round, warm-up first."""
+    loss_scales: list[float]
+    """Loss scale each of those steps ran with."""
+    skipped_steps: int
+    """Steps the optimizer skipped so far (cumulative)."""
+    peak_bytes: int
+    """Peak memory so far (cumulative)."""
 
 
 STATUS = Path("/proc/self/status")
@@ -130,102 +180,130 @@ def rss_peak_bytes() -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
-def run_job(job: WorkerJob) -> ModeResult:
-    """Build data, model and optimizer, convert through convert_to_amp, train, measure."""
-    from mixprec import convert_to_amp
-    from mixprec.bench.models import (
-        ModelSpec,
-        build_model,
-        count_params,
-        make_batch,
-        make_criterion,
-    )
-    from mixprec.bench.modes import amp_args, amp_call_text, mode_policy
-    from mixprec.bench.timing import time_call
+class ModeSession:
+    """One mode's data, model and optimizer, built once and trained round after round."""
 
-    spec = ModelSpec(**job.model)
-    device = torch.device(job.device)
-    result = ModeResult(
-        mode=job.mode,
-        status="ok",
-        amp_call=amp_call_text(job.mode, job.dtype),
-        steps=job.steps,
-        warmup=job.warmup,
-    )
-    low = mode_policy(job.mode, job.dtype).low_dtype
-    result.low_dtype = "" if low is None else str(low).removeprefix("torch.")
-    x, y = make_batch(spec, seed=job.seed, device=device)
-    if device.type == "cuda":
-        result.memory_kind = "torch.cuda.max_memory_allocated"
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        result.baseline_bytes = torch.cuda.memory_allocated(device)
-    else:
-        reset = reset_peak_rss()
-        result.memory_kind = (
-            "peak RSS (VmHWM, reset at the baseline)" if reset else "peak RSS (ru_maxrss)"
+    def __init__(self, job: WorkerJob) -> None:
+        """Build data, model and optimizer and convert them through convert_to_amp.
+
+        Afterwards `self.result` holds the mode's description and memory baseline; its status
+        is 'skipped' (and nothing else runs) when convert_to_amp refuses the mode.
+        """
+        from mixprec import convert_to_amp
+        from mixprec.bench.models import (
+            ModelSpec,
+            build_model,
+            count_params,
+            make_batch,
+            make_criterion,
         )
-        result.baseline_bytes = rss_peak_bytes()
+        from mixprec.bench.modes import amp_args, amp_call_text, mode_policy
 
-    torch.manual_seed(job.seed)
-    model = build_model(spec).to(device)
-    result.params = count_params(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr)
-    amp_mode, amp_config = amp_args(job.mode, job.dtype)
-    try:
-        model, optimizer, criterion = convert_to_amp(
-            model, optimizer, make_criterion(spec), amp_mode, amp_config
+        self.spec = spec = ModelSpec(**job.model)
+        self.device = device = torch.device(job.device)
+        self.result = result = ModeResult(
+            mode=job.mode,
+            status="ok",
+            amp_call=amp_call_text(job.mode, job.dtype),
+            steps=job.steps,
+            warmup=job.warmup,
         )
-    except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
-        result.status = "skipped"
-        result.reason = f"convert_to_amp refused it: {type(err).__name__}: {err}"
-        return result
+        low = mode_policy(job.mode, job.dtype).low_dtype
+        result.low_dtype = "" if low is None else str(low).removeprefix("torch.")
+        self.x, self.y = make_batch(spec, seed=job.seed, device=device)
+        if device.type == "cuda":
+            result.memory_kind = "torch.cuda.max_memory_allocated"
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            result.baseline_bytes = torch.cuda.memory_allocated(device)
+        else:
+            reset = reset_peak_rss()
+            result.memory_kind = (
+                "peak RSS (VmHWM, reset at the baseline)" if reset else "peak RSS (ru_maxrss)"
+            )
+            result.baseline_bytes = rss_peak_bytes()
 
-    times: list[float] = []
-    lp_losses: list[torch.Tensor] = []
-    for i in range(job.warmup + job.steps):
-        out: dict[str, Any] = {}
+        torch.manual_seed(job.seed)
+        model = build_model(spec).to(device)
+        result.params = count_params(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr)
+        amp_mode, amp_config = amp_args(job.mode, job.dtype)
+        try:
+            self.model, self.optimizer, self.criterion = convert_to_amp(
+                model, optimizer, make_criterion(spec), amp_mode, amp_config
+            )
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
+            result.status = "skipped"
+            result.reason = f"convert_to_amp refused it: {type(err).__name__}: {err}"
 
-        def train_step(out: dict[str, Any] = out) -> None:
-            out["loss"] = criterion(model(x), y)
-            optimizer.backward(out["loss"])
-            out["step"] = optimizer.step()  # one host sync inside: the skip decision
-            optimizer.zero_grad()
+    def run_round(self, warmup: int, steps: int) -> RoundResult:
+        """Train `warmup` untimed then `steps` timed steps; one PROGRESS_LINE per step."""
+        from mixprec.bench.timing import time_call
 
-        seconds = time_call(train_step, device)  # CUDA events on a GPU
-        if i >= job.warmup:
-            times.append(seconds)
-        lp_losses.append(out["loss"].detach())
-        result.loss_scales.append(out["step"].scale)
-        print(PROGRESS_LINE, flush=True)
+        device, optimizer = self.device, self.optimizer
+        times: list[float] = []
+        losses: list[torch.Tensor] = []
+        scales: list[float] = []
+        for i in range(warmup + steps):
+            out: dict[str, Any] = {}
 
-    result.losses = [float(v) for v in torch.stack(lp_losses).float().cpu()]
-    result.skipped_steps = optimizer.skipped_steps
-    result.step_s_median = statistics.median(times)
-    result.it_s = 1.0 / result.step_s_median
-    result.samples_s = spec.batch / result.step_s_median
-    if device.type == "cuda":
-        result.peak_bytes = torch.cuda.max_memory_allocated(device)
-    else:
-        result.peak_bytes = rss_peak_bytes()
-    result.peak_delta_bytes = result.peak_bytes - result.baseline_bytes
-    return result
+            def train_step(out: dict[str, Any] = out) -> None:
+                out["loss"] = self.criterion(self.model(self.x), self.y)
+                optimizer.backward(out["loss"])
+                out["step"] = optimizer.step()  # one host sync inside: the skip decision
+                optimizer.zero_grad()
+
+            seconds = time_call(train_step, device)  # CUDA events on a GPU, wall clock on CPU
+            if i >= warmup:
+                times.append(seconds)
+            losses.append(out["loss"].detach())
+            scales.append(out["step"].scale)
+            print(PROGRESS_LINE, flush=True)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+        else:
+            peak = rss_peak_bytes()
+        return RoundResult(
+            times=times,
+            losses=[float(v) for v in torch.stack(losses).float().cpu()] if losses else [],
+            loss_scales=scales,
+            skipped_steps=optimizer.skipped_steps,
+            peak_bytes=peak,
+        )
+
+
+def _answer(prefix: str, data: dict[str, Any]) -> None:
+    print(prefix + json.dumps(data), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Serve one mode: READY_LINE, then a ROUND_LINE per `run WARMUP STEPS` until EOF."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m mixprec.bench.worker JOB.json RESULT.json", file=sys.stderr)
+    if len(args) != 1:
+        print("usage: python -m mixprec.bench.worker JOB.json", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the run, and then us
     start = time.perf_counter()
     job = WorkerJob(**json.loads(Path(args[0]).read_text()))
     try:
-        result = run_job(job)
+        session = ModeSession(job)
+        if session.result.status != "ok":
+            session.result.wall_s = time.perf_counter() - start
+            _answer(RESULT_LINE, session.result.to_json())
+            return 0
+        _answer(READY_LINE, session.result.to_json())
+        for line in sys.stdin:
+            command, *counts = line.split()
+            if command != "run" or len(counts) != 2:
+                raise ValueError(f"unknown worker command {line.strip()!r}")
+            warmup, steps = (int(c) for c in counts)
+            _answer(ROUND_LINE, asdict(session.run_round(warmup, steps)))
     except Exception as err:  # report any crash as this mode's result, not a lost row
         traceback.print_exc()
-        result = ModeResult(mode=job.mode, status="failed", reason=f"{type(err).__name__}: {err}")
-    result.wall_s = time.perf_counter() - start
-    Path(args[1]).write_text(json.dumps(result.to_json(), indent=2))
+        failed = ModeResult(mode=job.mode, status="failed", reason=f"{type(err).__name__}: {err}")
+        failed.wall_s = time.perf_counter() - start
+        _answer(RESULT_LINE, failed.to_json())
+        return 1
     return 0
 
 

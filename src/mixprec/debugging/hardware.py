@@ -76,6 +76,38 @@ def cuda_findings(
     return findings
 
 
+def fp8_finding(device: str, kernel_problem: str | None) -> Finding:
+    """What `device` can run for float8 and how mixprec's 'fp8' mode will run it there.
+
+    kernel_problem: mixprec.fp8.fp8_kernel_problem(device), None where torch._scaled_mm runs.
+    """
+    if device.startswith("cuda"):
+        if kernel_problem is None:
+            message = (
+                "Real float8 GEMMs (torch._scaled_mm; e4m3 forward, e5m2 gradients): "
+                "mixprec's 'fp8' mode runs its Linear layers on them."
+            )
+            return Finding(device=device, dtype="float8", level="ok", message=message)
+        message = (
+            f"{kernel_problem}: mixprec's 'fp8' mode raises here unless "
+            "Float8Config(emulate=True) or allow_emulation=True, which emulate it (cast to "
+            "float8 and back, GEMM in fp32: fp8's rounding, no speedup)."
+        )
+        return Finding(device=device, dtype="float8", level="warn", message=message)
+    if kernel_problem is None:
+        kernel = (
+            "torch has a CPU torch._scaled_mm, a reference kernel (measured 400-2400x slower "
+            "than an fp32 GEMM), which Float8Config(emulate=False) runs"
+        )
+    else:
+        kernel = f"{kernel_problem} (no real float8 GEMM)"
+    message = (
+        f"{kernel}; mixprec's 'fp8' mode emulates on CPU: cast to float8 and back, GEMM in "
+        "fp32 (fp8's rounding, no speedup; bf16 autocast around it)."
+    )
+    return Finding(device=device, dtype="float8", level="warn", message=message)
+
+
 def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
     """The CPU feature flags in /proc/cpuinfo text: x86 'flags' and aarch64 'Features' lines."""
     flags: set[str] = set()
@@ -146,7 +178,9 @@ def read_cpu_flags(path: str | Path = "/proc/cpuinfo") -> frozenset[str] | None:
 
 
 def hardware_report() -> list[Finding]:
-    """Findings for this machine: every visible CUDA device, then the CPU."""
+    """Findings for this machine: every visible CUDA device, then the CPU; fp8 for each."""
+    from mixprec.fp8 import fp8_kernel_problem  # probes the CPU kernel once (a 16x16 GEMM)
+
     findings: list[Finding] = []
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
@@ -158,6 +192,7 @@ def hardware_report() -> list[Finding]:
                 continue
             capability = torch.cuda.get_device_capability(index)
             findings.extend(cuda_findings(name, capability, device=device))
+            findings.append(fp8_finding(device, fp8_kernel_problem(device)))
     else:
         message = "No CUDA device visible: training runs on the CPU."
         findings.append(Finding(device="cuda", dtype="", level="info", message=message))
@@ -171,6 +206,7 @@ def hardware_report() -> list[Finding]:
             mkldnn_bf16=mkldnn_bf16,
         )
     )
+    findings.append(fp8_finding("cpu", fp8_kernel_problem("cpu")))
     return findings
 
 
