@@ -81,7 +81,7 @@ step bench_mlp 120 "$PY" benchmarks/bench_mlp.py --device cuda --width 8192 --ba
 for accum in on off; do
     step "bench_fp8 fast_accum=$accum" 100 "$PY" benchmarks/bench_fp8.py --device cuda \
         --widths 4096 8192 --mlp-max-width 8192 --tokens 8192 --steps "$S" --warmup 3 \
-        --fast-accum "$accum"
+        --fast-accum "$accum" --out "$OUT"
 done
 
 {
