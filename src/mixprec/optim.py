@@ -121,6 +121,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # Why mixprec.compile_step must not run this optimizer's step (None: it may). A subclass
     # whose step() does collective work the compiled step does not know sets its reason.
     whole_step_refusal: str | None = None
+    # How a user of this class runs the scaled backward (named when grads did not come through it).
+    scaled_backward_hint = (
+        "booster.backward(loss, optimizer) (Booster), optimizer.backward(loss) "
+        "(convert_to_amp, initialize) or engine.backward(loss)"
+    )
 
     def __init__(
         self,
@@ -184,6 +189,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.scaler = LossScaler(loss_scale, device)
         self._found_inf: torch.Tensor | None = None  # set once grads are unscaled this step
         self._grads_on_masters = False  # set once this step's lp grads reached the masters
+        self._backward_scaled = False  # set by backward()/scale_loss(), cleared by the step
         self.skipped_steps = 0
         self.steps = 0
         self.consecutive_skips = 0
@@ -311,7 +317,48 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss (as fp32) times the current scale; call .backward() on the result."""
+        self._backward_scaled = True
         return loss.float() * self.scaler.scale_tensor
+
+    def note_scaled_backward(self) -> None:
+        """Say that this step's grads come from a loss scaled by this optimizer's scale that a
+        face multiplied itself (Lightning's backward runs before the optimizer is wrapped)."""
+        self._backward_scaled = True
+
+    @property
+    def scales_loss(self) -> bool:
+        """True when this optimizer's backward multiplies the loss by a scale other than 1 (read
+        from the config: a host fact, no sync)."""
+        cfg = self.scaler.cfg
+        return cfg.dynamic or cfg.init_scale != 1.0
+
+    def _grads_came_through_backward(self) -> bool:
+        """Whether this step's grads were produced by this optimizer's scaled backward."""
+        return self._backward_scaled
+
+    def _has_grads(self) -> bool:
+        held = (p for g in self.optim.param_groups for p in g["params"])
+        return any(p.grad is not None for p in itertools.chain(self.lp_params, held))
+
+    def _check_scaled_backward(self) -> None:
+        """Refuse grads that did not come through the scaled backward (plain loss.backward(), or
+        an outside GradScaler's scaler.scale(loss).backward()): unscaling them by this optimizer's
+        scale would shrink the update by that scale, silently.
+
+        One flag read on the hot path; the walk over grads runs only when the flag is unset.
+        """
+        if self._grads_came_through_backward() or not self.scales_loss or not self._has_grads():
+            return
+        raise RuntimeError(
+            f"{type(self).__name__}.step(): the gradients did not come through this "
+            "optimizer's scaled backward (a plain loss.backward(), or an outside GradScaler's "
+            "scaler.scale(loss).backward()), but this mode scales the loss itself "
+            f"({'dynamic' if self.scaler.cfg.dynamic else 'static'} loss scale, starting at "
+            f"{self.scaler.cfg.init_scale:g}). Unscaling them would make the update that many "
+            f"times too small. Call {self.scaled_backward_hint} instead of loss.backward(), and "
+            "use no outside GradScaler with it (this optimizer is the loss scaler). Plain "
+            "loss.backward() is fine in modes without loss scaling (bf16, fp32)."
+        )
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward of the scaled loss; several calls before one step() accumulate."""
@@ -323,6 +370,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         # x 1.0 is exact: skip its op and its backward node (bitwise); a `gradient=` keeps the
         # scaled loss's shape (1,) it was given for
         if self.scaler.is_unit and "gradient" not in kwargs:
+            self._backward_scaled = True
             loss.float().backward(**kwargs)
         else:
             self.scale_loss(loss).backward(**kwargs)
@@ -369,6 +417,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """
         if self._found_inf is not None:
             return self._found_inf
+        self._check_scaled_backward()
         self.grads_to_masters()  # subclasses reduce here too (the pipeline's dp all-reduce)
         found_inf = self.scaler.scale_tensor.new_zeros(1)  # fp32, on the scale's device
         grads = self._hp_grads()
@@ -400,6 +449,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise RuntimeError("Closures are not supported with loss scaling (as in torch.amp).")
         self._warn_once_if_no_grads()
+        if self._found_inf is None:
+            self._check_scaled_backward()
         fused_grads = self._grads_if_fused()
         if fused_grads is not None:
             return self._fused_step(fused_grads)
@@ -567,6 +618,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 hp.grad = None
         self._found_inf = None
         self._grads_on_masters = False
+        self._backward_scaled = False
         self.steps += 1
         self.skipped_steps += skipped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
@@ -635,6 +687,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                         p.grad.zero_()
         self._found_inf = None
         self._grads_on_masters = False
+        self._backward_scaled = False
 
     # ----- checkpoints -----
     def state_dict(self) -> dict[str, Any]:

@@ -224,6 +224,8 @@ class PipelinedModel(nn.Module):
             self._schedule = self._make_schedule()
         self._run = (criterion, optimizer)
         self._losses = []
+        if not forward_only:  # every stage's grads come from the last stage's scaled loss
+            optimizer.note_scaled_backward()
         args = (inputs,) if self.has_first_stage else ()
         target = targets if self.has_last_stage else None
         try:

@@ -1,0 +1,170 @@
+"""The first-hour mistakes of issue 24: each one either trains right or says so, never silently.
+
+Each test reproduces a mistake as a new user makes it (from the README's loops) and checks
+that the run now raises or warns naming the fix, or trains like the plain reference.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_mlp
+from tolerances import EXACT
+
+from mixprec import GradScaler
+from mixprec.amp import convert_to_amp
+from mixprec.booster import Booster
+from mixprec.mixed_precision import FP16ApexMixedPrecision, FP16NaiveMixedPrecision
+
+WIDTH = 16
+SCALING = ["fp16", "fp16_naive", "O1", "O2"]
+"""Modes whose optimizer scales the loss itself (Booster's names; O1/O2: Apex through it)."""
+
+
+def _precision(mode: str):
+    if mode == "fp16_naive":  # a small first scale: the test's steps are not skipped
+        return FP16NaiveMixedPrecision(initial_scale=2.0**8)
+    if mode in ("O1", "O2"):
+        return FP16ApexMixedPrecision(opt_level=mode)
+    return mode
+
+
+def _boost(mode: str, model: torch.nn.Module | None = None, lr: float = 0.1):
+    model = tiny_mlp(WIDTH) if model is None else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    booster = Booster(device="cpu", mixed_precision=_precision(mode))
+    model, optimizer, criterion, _, _ = booster.boost(model, optimizer, torch.nn.MSELoss())
+    return booster, model, optimizer, criterion
+
+
+def _batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, WIDTH, generator=g), torch.randn(n, 4, generator=g)
+
+
+def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.debugging.amp_warning.AmpHardwareWarning")
+
+
+# ----- 1. plain loss.backward() under a loss-scaling mode -----
+@pytest.mark.parametrize("mode", SCALING)
+def test_plain_backward_in_a_scaling_mode_is_refused(mode: str) -> None:
+    # On main fp16 stepped an update 65536x too small and fp16_naive one 256x too small.
+    _, model, optimizer, criterion = _boost(mode)
+    before = _weights(model)
+    x, y = _batch()
+    criterion(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"did not come through .* scaled backward.*Call"):
+        optimizer.step()
+    for a, b in zip(_weights(model), before, strict=True):
+        torch.testing.assert_close(a, b, **EXACT)  # refused before anything moved
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp32"])
+def test_plain_backward_without_loss_scaling_trains_as_booster_backward(mode: str) -> None:
+    # Nothing to unscale: loss.backward() and booster.backward() give the same update.
+    model = tiny_mlp(WIDTH)
+    runs = []
+    for use_booster in (True, False):
+        booster, m, opt, crit = _boost(mode, copy.deepcopy(model))
+        x, y = _batch()
+        for _ in range(2):
+            loss = crit(m(x), y)
+            booster.backward(loss, opt) if use_booster else loss.backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(_weights(m))
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "fp16_naive"])
+def test_scaled_backward_accumulates_over_several_calls(mode: str) -> None:
+    # Gradient accumulation: several booster.backward calls, one step, then a plain backward is
+    # refused again (the flag lives from backward to step).
+    booster, model, optimizer, criterion = _boost(mode)
+    x, y = _batch()
+    for half in (slice(0, 4), slice(4, 8)):
+        booster.backward(criterion(model(x[half]), y[half]), optimizer)
+    assert not optimizer.step().skipped
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="scaled backward"):
+        optimizer.step()
+    optimizer.zero_grad()  # a zero_grad forgets the refused grads: the loop may go on
+    booster.backward(criterion(model(x), y), optimizer)
+    assert not optimizer.step().skipped
+
+
+def test_plain_backward_refused_by_the_clip_too() -> None:
+    # clip_grad_norm unscales: it must not unscale grads that were never scaled either.
+    _, model, optimizer, criterion = _boost("fp16")
+    x, y = _batch()
+    criterion(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="scaled backward"):
+        optimizer.clip_grad_norm(1.0)
+
+
+def test_plain_backward_with_convert_to_amp_is_refused() -> None:
+    raw = tiny_mlp(WIDTH)
+    model, optimizer, _ = convert_to_amp(
+        raw, torch.optim.SGD(raw.parameters(), lr=0.1), None, "fp16"
+    )
+    x, y = _batch()
+    torch.nn.functional.mse_loss(model(x).float(), y).backward()
+    with pytest.raises(RuntimeError, match=r"optimizer.backward\(loss\)"):
+        optimizer.step()
+
+
+# ----- 2. an outside GradScaler stacked on an optimizer that scales already -----
+@pytest.mark.parametrize("mode", ["fp16", "fp16_naive"])
+def test_mixprec_grad_scaler_on_a_scaling_optimizer_is_refused(mode: str) -> None:
+    # On main: fp16 stepped an update 65536x too small; fp16_naive hit torch's unrelated
+    # "No inf checks were recorded for this optimizer".
+    _, model, optimizer, criterion = _boost(mode)
+    scaler = GradScaler("cpu")
+    x, y = _batch()
+    scaler.scale(criterion(model(x), y)).backward()
+    with pytest.raises(RuntimeError, match="GradScaler .* scales the loss itself.*Drop"):
+        scaler.unscale_(optimizer)  # before clipping, as torch's docs write it
+    with pytest.raises(RuntimeError, match="GradScaler .* scales the loss itself"):
+        scaler.step(optimizer)
+
+
+def test_torch_grad_scaler_on_a_scaling_optimizer_is_refused() -> None:
+    _, model, optimizer, criterion = _boost("fp16")
+    before = _weights(model)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = _batch()
+    scaler.scale(criterion(model(x), y)).backward()
+    with pytest.raises(RuntimeError, match="outside GradScaler"):
+        scaler.step(optimizer)
+    for a, b in zip(_weights(model), before, strict=True):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp32"])
+def test_grad_scaler_on_an_optimizer_that_does_not_scale_still_trains(mode: str) -> None:
+    # The legitimate stack: the optimizer scales nothing, the GradScaler scales once.
+    model = tiny_mlp(WIDTH)
+    runs = []
+    for with_scaler in (True, False):
+        booster, m, opt, crit = _boost(mode, copy.deepcopy(model))
+        scaler = GradScaler("cpu", init_scale=2.0**4)  # a power of two: exact round trip
+        x, y = _batch()
+        loss = crit(m(x), y)
+        if with_scaler:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            booster.backward(loss, opt)
+            opt.step()
+        runs.append(_weights(m))
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, **EXACT)
