@@ -212,3 +212,31 @@ def test_bf16_model_in_convert_to_amp_bf16_gets_fp32_weights(caplog) -> None:
         )
     assert "mode 'bf16' trains fp32 weights" in caplog.text
     assert all(p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"])
+
+
+# ----- 5. fp8 on a model with nothing to convert -----
+class ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.head = torch.nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x))).mean(dim=(2, 3))
+
+
+def test_fp8_with_nothing_to_convert_warns(caplog) -> None:
+    # On main: fp8_summary said "0 converted, 0 left" and nothing was logged; the run was bf16.
+    with caplog.at_level("WARNING", logger="mixprec"):
+        Booster(device="cpu", mixed_precision="fp8").boost(ConvNet())
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        "nothing in ConvNet was converted" in w and "nn.Linear" in w and "'bf16'" in w
+        for w in warned
+    ), warned
+
+
+def test_fp8_with_a_linear_to_convert_says_nothing_of_the_kind(caplog) -> None:
+    with caplog.at_level("WARNING", logger="mixprec"):
+        Booster(device="cpu", mixed_precision="fp8").boost(tiny_mlp(WIDTH))
+    assert "was converted" not in caplog.text
