@@ -240,3 +240,62 @@ def test_fp8_with_a_linear_to_convert_says_nothing_of_the_kind(caplog) -> None:
     with caplog.at_level("WARNING", logger="mixprec"):
         Booster(device="cpu", mixed_precision="fp8").boost(tiny_mlp(WIDTH))
     assert "was converted" not in caplog.text
+
+
+# ----- 6. cross-mode resume: exact in either load order, no scale carried where none is used -----
+def _train_and_save(mode: str, where, steps: int = 3):
+    booster, model, optimizer, criterion = _boost(mode, lr=0.05)
+    x, y = _batch()
+    for _ in range(steps):
+        booster.backward(criterion(model(x), y), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+    booster.save_model(model, where / "model.pt")
+    booster.save_optimizer(optimizer, where / "optim.pt")
+    return model, optimizer
+
+
+def _held(optimizer) -> list[torch.Tensor]:
+    """What the optimizer steps (fp32 masters or fp32 params), as fp32 copies."""
+    return [p.detach().float().clone() for g in optimizer.param_groups for p in g["params"]]
+
+
+@pytest.mark.parametrize("model_first", [True, False])
+@pytest.mark.parametrize(("saved", "resumed"), [("bf16", "fp16_naive"), ("fp16_naive", "bf16")])
+def test_cross_mode_resume_is_exact_in_either_order(saved, resumed, model_first, tmp_path):
+    # On main bf16 -> fp16_naive in the README's order (load_model, then load_optimizer) rebuilt
+    # the masters from the fp16 params (max error 1.2e-4, an INFO line).
+    _, old_optimizer = _train_and_save(saved, tmp_path)
+    want = _held(old_optimizer)
+    torch.manual_seed(7)  # the resumed model starts elsewhere: the checkpoint must win
+    booster, model, optimizer, _ = _boost(resumed, lr=0.05)
+    loads = [
+        lambda: booster.load_model(model, tmp_path / "model.pt"),
+        lambda: booster.load_optimizer(optimizer, tmp_path / "optim.pt"),
+    ]
+    for load in loads if model_first else loads[::-1]:
+        load()
+    for a, b in zip(_held(optimizer), want, strict=True):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
+def test_fp16_naive_scale_is_not_carried_into_bf16(tmp_path, caplog) -> None:
+    # On main the 2**30 scale of an fp16_naive run came over into bf16, which never scales.
+    _train_and_save("fp16_naive", tmp_path)
+    booster, model, optimizer, criterion = _boost("bf16")
+    with caplog.at_level("WARNING", logger="mixprec"):
+        booster.load_optimizer(optimizer, tmp_path / "optim.pt")
+    assert optimizer.loss_scale == 1.0
+    assert "dropped the checkpoint's loss scale 2**8" in caplog.text
+    x, y = _batch()
+    booster.backward(criterion(model(x), y), optimizer)
+    assert optimizer.step().scale == 1.0
+
+
+def test_bf16_checkpoint_leaves_fp16_naive_its_own_scale(tmp_path) -> None:
+    # bf16 saved a static 1.0; a dynamic fp16 scale resumed at 1.0 would underflow fp16 grads.
+    _train_and_save("bf16", tmp_path)
+    booster, model, optimizer, _ = _boost("fp16_naive")
+    fresh = optimizer.loss_scale
+    booster.load_optimizer(optimizer, tmp_path / "optim.pt")
+    assert optimizer.loss_scale == fresh == 2.0**8

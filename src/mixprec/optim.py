@@ -29,7 +29,7 @@ from mixprec.scaling import (
     rank_and_world,
     unscale_and_check_,
 )
-from mixprec.skip_monitor import SkipMonitor, SkipStats
+from mixprec.skip_monitor import SkipMonitor, SkipStats, scale_text
 from mixprec.validate import check_bool, check_int, check_real
 
 log = logging.getLogger("mixprec")
@@ -705,6 +705,22 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         state["skipped_steps"] = self.skipped_steps
         return state
 
+    def _load_scaler_state(self, saved: dict[str, Any]) -> None:
+        """Take a saved scaler's state, unless it came from a mode that scales differently: a
+        mode without loss scaling keeps its 1.0 (a scale carried over would multiply every
+        backward); a loss-scaling mode resumed from one without keeps its own first scale (a
+        dynamic scale restarted at 1.0 would underflow fp16 grads for thousands of steps)."""
+        saved_scale = float(torch.as_tensor(saved["scale"]).reshape(-1)[0])
+        saved_scales = bool(saved.get("dynamic", saved_scale != 1.0)) or saved_scale != 1.0
+        if saved_scales == self.scales_loss:
+            self.scaler.load_state_dict(saved)
+        elif saved_scales and _is_rank_zero():
+            log.warning(
+                "mixprec: dropped the checkpoint's loss scale %s: this optimizer's mode does not "
+                "scale the loss (bf16, fp32), so it keeps 1.0",
+                scale_text(saved_scale),
+            )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint of this class (any mode), of a plain torch optimizer or of Apex.
 
@@ -719,15 +735,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.optim.load_state_dict(state_dict)
         rebuilt = place_masters(held, master_to_lp, saved)
         if rebuilt and _is_rank_zero():
-            log.info(
+            log.warning(
                 "mixprec: the optimizer checkpoint holds no fp32 master weights for %d of this "
-                "optimizer's %d (a plain torch optimizer's, Apex's, or another mode's): rebuilt "
-                "them from the model's params",
+                "optimizer's %d (a plain torch optimizer's, Apex's, or another mode's), and the "
+                "model's low-precision params were loaded apart from them: rebuilt them from "
+                "those params (their rounding, not the fp32 values). To resume exactly, load "
+                "the model with booster.load_model or mixprec's load_hp_model_state_dict (they "
+                "write the masters too), before or after this optimizer",
                 rebuilt,
                 len(own),
             )
         if "scaler" in state_dict:
-            self.scaler.load_state_dict(state_dict["scaler"])
+            self._load_scaler_state(state_dict["scaler"])
         self.steps = int(state_dict.get("steps", self.steps))
         self.skipped_steps = int(state_dict.get("skipped_steps", self.skipped_steps))
         self.skip_monitor.resume(self.steps)
