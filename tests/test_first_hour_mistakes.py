@@ -214,6 +214,25 @@ def test_bf16_model_in_convert_to_amp_bf16_gets_fp32_weights(caplog) -> None:
     assert all(p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"])
 
 
+# ----- 4. torch's clip_grad_norm_ between booster.backward and step -----
+@pytest.mark.parametrize("mode", ["fp16", "fp16_naive"])
+def test_torch_clip_of_scaled_grads_warns_and_the_own_clip_does_not(mode: str, caplog) -> None:
+    # On main the update came out ~56,000x too small in fp16, without a word.
+    booster, model, optimizer, criterion = _boost(mode)
+    x, y = _batch()
+    with caplog.at_level("WARNING", logger="mixprec"):
+        booster.backward(criterion(model(x), y), optimizer)
+        optimizer.clip_grad_norm(1.0)  # the optimizer's own clip unscales first: no warning
+        optimizer.step()
+        optimizer.zero_grad()
+        assert "changed in place" not in caplog.text
+        booster.backward(criterion(model(x), y), optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    warned = [r.getMessage() for r in caplog.records if "changed in place" in r.getMessage()]
+    assert len(warned) == 1 and "optimizer.clip_grad_norm(max_norm)" in warned[0]
+
+
 # ----- 5. fp8 on a model with nothing to convert -----
 class ConvNet(torch.nn.Module):
     def __init__(self) -> None:
@@ -299,3 +318,30 @@ def test_bf16_checkpoint_leaves_fp16_naive_its_own_scale(tmp_path) -> None:
     fresh = optimizer.loss_scale
     booster.load_optimizer(optimizer, tmp_path / "optim.pt")
     assert optimizer.loss_scale == fresh == 2.0**8
+
+
+# ----- 8. a step() with no gradients is a no-op step, counted as such -----
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "fp16_naive"])
+def test_step_without_grads_is_counted_as_a_noop(mode: str) -> None:
+    # On main skip_stats counted it as a step, and the skip-aware LR schedule advanced on it.
+    raw = tiny_mlp(WIDTH)
+    opt = torch.optim.SGD(raw.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    booster = Booster(device="cpu", mixed_precision=_precision(mode))
+    model, optimizer, criterion, _, sched = booster.boost(
+        raw, opt, torch.nn.MSELoss(), lr_scheduler=sched
+    )
+    x, y = _batch()
+    booster.backward(criterion(model(x), y), optimizer)
+    assert not optimizer.step().noop
+    sched.step()
+    optimizer.zero_grad()
+    before = _weights(model)
+    result = optimizer.step()  # no backward since zero_grad: nothing to step
+    sched.step()
+    assert result.noop and not result.skipped
+    stats = booster.skip_stats(optimizer)
+    assert (stats.steps, stats.noop_steps, stats.skipped_steps) == (1, 1, 0)
+    assert sched.get_last_lr() == [0.05]  # advanced once, for the one real step
+    for a, b in zip(_weights(model), before, strict=True):
+        torch.testing.assert_close(a, b, **EXACT)

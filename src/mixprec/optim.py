@@ -48,6 +48,9 @@ class StepResult:
     """Total norm of the unscaled gradients, when clipping computed it."""
     num_zeros: int | None
     """Zero gradient entries, when log_num_zeros_in_grad is on."""
+    noop: bool = False
+    """True when this rank's optimizer had no gradient at all: nothing moved, and the step is
+    counted in noop_steps, not in steps."""
 
 
 def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -190,8 +193,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._found_inf: torch.Tensor | None = None  # set once grads are unscaled this step
         self._grads_on_masters = False  # set once this step's lp grads reached the masters
         self._backward_scaled = False  # set by backward()/scale_loss(), cleared by the step
+        self._step_had_grads = True  # cleared when this step's unscale found no gradient
+        # (a grad, its version) as backward() left it: see _warn_if_grads_changed_while_scaled
+        self._grad_seen: tuple[torch.Tensor, int] | None = None
+        self._warned_scaled_edit = False
         self.skipped_steps = 0
         self.steps = 0
+        self.noop_steps = 0
+        """step() calls that found no gradient (not counted in steps)."""
         self.consecutive_skips = 0
         self.last_result: StepResult | None = None
         self._warned_no_grads = False
@@ -309,6 +318,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         last = self.last_result
         return SkipStats(
             steps=self.steps,
+            noop_steps=self.noop_steps,
             skipped_steps=self.skipped_steps,
             consecutive_skips=self.consecutive_skips,
             warmup_skips=self.skip_monitor.warmup_skips,
@@ -336,10 +346,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Whether this step's grads were produced by this optimizer's scaled backward."""
         return self._backward_scaled
 
-    def _has_grads(self) -> bool:
-        held = (p for g in self.optim.param_groups for p in g["params"])
-        return any(p.grad is not None for p in itertools.chain(self.lp_params, held))
-
     def _check_scaled_backward(self) -> None:
         """Refuse grads that did not come through the scaled backward (plain loss.backward(), or
         an outside GradScaler's scaler.scale(loss).backward()): unscaling them by this optimizer's
@@ -347,7 +353,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
         One flag read on the hot path; the walk over grads runs only when the flag is unset.
         """
-        if self._grads_came_through_backward() or not self.scales_loss or not self._has_grads():
+        if (
+            self._grads_came_through_backward()
+            or not self.scales_loss
+            or not (self._grads_on_masters or self._step_grads())  # masters' grads may be stale
+        ):
             return
         raise RuntimeError(
             f"{type(self).__name__}.step(): the gradients did not come through this "
@@ -374,6 +384,36 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             loss.float().backward(**kwargs)
         else:
             self.scale_loss(loss).backward(**kwargs)
+            if not self._warned_scaled_edit:
+                self._grad_seen = self._probe_grad_version()
+
+    def _probe_grad_version(self) -> tuple[torch.Tensor, int] | None:
+        """One model gradient and its version counter (host ints: no sync, ~2 attribute reads)."""
+        probe = self.lp_params[0] if self.lp_params else self._layout().probe
+        grad = None if probe is None else probe.grad
+        return None if grad is None else (grad, grad._version)
+
+    def _warn_if_grads_changed_while_scaled(self) -> None:
+        """torch.nn.utils.clip_grad_norm_ between backward() and step() clips the *scaled*
+        grads (the update then comes out ~scale times too small): say so once, at WARNING.
+        Seen as an in-place write to a model grad after the last scaled backward."""
+        seen, self._grad_seen = self._grad_seen, None
+        if seen is None or self._found_inf is not None:
+            return  # unscaled by this optimizer (its own clip): what comes after is unscaled
+        now = self._probe_grad_version()
+        if now is None or now[0] is not seen[0] or now[1] == seen[1]:
+            return
+        self._warned_scaled_edit = True
+        if _is_rank_zero():
+            log.warning(
+                "mixprec: the gradients were changed in place between backward() and step() "
+                "while they were still multiplied by the loss scale (%s). If that was "
+                "torch.nn.utils.clip_grad_norm_, it clipped the scaled gradients and the update "
+                "comes out about that many times too small: clip with optimizer.clip_grad_norm"
+                "(max_norm) (it unscales first), or set the clipping in the mode/plugin "
+                "(max_norm), instead. (Warned once.)",
+                scale_text(self.scaler.scale),
+            )
 
     def _hp_grads(self) -> list[torch.Tensor]:
         """Gradients of everything the wrapped optimizer steps (fp32 masters and fp32 params).
@@ -421,6 +461,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.grads_to_masters()  # subclasses reduce here too (the pipeline's dp all-reduce)
         found_inf = self.scaler.scale_tensor.new_zeros(1)  # fp32, on the scale's device
         grads = self._hp_grads()
+        self._step_had_grads = bool(grads) or self._shares_steps()
         if grads:
             layout = self._layout()
             one_bucket = layout.uniform and layout.probe.device == found_inf.device
@@ -449,6 +490,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise RuntimeError("Closures are not supported with loss scaling (as in torch.amp).")
         self._warn_once_if_no_grads()
+        if self._grad_seen is not None:
+            self._warn_if_grads_changed_while_scaled()
         if self._found_inf is None:
             self._check_scaled_backward()
         fused_grads = self._grads_if_fused()
@@ -462,6 +505,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         skipped, scale = self._decide(found_inf)
         self.scaler.update(found_inf, clean_growth=self._clean_growth)
         return self._commit(skipped, scale, grad_norm=grad_norm, num_zeros=num_zeros)
+
+    def _shares_steps(self) -> bool:
+        """True when other ranks take this step too: a rank without grads then counts it as a
+        step like theirs (its counters, and the LR schedule that follows them, stay in step)."""
+        group = self.process_group or default_group()
+        return group is not None and torch.distributed.get_world_size(group) > 1
 
     def _warn_once_if_no_grads(self) -> None:
         """torch's optimizers step nothing, silently, when no param has a grad; we say it once.
@@ -531,6 +580,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Check the lp grads (read only), agree on overflow, then update in one fused pass."""
         inv_scale = self.scaler.inv_scale()
         clipping = self.max_norm > 0
+        self._step_had_grads = bool(grads) or self._shares_steps()
         if grads:
             stats = fused.check_grads(grads, inv_scale, norm=clipping)
         else:
@@ -619,6 +669,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._found_inf = None
         self._grads_on_masters = False
         self._backward_scaled = False
+        self._grad_seen = None
+        if not self._step_had_grads and not skipped:  # nothing to step: counted apart
+            self._step_had_grads = True
+            self.noop_steps += 1
+            self.last_result = StepResult(
+                skipped=False, scale=scale, grad_norm=grad_norm, num_zeros=num_zeros, noop=True
+            )
+            return self.last_result
+        self._step_had_grads = True
         self.steps += 1
         self.skipped_steps += skipped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
@@ -688,6 +747,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._found_inf = None
         self._grads_on_masters = False
         self._backward_scaled = False
+        self._grad_seen = None
 
     # ----- checkpoints -----
     def state_dict(self) -> dict[str, Any]:
