@@ -53,6 +53,7 @@ def set_grads(params, opt, step: int, bad: bool = False) -> None:
     for p in params:
         g = torch.rand(p.shape) * 0.1 - 0.05
         p.grad = (g * opt.loss_scale).to(p.dtype)
+    opt.note_scaled_backward()  # these stand for a scaled backward's grads
     if bad:
         params[0].grad.view(-1)[3] = float("inf")
 

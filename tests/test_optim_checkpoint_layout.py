@@ -131,11 +131,21 @@ def test_checkpoint_moves_between_modes_with_and_without_masters(caplog) -> None
     held = [p for g in opt.param_groups for p in g["params"]]
     fp32_held = [p for g in fp32_opt.param_groups for p in g["params"]]
     torch.testing.assert_close(fp32_held, held, **EXACT)
-    # fp32 -> bf16 + masters: the checkpoint has none, so they come from the bf16 model (O1 -> O2)
-    _, bf16_opt = mixprec_run(1)
+    # fp32 -> bf16 + masters: the checkpoint has none, so they come from the bf16 model (O1 -> O2):
+    # masters that round to their params are that model's own fp32 values and stay (the model
+    # may have been loaded first, with booster.load_model); params loaded apart from their
+    # masters (a plain load_state_dict) make the masters be rebuilt from them, at WARNING.
+    bf16_model, bf16_opt = mixprec_run(1)
+    own = [m.clone() for m in bf16_opt.hp_masters]
     with caplog.at_level(logging.INFO, logger="mixprec"):
         bf16_opt.load_state_dict(fp32_opt.state_dict())
-    assert any("rebuilt them from the model" in r.getMessage() for r in caplog.records)
+    assert not any("rebuilt them from" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(bf16_opt.hp_masters, own, **EXACT)
+    bf16_model.load_state_dict(fp32_model.state_dict())
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        bf16_opt.load_state_dict(fp32_opt.state_dict())
+    rebuilt = [r for r in caplog.records if "rebuilt them from" in r.getMessage()]
+    assert len(rebuilt) == 1 and rebuilt[0].levelname == "WARNING"
     lp_as_fp32 = [lp.float() for lp in bf16_opt.lp_params]
     torch.testing.assert_close(bf16_opt.hp_masters, lp_as_fp32, **EXACT)
 

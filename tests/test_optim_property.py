@@ -60,6 +60,7 @@ def test_optimizer_matches_python_model(steps, init, cfg) -> None:
         if injected:
             scaled[i % 3] = math.inf
         lp.grad = torch.tensor(scaled, dtype=torch.float16)
+        opt.note_scaled_backward()  # these stand for a scaled backward's grads
         result = opt.step()
         overflows.append(any(math.isinf(v) for v in scaled))
         assert result.skipped == overflows[-1]

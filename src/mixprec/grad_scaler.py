@@ -60,6 +60,20 @@ def paddle_to_torch_names(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def refuse_stacked_scaler(optimizer: MixedPrecisionOptimizer) -> None:
+    """An outside GradScaler over an optimizer that scales the loss itself scales twice and
+    unscales twice: the update comes out the optimizer's scale times too small. Refuse it."""
+    if optimizer.scales_loss:
+        raise RuntimeError(
+            f"A GradScaler was given a {type(optimizer).__name__} that scales the loss itself "
+            "(a loss-scaling mode: fp16, fp16_naive, Apex O1/O2): both would scale and the "
+            "update would come out the loss scale times too small. Drop the GradScaler and call "
+            f"{optimizer.scaled_backward_hint} then optimizer.step(); or keep the GradScaler "
+            "with a mode that does not scale (fp32/bf16 Booster, mixprec.MixedPrecisionOptimizer "
+            "with the default loss_scale)."
+        )
+
+
 class GradScaler(torch.amp.GradScaler):
     """Drop-in for torch.amp.GradScaler (same arguments, same defaults but `device`).
 
@@ -162,6 +176,7 @@ class GradScaler(torch.amp.GradScaler):
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
         if isinstance(optimizer, MixedPrecisionOptimizer):
+            refuse_stacked_scaler(optimizer)
             optimizer.grads_to_masters()  # param_groups hold the masters: give them the grads
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         group = self.process_group or default_group()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -12,10 +13,12 @@ from torch import nn
 
 from mixprec.casting import cast_call_args, cast_floating, cast_module
 from mixprec.lean import lean_config
-from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.optim import LOW_DTYPES, MixedPrecisionOptimizer
 from mixprec.policy import Policy, clip_norm_for
 from mixprec.scaling import ProcessGroup
 from mixprec.validate import check_callable, check_module_has_parameters
+
+log = logging.getLogger("mixprec")
 
 
 def device_of(module: nn.Module) -> torch.device:
@@ -130,6 +133,8 @@ def prepare_model(
     if isinstance(model, PrecisionModule):
         raise TypeError("This model is already prepared by mixprec; prepare the original once.")
     check_module_has_parameters("model", model)
+    if not policy.casts_params:
+        upcast_lp_params(model, policy)
     if policy.fp8:
         from mixprec.fp8 import convert_to_fp8
 
@@ -142,6 +147,32 @@ def prepare_model(
 
     warn_if_amp_cannot_help(policy, device_of(model), f"mixed precision {policy.name!r}")
     return PrecisionModule(model, policy)
+
+
+def upcast_lp_params(model: nn.Module, policy: Policy) -> None:
+    """A mode that keeps fp32 weights, given a model already in fp16/bf16: cast it to fp32, and
+    say so at WARNING. Stepped as it came, it would train with no fp32 masters (a bf16 weight
+    does not move for an update below 2**-8 of its value) or, in fp16, unscaled."""
+    low = [(n, p) for n, p in model.named_parameters() if p.dtype in LOW_DTYPES]
+    if not low:
+        return
+    dtypes = sorted({str(p.dtype) for _, p in low})
+    cast_module(model, torch.float32, keep_norm_fp32=False)
+    total = sum(1 for _ in model.parameters())
+    log.warning(
+        "mixprec: mode %r trains fp32 weights (low precision only inside the forward), but the "
+        "model %s came with %d of its %d parameters in %s (e.g. %r): they were cast to "
+        "float32, so the optimizer steps fp32 values (a pure low-precision update loses small "
+        "steps: in bf16 an update below about 2**-8 of the weight rounds away). To keep "
+        "low-precision weights with fp32 master copies instead, use mode 'fp16_naive' (its "
+        "dtype='bfloat16' option keeps bf16 weights) or Apex O2, or pass the model in float32.",
+        policy.name,
+        type(model).__name__,
+        len(low),
+        total,
+        "/".join(dtypes),
+        low[0][0],
+    )
 
 
 def prepare_optimizer(

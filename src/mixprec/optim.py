@@ -30,7 +30,7 @@ from mixprec.scaling import (
     rank_and_world,
     unscale_and_check_,
 )
-from mixprec.skip_monitor import SkipMonitor, SkipStats
+from mixprec.skip_monitor import SkipMonitor, SkipStats, scale_text
 from mixprec.step_math import clip_coefficient
 from mixprec.validate import check_bool, check_int, check_real
 
@@ -50,6 +50,9 @@ class StepResult:
     """Total norm of the unscaled gradients, when clipping computed it."""
     num_zeros: int | None
     """Zero gradient entries, when log_num_zeros_in_grad is on."""
+    noop: bool = False
+    """True when this rank's optimizer had no gradient at all: nothing moved, and the step is
+    counted in noop_steps, not in steps."""
 
 
 def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -129,6 +132,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # scale still in the grads, or None once unscale_ ran) on this object and calls step()
     # unconditionally, with no host sync of its own; see _reuse_outside_check.
     _step_supports_amp_scaling = True
+    # How a user of this class runs the scaled backward (named when grads did not come through it).
+    scaled_backward_hint = (
+        "booster.backward(loss, optimizer) (Booster), optimizer.backward(loss) "
+        "(convert_to_amp, initialize) or engine.backward(loss)"
+    )
 
     def __init__(
         self,
@@ -193,8 +201,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.scaler = LossScaler(loss_scale, device)
         self._found_inf: torch.Tensor | None = None  # set once grads are unscaled this step
         self._grads_on_masters = False  # set once this step's lp grads reached the masters
+        self._backward_scaled = False  # set by backward()/scale_loss(), cleared by the step
+        self._step_had_grads = True  # cleared when this step's unscale found no gradient
+        # (a grad, its version) as backward() left it: see _warn_if_grads_changed_while_scaled
+        self._grad_seen: tuple[torch.Tensor, int] | None = None
+        self._warned_scaled_edit = False
         self.skipped_steps = 0
         self.steps = 0
+        self.noop_steps = 0
+        """step() calls that found no gradient (not counted in steps)."""
         self.consecutive_skips = 0
         self.last_result: StepResult | None = None
         self._warned_no_grads = False
@@ -317,6 +332,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         last = self.last_result
         return SkipStats(
             steps=self.steps,
+            noop_steps=self.noop_steps,
             skipped_steps=self.skipped_steps,
             consecutive_skips=self.consecutive_skips,
             warmup_skips=self.skip_monitor.warmup_skips,
@@ -325,7 +341,48 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss (as fp32) times the current scale; call .backward() on the result."""
+        self._backward_scaled = True
         return loss.float() * self.scaler.scale_tensor
+
+    def note_scaled_backward(self) -> None:
+        """Say that this step's grads come from a loss scaled by this optimizer's scale that a
+        face multiplied itself (Lightning's backward runs before the optimizer is wrapped)."""
+        self._backward_scaled = True
+
+    @property
+    def scales_loss(self) -> bool:
+        """True when this optimizer's backward multiplies the loss by a scale other than 1 (read
+        from the config: a host fact, no sync)."""
+        cfg = self.scaler.cfg
+        return cfg.dynamic or cfg.init_scale != 1.0
+
+    def _grads_came_through_backward(self) -> bool:
+        """Whether this step's grads were produced by this optimizer's scaled backward."""
+        return self._backward_scaled
+
+    def _check_scaled_backward(self) -> None:
+        """Refuse grads that did not come through the scaled backward (plain loss.backward(), or
+        an outside GradScaler's scaler.scale(loss).backward()): unscaling them by this optimizer's
+        scale would shrink the update by that scale, silently.
+
+        One flag read on the hot path; the walk over grads runs only when the flag is unset.
+        """
+        if (
+            self._grads_came_through_backward()
+            or not self.scales_loss
+            or not (self._grads_on_masters or self._step_grads())  # masters' grads may be stale
+        ):
+            return
+        raise RuntimeError(
+            f"{type(self).__name__}.step(): the gradients did not come through this "
+            "optimizer's scaled backward (a plain loss.backward(), or an outside GradScaler's "
+            "scaler.scale(loss).backward()), but this mode scales the loss itself "
+            f"({'dynamic' if self.scaler.cfg.dynamic else 'static'} loss scale, starting at "
+            f"{self.scaler.cfg.init_scale:g}). Unscaling them would make the update that many "
+            f"times too small. Call {self.scaled_backward_hint} instead of loss.backward(), and "
+            "use no outside GradScaler with it (this optimizer is the loss scaler). Plain "
+            "loss.backward() is fine in modes without loss scaling (bf16, fp32)."
+        )
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward of the scaled loss; several calls before one step() accumulate."""
@@ -337,9 +394,40 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         # x 1.0 is exact: skip its op and its backward node (bitwise); a `gradient=` keeps the
         # scaled loss's shape (1,) it was given for
         if self.scaler.is_unit and "gradient" not in kwargs:
+            self._backward_scaled = True
             loss.float().backward(**kwargs)
         else:
             self.scale_loss(loss).backward(**kwargs)
+            if not self._warned_scaled_edit:
+                self._grad_seen = self._probe_grad_version()
+
+    def _probe_grad_version(self) -> tuple[torch.Tensor, int] | None:
+        """One model gradient and its version counter (host ints: no sync, ~2 attribute reads)."""
+        probe = self.lp_params[0] if self.lp_params else self._layout().probe
+        grad = None if probe is None else probe.grad
+        return None if grad is None else (grad, grad._version)
+
+    def _warn_if_grads_changed_while_scaled(self) -> None:
+        """torch.nn.utils.clip_grad_norm_ between backward() and step() clips the *scaled*
+        grads (the update then comes out ~scale times too small): say so once, at WARNING.
+        Seen as an in-place write to a model grad after the last scaled backward."""
+        seen, self._grad_seen = self._grad_seen, None
+        if seen is None or self._found_inf is not None:
+            return  # unscaled by this optimizer (its own clip): what comes after is unscaled
+        now = self._probe_grad_version()
+        if now is None or now[0] is not seen[0] or now[1] == seen[1]:
+            return
+        self._warned_scaled_edit = True
+        if _is_rank_zero():
+            log.warning(
+                "mixprec: the gradients were changed in place between backward() and step() "
+                "while they were still multiplied by the loss scale (%s). If that was "
+                "torch.nn.utils.clip_grad_norm_, it clipped the scaled gradients and the update "
+                "comes out about that many times too small: clip with optimizer.clip_grad_norm"
+                "(max_norm) (it unscales first), or set the clipping in the mode/plugin "
+                "(max_norm), instead. (Warned once.)",
+                scale_text(self.scaler.scale),
+            )
 
     def _hp_grads(self) -> list[torch.Tensor]:
         """Gradients of everything the wrapped optimizer steps (fp32 masters and fp32 params).
@@ -383,9 +471,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """
         if self._found_inf is not None:
             return self._found_inf
+        self._check_scaled_backward()
         self.grads_to_masters()  # subclasses reduce here too (the pipeline's dp all-reduce)
         found_inf = self.scaler.scale_tensor.new_zeros(1)  # fp32, on the scale's device
         grads = self._hp_grads()
+        self._step_had_grads = bool(grads) or self._shares_steps()
         if grads:
             layout = self._layout()
             one_bucket = layout.uniform and layout.probe.device == found_inf.device
@@ -415,6 +505,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             raise RuntimeError("Closures are not supported with loss scaling (as in torch.amp).")
         self._reuse_outside_check()
         self._warn_once_if_no_grads()
+        if self._grad_seen is not None:
+            self._warn_if_grads_changed_while_scaled()
+        if self._found_inf is None:
+            self._check_scaled_backward()
         fused_grads = self._grads_if_fused()
         if fused_grads is not None:
             return self._fused_step(fused_grads)
@@ -445,6 +539,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         flag = found_inf.reshape(1).float().to(self.scaler.scale_tensor.device)
         # mixprec's GradScaler reduced it already; torch's did not (MAX twice changes nothing)
         self._found_inf = all_reduce_found_inf_(flag, self.process_group or default_group())
+
+    def _shares_steps(self) -> bool:
+        """True when other ranks take this step too: a rank without grads then counts it as a
+        step like theirs (its counters, and the LR schedule that follows them, stay in step)."""
+        group = self.process_group or default_group()
+        return group is not None and torch.distributed.get_world_size(group) > 1
 
     def _warn_once_if_no_grads(self) -> None:
         """torch's optimizers step nothing, silently, when no param has a grad; we say it once.
@@ -516,6 +616,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Check the lp grads (read only), agree on overflow, then update in one fused pass."""
         inv_scale = self.scaler.inv_scale()
         clipping = self.max_norm > 0
+        self._step_had_grads = bool(grads) or self._shares_steps()
         if grads:
             stats = fused.check_grads(grads, inv_scale, norm=clipping)
         else:
@@ -603,6 +704,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 hp.grad = None
         self._found_inf = None
         self._grads_on_masters = False
+        self._backward_scaled = False
+        self._grad_seen = None
+        if not self._step_had_grads and not skipped:  # nothing to step: counted apart
+            self._step_had_grads = True
+            self.noop_steps += 1
+            self.last_result = StepResult(
+                skipped=False, scale=scale, grad_norm=grad_norm, num_zeros=num_zeros, noop=True
+            )
+            return self.last_result
+        self._step_had_grads = True
         self.steps += 1
         self.skipped_steps += skipped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
@@ -671,6 +782,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                         p.grad.zero_()
         self._found_inf = None
         self._grads_on_masters = False
+        self._backward_scaled = False
+        self._grad_seen = None
 
     # ----- checkpoints -----
     def state_dict(self) -> dict[str, Any]:
@@ -689,6 +802,22 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if self.lean is not None:  # compact low-bit state and the rounding's random stream
             self.lean.state_dict_into(state)
         return state
+
+    def _load_scaler_state(self, saved: dict[str, Any]) -> None:
+        """Take a saved scaler's state, unless it came from a mode that scales differently: a
+        mode without loss scaling keeps its 1.0 (a scale carried over would multiply every
+        backward); a loss-scaling mode resumed from one without keeps its own first scale (a
+        dynamic scale restarted at 1.0 would underflow fp16 grads for thousands of steps)."""
+        saved_scale = float(torch.as_tensor(saved["scale"]).reshape(-1)[0])
+        saved_scales = bool(saved.get("dynamic", saved_scale != 1.0)) or saved_scale != 1.0
+        if saved_scales == self.scales_loss:
+            self.scaler.load_state_dict(saved)
+        elif saved_scales and _is_rank_zero():
+            log.warning(
+                "mixprec: dropped the checkpoint's loss scale %s: this optimizer's mode does not "
+                "scale the loss (bf16, fp32), so it keeps 1.0",
+                scale_text(saved_scale),
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint of this class (any mode), of a plain torch optimizer or of Apex.
@@ -709,15 +838,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self.optim.load_state_dict(lean_step.unpack_state_dict(state_dict))
         rebuilt = place_masters(held, master_to_lp, saved)
         if rebuilt and _is_rank_zero():
-            log.info(
+            log.warning(
                 "mixprec: the optimizer checkpoint holds no fp32 master weights for %d of this "
-                "optimizer's %d (a plain torch optimizer's, Apex's, or another mode's): rebuilt "
-                "them from the model's params",
+                "optimizer's %d (a plain torch optimizer's, Apex's, or another mode's), and the "
+                "model's low-precision params were loaded apart from them: rebuilt them from "
+                "those params (their rounding, not the fp32 values). To resume exactly, load "
+                "the model with booster.load_model or mixprec's load_hp_model_state_dict (they "
+                "write the masters too), before or after this optimizer",
                 rebuilt,
                 len(own),
             )
         if "scaler" in state_dict:
-            self.scaler.load_state_dict(state_dict["scaler"])
+            self._load_scaler_state(state_dict["scaler"])
         self.steps = int(state_dict.get("steps", self.steps))
         self.skipped_steps = int(state_dict.get("skipped_steps", self.skipped_steps))
         self.skip_monitor.resume(self.steps)

@@ -68,7 +68,9 @@ def place_masters(
     held: list[torch.Tensor], master_to_lp: dict[int, torch.Tensor], saved: dict[int, torch.Tensor]
 ) -> int:
     """Copy each saved master onto the param at its index (and its lp param); rebuild the
-    masters the checkpoint lacks from their lp params. Returns how many were rebuilt."""
+    masters the checkpoint lacks from their lp params, unless a master already rounds to its
+    lp param (a load_model that came first wrote both, the master with the checkpoint's fp32
+    value: keeping it makes the load order not matter). Returns how many were rebuilt."""
     rebuilt = 0
     for i, p in enumerate(held):
         lp = master_to_lp.get(id(p))
@@ -76,7 +78,7 @@ def place_masters(
             p.copy_(saved[i])
             if lp is not None:
                 lp.copy_(saved[i])
-        elif lp is not None:
-            p.copy_(lp)
+        elif lp is not None and not torch.equal(p.to(lp.dtype), lp):
+            p.copy_(lp)  # the lp param was loaded apart from its master: it is the newer value
             rebuilt += 1
     return rebuilt

@@ -150,6 +150,7 @@ class PipelinedModel(nn.Module):
             for stage, i in zip(stages, stage_ids, strict=True)
         ]
         self._schedule: Any = None
+        self._batch_size: int | None = None  # the batch size the schedule's shapes were set for
         self._run: tuple[Callable[..., torch.Tensor], PipelineOptimizer] | None = None
         self._losses: list[torch.Tensor] = []
 
@@ -215,15 +216,28 @@ class PipelinedModel(nn.Module):
             )
         inputs, targets = _inputs_and_targets(batch)
         size, m = inputs.shape[0], self.config.num_microbatches
+        # Checked on every rank before the schedule runs (every rank of a pipeline reads the
+        # same batch): all raise the same error, none is left waiting in a send or receive.
         if size % m:
             raise ValueError(
                 f"The batch of {size} samples does not split into num_microbatches={m} equal "
                 f"micro-batches; use a batch size that is a multiple of {m}."
             )
+        if self._batch_size is not None and size != self._batch_size:
+            raise ValueError(
+                f"The batch of {size} samples differs from the {self._batch_size} the pipeline "
+                f"was first run with: its stages fix the micro-batch shape ({self._batch_size} "
+                f"/ {m}) at the first batch. A short last batch is the usual cause: build the "
+                "DataLoader with drop_last=True (plugin.prepare_dataloader(..., "
+                "drop_last=True)), or pad the last batch to the same size."
+            )
         if self._schedule is None:
             self._schedule = self._make_schedule()
+            self._batch_size = size
         self._run = (criterion, optimizer)
         self._losses = []
+        if not forward_only:  # every stage's grads come from the last stage's scaled loss
+            optimizer.note_scaled_backward()
         args = (inputs,) if self.has_first_stage else ()
         target = targets if self.has_last_stage else None
         try:

@@ -30,7 +30,9 @@ class SkipStats:
     """Step counts of one optimizer, for logging (reading them costs no host sync)."""
 
     steps: int
-    """Optimizer steps taken, skipped ones included."""
+    """Optimizer steps taken, skipped ones included (no-op steps not)."""
+    noop_steps: int = 0
+    """step() calls that found no gradient on this rank: nothing was stepped or skipped."""
     skipped_steps: int
     """Steps skipped because some rank's gradients held inf/nan."""
     consecutive_skips: int

@@ -59,6 +59,11 @@ class StashingOptimizer(MixedPrecisionOptimizer):
     contribution since the last step overflowed (see `unscale_grads`).
     """
 
+    scaled_backward_hint = (
+        "`with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()` or "
+        "optimizer.backward(loss)"
+    )
+
     def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
         self.events: list[UnscaleEvent] = []
@@ -119,10 +124,14 @@ class StashingOptimizer(MixedPrecisionOptimizer):
                 f"end the accumulation with amp.scale_loss(..., loss_id={self.scaled_grads_from}, "
                 "delay_unscale=False) before step() or clipping."
             )
+        self._check_scaled_backward()
         device = self.scaler.scale_tensor.device
         if not self.events:
             return torch.zeros(1, dtype=torch.float32, device=device)
         return torch.stack([e.found_inf.to(device) for e in self.events]).amax(dim=0)
+
+    def _grads_came_through_backward(self) -> bool:
+        return bool(self.events)  # one event per scaled backward since the last step
 
     def _check_no_unscaled_lp_grads(self) -> None:
         if any(lp.grad is not None for lp in self.lp_params):
@@ -185,6 +194,10 @@ class AmpOptimizer(StashingOptimizer):
         self.scalers = scalers
         self.verbosity = verbosity
         self.amp_state: Any = None  # the amp.initialize call this came from (set by it)
+
+    @property
+    def scales_loss(self) -> bool:
+        return any(s.cfg.dynamic or s.cfg.init_scale != 1.0 for s in self.scalers)
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **kwargs: Any) -> None:
         """Same as `with amp.scale_loss(loss, self, loss_id) as s: s.backward(**kwargs)`."""

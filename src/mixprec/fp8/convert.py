@@ -175,6 +175,18 @@ def convert_to_fp8(
         resolve_emulate(device, config)  # fail at conversion, not at the first step
     summary = Float8Summary(converted=tuple(converted), skipped=skipped)
     logger.info("float8: converted %s", ", ".join(converted) or "no Linear layer")
+    if not converted:
+        logger.warning(
+            "float8: nothing in %s was converted (%s): fp8 converts only nn.Linear and HF "
+            "Conv1D layers (features multiples of %d); convolutions, embeddings and the rest "
+            "are left as they are, so under mode 'fp8' this model runs exactly as mode 'bf16' "
+            "(bf16 autocast). Use mode 'bf16' to say so, or check module_filter_fn.",
+            type(model).__name__,
+            f"{len(skipped)} Linear-like layer(s) left in high precision"
+            if skipped
+            else "it has no Linear layer",
+            GEMM_ALIGN,
+        )
     if skipped:
         logger.warning(
             "float8: %d Linear-like layer(s) left in high precision: %s",

@@ -142,6 +142,8 @@ class MixprecPrecision(Precision):
 
     # ----- the step: masters, unscale, check, skip -----
     def _wrap(self, optimizer: Any) -> MixedPrecisionOptimizer:
+        """The master-weight optimizer, told that its grads come from this plugin's backward()
+        (which scaled every loss before the optimizer was wrapped)."""
         raw = _raw(optimizer)
         if self.optimizer is not None:
             if id(raw) != self._wrapped_id:
@@ -149,6 +151,7 @@ class MixprecPrecision(Precision):
                     "MixprecPrecision steps one optimizer (the loss scale is applied in "
                     f"backward, before Lightning names it); got a second: {type(raw).__name__}."
                 )
+            self.optimizer.note_scaled_backward()
             return self.optimizer
         mp = prepare_optimizer(raw, self.policy)
         device = mp.scaler.scale_tensor.device
@@ -157,6 +160,7 @@ class MixprecPrecision(Precision):
             mp.load_state_dict(self._pending)
             self._pending = None
         self.optimizer, self._wrapped_id = mp, id(raw)
+        mp.note_scaled_backward()
         return mp
 
     def optimizer_step(
