@@ -41,9 +41,9 @@ from torch.nn import functional as F
 
 from mixprec.bench.progress import progress_bar
 from mixprec.bench.runner import machine_name
-from mixprec.lean import state_bytes
-from mixprec.module import prepare_model, prepare_optimizer
-from mixprec.policy import Policy, preset, to_policy, with_optimizer_state
+from mixprec.core.lean import state_bytes
+from mixprec.core.prepare import prepare_model, prepare_optimizer
+from mixprec.core.policy import Policy, preset, to_policy, with_optimizer_state
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -90,7 +90,7 @@ def measure(rank: int, run: dict[str, Any], solo: Any) -> dict[str, Any] | None:
     from mixprec.bench.worker import reset_peak_rss, rss_peak_bytes
     from mixprec.booster import Booster
     from mixprec.booster.plugin import HybridParallelPlugin
-    from mixprec.module import FP32Criterion, prepare_model, prepare_optimizer
+    from mixprec.core.prepare import FP32Criterion, prepare_model, prepare_optimizer
 
     single = run["schedule"] is None
     if single and rank != 0:

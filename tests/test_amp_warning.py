@@ -10,10 +10,10 @@ from conftest import tiny_mlp
 
 from mixprec.amp import AMP_TYPE, convert_to_amp
 from mixprec.apex import amp
+from mixprec.core.amp_warning import AmpHardwareWarning, amp_hardware_warnings
+from mixprec.core.hardware import cpu_findings, cuda_findings
+from mixprec.core.policy import preset
 from mixprec.debugging import amp_warning
-from mixprec.debugging.amp_warning import AmpHardwareWarning, amp_hardware_warnings
-from mixprec.debugging.hardware import cpu_findings, cuda_findings
-from mixprec.policy import preset
 
 K40 = cuda_findings("Tesla K40m", (3, 5))
 V100 = cuda_findings("Tesla V100", (7, 0))
@@ -69,10 +69,10 @@ def test_autocast_and_paddles_auto_cast_warn_once(slow_fp16_device) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", AmpHardwareWarning)
         paddle.auto_cast(enable=False)  # AMP off: nothing to say
-        mixprec.autocast(dtype=torch.float16, enabled=False)
+        mixprec.core.autocast(dtype=torch.float16, enabled=False)
     with pytest.warns(AmpHardwareWarning, match=r"auto_cast: AMP only support NVIDIA GPU"):
         paddle.auto_cast(level="O1", device_type="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error", AmpHardwareWarning)
-        with mixprec.autocast(dtype=torch.float16, device_type="cpu"):
+        with mixprec.core.autocast(dtype=torch.float16, device_type="cpu"):
             pass

@@ -1,7 +1,7 @@
 """Apex's tests/L0/run_amp/test_update_scale_hysteresis.py, ported to mixprec's scale rule.
 
 Apex tested its `amp_C.update_scale_hysteresis` CUDA kernel; mixprec's one rule is
-`mixprec.scaling.update_scale_` with `ScalerConfig(consecutive_hysteresis=True)` (the kernel
+`mixprec.core.scaling.update_scale_` with `ScalerConfig(consecutive_hysteresis=True)` (the kernel
 refills the hysteresis on every clean step). Changes, each for a stated reason: CPU tensors;
 `growth_factor=1.0` is left out of the fuzz list (ScalerConfig refuses a growth factor <= 1:
 a scale that can never grow back is a configuration error); the random extra iterations are
@@ -19,8 +19,8 @@ import random
 import pytest
 import torch
 
-from mixprec.policy import ScalerConfig
-from mixprec.scaling import update_scale_
+from mixprec.core.policy import ScalerConfig
+from mixprec.core.scaling import update_scale_
 
 TINY = torch.finfo(torch.float32).smallest_normal
 

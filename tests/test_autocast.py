@@ -1,4 +1,4 @@
-"""mixprec.autocast: custom op lists over torch.autocast, fp32 and low-precision regions."""
+"""mixprec.core.autocast: custom op lists over torch.autocast, fp32 and low-precision regions."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.autocast import (
+from mixprec.core.autocast import (
     ALIASES,
     COMMON_OPS,
     autocast,
@@ -24,7 +24,7 @@ from mixprec.autocast import (
     low_precision_region,
     resolve_ops,
 )
-from mixprec.policy import preset
+from mixprec.core.policy import preset
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")
@@ -454,7 +454,7 @@ def test_compiled_function_matches_eager_under_op_lists() -> None:
 def test_op_lists_match_a_callable_by_its_op_name():
     """The op-list mode looks an op up by name (dynamo can trace that): the name of every
     callable of an op must be that op, or a listed op would miss one of its spellings."""
-    from mixprec.autocast import _op_name, _op_table
+    from mixprec.core.autocast import _op_name, _op_table
 
     for name, fns in _op_table().items():
         for fn in fns:

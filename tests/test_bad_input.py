@@ -11,7 +11,7 @@ from conftest import tiny_mlp
 
 import mixprec
 from mixprec import AMP_TYPE
-from mixprec.skip_monitor import SkipMonitor
+from mixprec.core.skip_monitor import SkipMonitor
 
 
 def model_opt():
@@ -168,14 +168,14 @@ CASES = [
     ),
     (
         "autocast op name",
-        lambda: mixprec.autocast(dtype=torch.bfloat16, custom_white_list=["sofmax"]),
+        lambda: mixprec.core.autocast(dtype=torch.bfloat16, custom_white_list=["sofmax"]),
         ValueError,
         r"'sofmax'.*'softmax'",
     ),
-    ("autocast dtype", lambda: mixprec.autocast(dtype=torch.int8), ValueError, r"int8"),
+    ("autocast dtype", lambda: mixprec.core.autocast(dtype=torch.int8), ValueError, r"int8"),
     (
         "op in both lists",
-        lambda: mixprec.autocast(
+        lambda: mixprec.core.autocast(
             dtype=torch.bfloat16, custom_white_list=["add"], custom_black_list=["add"]
         ),
         ValueError,
@@ -468,7 +468,7 @@ CASES += [
     ),
     (
         "register mode parser",
-        lambda: mixprec.policy.register_mode_parser("fp17", dict),
+        lambda: mixprec.core.policy.register_mode_parser("fp17", dict),
         ValueError,
         r"unknown mode 'fp17'.*Valid: 'fp32'",
     ),

@@ -10,15 +10,15 @@ from conftest import tiny_mlp
 
 from mixprec.booster import Booster, SkipAwareLRScheduler
 from mixprec.booster.plugin import Plugin, TorchDDPPlugin, TorchFSDPPlugin
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import MODES
+from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_optimizer
 from mixprec.mixed_precision import (
     FP16ApexMixedPrecision,
     FP16NaiveMixedPrecision,
     MixedPrecision,
     to_mixed_precision,
 )
-from mixprec.module import FP32Criterion, PrecisionModule, prepare_optimizer
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import MODES
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")
@@ -354,7 +354,7 @@ def test_fsdp2_booster_bf16_fp16_and_naive_two_ranks() -> None:
 
 def test_per_epoch_schedule_advances_if_any_step_of_the_epoch_went_through() -> None:
     from mixprec.booster import SkipAwareLRScheduler
-    from mixprec.optim import MixedPrecisionOptimizer
+    from mixprec.core.optim import MixedPrecisionOptimizer
 
     model = torch.nn.Linear(4, 2)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.casting import NORM_TYPES, cast_call_args, cast_floating, cast_module
+from mixprec.core.casting import NORM_TYPES, cast_call_args, cast_floating, cast_module
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")

@@ -12,7 +12,7 @@ from conftest import tiny_mlp
 
 from mixprec.booster import Booster
 from mixprec.booster.plugin import TorchDDPPlugin, TorchFSDPPlugin
-from mixprec.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from mixprec.core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mixprec.mixed_precision import FP16NaiveMixedPrecision, FP16TorchMixedPrecision
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
@@ -225,7 +225,7 @@ def test_ddp_and_fsdp_checkpoints_two_ranks(tmp_path: Path) -> None:
 
 KILLED_SAVER = """
 import sys, torch
-from mixprec.checkpoint import save_checkpoint
+from mixprec.core.checkpoint import save_checkpoint
 
 class Slow:  # pickled after the big tensor: the writer is killed while the temp file is open
     def __reduce__(self):

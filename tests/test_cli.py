@@ -211,7 +211,7 @@ def test_mixprec_run_exits_1_when_a_worker_fails(tmp_path):
 
 
 def test_doctor_reports_fp8_for_every_device_and_how_mixprec_runs_it(capsys):
-    from mixprec.debugging.hardware import fp8_finding
+    from mixprec.core.hardware import fp8_finding
     from mixprec.fp8 import fp8_kernel_problem
 
     real = fp8_finding("cuda:0", None)  # sm_89+: the kernel exists

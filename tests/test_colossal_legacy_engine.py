@@ -106,7 +106,7 @@ def test_one_process_takes_any_iterable_without_warning(caplog) -> None:
 
 
 def test_something_that_is_not_iterable_is_refused_when_sharding() -> None:
-    from mixprec.data import shard_loader
+    from mixprec.parallel.data import shard_loader
 
     with pytest.raises(TypeError, match="iterable of batches, got 3"):
         shard_loader(3, 0, 2, "initialize(train_dataloader)")  # type: ignore[arg-type]

@@ -411,7 +411,7 @@ def _count_collectives(monkeypatch_target: Any) -> tuple[list[int], Any]:
 
 
 def _zero_run(plugin: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[list, int]:
-    import mixprec.zero as zero_module
+    import mixprec.parallel.zero as zero_module
 
     torch.manual_seed(0)
     model = tiny_mlp(16, norm=False)

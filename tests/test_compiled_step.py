@@ -19,10 +19,10 @@ from torch import nn
 
 import mixprec
 import mixprec.paddle as paddle_amp
-from mixprec import compiled_step
 from mixprec.apex import amp as apex_amp
 from mixprec.bench.models import ModelSpec, build_model, make_batch, make_criterion
-from mixprec.compiled_step import (
+from mixprec.core import compiled_step
+from mixprec.core.compiled_step import (
     CPU_INDUCTOR_OPTIONS,
     CompileStepError,
     _with_cpu_options,
@@ -492,7 +492,7 @@ def test_booster_train_step_equals_its_eager_loop():
 def test_refuses_optimizers_whose_step_does_collective_work():
     # ZeRO's step reduces grads and gathers owners' params: a compiled step that skipped that
     # would silently train each rank on its own gradients.
-    from mixprec.zero import ZeroOptimizer
+    from mixprec.parallel.zero import ZeroOptimizer
 
     class ShardedStepOptimizer(mixprec.MixedPrecisionOptimizer):
         whole_step_refusal = ZeroOptimizer.whole_step_refusal

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mixprec.compiled_step import compile_step
+from mixprec.core.compiled_step import compile_step
 
 
 class RecordDevices(TorchDispatchMode):

@@ -18,7 +18,7 @@ from tolerances import fp32_rounding
 from torch import nn
 
 import mixprec
-from mixprec.compiled_step import compile_step
+from mixprec.core.compiled_step import compile_step
 from mixprec.fp8.config import Float8Config
 from mixprec.fp8.linear import HISTORY_NAMES, Float8Linear
 

@@ -22,8 +22,8 @@ from torch import nn
 
 import mixprec
 import mixprec.paddle as paddle_amp
-from mixprec.autocast import autocast, fp16_guard, fp32, fp32_region
-from mixprec.compiled_step import compile_step
+from mixprec.core.autocast import autocast, fp16_guard, fp32, fp32_region
+from mixprec.core.compiled_step import compile_step
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mixprec.config import Config, GlobalContext, config_to_policy, gpc, load_config
-from mixprec.policy import AMP_TYPE, Policy
+from mixprec.core.policy import AMP_TYPE, Policy
 
 # Seed 001's four config files (config/config_AMP_{torch,naive,apex}.py, config_fp32.py), each
 # written three ways. The .py ones import AMP_TYPE as the seed's do (from the package).

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mixprec.core.policy import preset
 from mixprec.debugging import model_report
 from mixprec.debugging.conv_layout import conv_notes
-from mixprec.policy import preset
 
 
 def _cnn(c_in: int = 3) -> nn.Module:

@@ -19,9 +19,9 @@ from tolerances import EXACT, FP32_ROUNDING_CUDA
 from torch import nn
 
 import mixprec
-from mixprec.compiled_step import compile_step
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import ScalerConfig
+from mixprec.core.compiled_step import compile_step
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import ScalerConfig
 
 pytestmark = pytest.mark.cuda
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from mixprec.core.policy import preset
 from mixprec.debugging import (
     CUDA_MIN_CAPABILITY,
     Finding,
@@ -29,7 +30,6 @@ from mixprec.debugging import (
     read_cpu_flags,
     run_doctor,
 )
-from mixprec.policy import preset
 
 # -- operator statistics ----------------------------------------------------------------------
 
@@ -567,4 +567,4 @@ def test_run_doctor_bad_input_returns_2_with_the_reason(capsys, factory_module):
 
 def test_load_factory_resolves_dotted_attributes(factory_module):
     assert load_factory(f"{factory_module}:build")().__class__ is nn.Sequential
-    assert load_factory("mixprec.policy:preset.__call__")("bf16").name == "bf16"
+    assert load_factory("mixprec.core.policy:preset.__call__")("bf16").name == "bf16"

@@ -26,6 +26,9 @@ from torch.utils.data import (
 
 from mixprec import AMP_TYPE
 from mixprec.config import gpc
+from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError
+from mixprec.core.policy import preset
+from mixprec.core.prepare import prepare_model
 from mixprec.engine import (
     Engine,
     EpochShuffledDistributedSampler,
@@ -33,9 +36,6 @@ from mixprec.engine import (
     initialize,
 )
 from mixprec.launch import destroy, launch_from_torch
-from mixprec.module import prepare_model
-from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError
-from mixprec.policy import preset
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from mixprec import AMP_TYPE, prepare_model, to_policy
-from mixprec.checkpoint import load_checkpoint
 from mixprec.config import config_to_policy, gpc, load_config
+from mixprec.core.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCH_LINE = re.compile(

@@ -48,7 +48,7 @@ def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().float().clone() for p in model.parameters()]
 
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.debugging.amp_warning.AmpHardwareWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.amp_warning.AmpHardwareWarning")
 
 
 # ----- 1. plain loss.backward() under a loss-scaling mode -----

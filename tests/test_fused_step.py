@@ -9,9 +9,9 @@ import torch
 from dist_utils import spawn
 from tolerances import fp32_rounding
 
-from mixprec import fused_step as fused
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import ScalerConfig
+from mixprec.core import fused_step as fused
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import ScalerConfig
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")

@@ -1,4 +1,4 @@
-"""Lean precision (mixprec.lean): stochastic rounding into bf16 params, low-bit optimizer state."""
+"""Lean precision (mixprec.core.lean): stochastic rounding into bf16 params, low-bit optimizer state."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from tolerances import EXACT, FP32_ROUNDING
 
 import mixprec
-from mixprec.lean import LeanConfig, fp32_to_bf16_stochastic, new_state, state_bytes, to_fp32
-from mixprec.module import prepare_model, prepare_optimizer
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import Policy, preset, to_policy
+from mixprec.core.lean import LeanConfig, fp32_to_bf16_stochastic, new_state, state_bytes, to_fp32
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import Policy, preset, to_policy
+from mixprec.core.prepare import prepare_model, prepare_optimizer
 
 
 def bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,7 +326,7 @@ def test_lean_checkpoint_loads_into_a_plain_mixprec_optimizer() -> None:
 
 
 def test_ranks_get_distinct_seeds(monkeypatch) -> None:
-    import mixprec.lean as lean
+    import mixprec.core.lean as lean
 
     seeds = []
     for rank in (0, 1):
@@ -420,7 +420,7 @@ def test_lightning_plugin_bf16_sr_with_int8_state() -> None:
 
 
 def test_compile_step_refuses_the_lean_write_back() -> None:
-    from mixprec.compiled_step import CompileStepError, compile_step
+    from mixprec.core.compiled_step import CompileStepError, compile_step
 
     model, opt = lean_setup("int8")
     with pytest.raises(CompileStepError, match="lean write-back"):
@@ -434,7 +434,7 @@ def test_compile_step_refuses_the_lean_write_back() -> None:
     strict=True,
 )
 def test_compile_step_runs_the_lean_modes() -> None:
-    from mixprec.compiled_step import compile_step
+    from mixprec.core.compiled_step import compile_step
 
     model, opt = lean_setup("int8")
     compile_step(model, opt, torch.nn.functional.mse_loss)

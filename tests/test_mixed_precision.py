@@ -9,6 +9,9 @@ import torch
 from conftest import tiny_mlp
 
 from mixprec.apex.policy import apex_policy
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import MODES, ScalerConfig, naive_amp_policy, to_policy, torch_amp_policy
+from mixprec.core.prepare import FP32Criterion, PrecisionModule
 from mixprec.mixed_precision import (
     MODE_TO_PRECISION,
     BF16MixedPrecision,
@@ -19,9 +22,6 @@ from mixprec.mixed_precision import (
     MixedPrecision,
     to_mixed_precision,
 )
-from mixprec.module import FP32Criterion, PrecisionModule
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import MODES, ScalerConfig, naive_amp_policy, to_policy, torch_amp_policy
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")

@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import CountHostSyncs, tiny_mlp
 
-from mixprec.casting import cast_module
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import ScalerConfig
-from mixprec.scaling import LossScaler
+from mixprec.core.casting import cast_module
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import ScalerConfig
+from mixprec.core.scaling import LossScaler
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")

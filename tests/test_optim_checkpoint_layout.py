@@ -17,7 +17,7 @@ from tolerances import EXACT
 
 from mixprec import MixedPrecisionOptimizer, cast_module
 from mixprec.apex import amp
-from mixprec.policy import ScalerConfig
+from mixprec.core.policy import ScalerConfig
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_scaling import reference_trajectory
 
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import ScalerConfig
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import ScalerConfig
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.compiled_step
+import mixprec.core.compiled_step
 from mixprec import paddle as amp
 from mixprec.paddle import op_names, static
 from mixprec.paddle.static import executor
@@ -27,7 +27,7 @@ STATIC = FACTS["static"]
 
 # compile_step advances a GradScaler's scale by that scaler's own rule (_update_scale_) once the
 # `step` branch's change is in; before it, by the core's Megatron rule.
-OWN_RULE = "_update_scale_" in inspect.getsource(mixprec.compiled_step)
+OWN_RULE = "_update_scale_" in inspect.getsource(mixprec.core.compiled_step)
 
 
 @pytest.fixture(autouse=True)

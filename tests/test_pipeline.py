@@ -23,11 +23,11 @@ from torch import nn
 
 from mixprec.booster import Booster
 from mixprec.booster.plugin import HybridParallelPlugin, TorchDDPPlugin
-from mixprec.module import FP32Criterion, prepare_model
-from mixprec.pipeline import PipelineConfig, stage_modules
-from mixprec.pipeline_split import balanced_boundaries
-from mixprec.policy import to_policy
-from mixprec.scaling import LossScaler
+from mixprec.core.policy import to_policy
+from mixprec.core.prepare import FP32Criterion, prepare_model
+from mixprec.core.scaling import LossScaler
+from mixprec.parallel.pipeline.schedule import PipelineConfig, stage_modules
+from mixprec.parallel.pipeline.split import balanced_boundaries
 
 WORLD = 2
 WIDTH = 16  # tiny (fp16 matmuls on CPU are very slow), yet fp8's GEMMs need multiples of 16
@@ -361,7 +361,7 @@ def _tp_checkpoint_resume(path: str) -> None:
     """pp=2 x tp=2 checkpoints (DTensor shards, sharded AdamW state) resume bit for bit."""
     from torch.distributed.tensor import DTensor
 
-    from mixprec.pipeline_checkpoint import pipeline_optimizer_state
+    from mixprec.parallel.pipeline.checkpoint import pipeline_optimizer_state
 
     def local(t: Any) -> Any:
         return t.to_local() if isinstance(t, DTensor) else t
@@ -458,8 +458,8 @@ def _boost_with(model: nn.Module, **kwargs: Any) -> None:
 
 def _config_face(rank: int) -> None:
     """initialize + parallel=dict(pipeline=2): execute_schedule equals the one-process loop."""
+    from mixprec.core.policy import AMP_TYPE
     from mixprec.engine import initialize
-    from mixprec.policy import AMP_TYPE
 
     batches = _batches(3)
     data = torch.utils.data.TensorDataset(

@@ -17,10 +17,10 @@ from conftest import tiny_mlp
 from dist_utils import assert_same_on_every_rank, local_shard, scaler_state
 from torch import nn
 
-from mixprec.module import FP32Criterion, prepare_model, prepare_optimizer
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import to_policy
-from mixprec.scaling import LossScaler
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import to_policy
+from mixprec.core.prepare import FP32Criterion, prepare_model, prepare_optimizer
+from mixprec.core.scaling import LossScaler
 
 WORLD = 4
 WIDTH = 8  # tiny: fp16 matmuls on CPU are very slow

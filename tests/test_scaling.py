@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixprec.policy import NAIVE_SCALER, ScalerConfig
-from mixprec.scaling import LossScaler, unscale_and_check_
+from mixprec.core.policy import NAIVE_SCALER, ScalerConfig
+from mixprec.core.scaling import LossScaler, unscale_and_check_
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")
@@ -154,7 +154,7 @@ def test_is_unit_only_while_the_scale_is_a_static_one_never_written() -> None:
 
 
 def test_unit_scale_backward_gives_the_scaled_paths_grads_bitwise() -> None:
-    from mixprec.optim import MixedPrecisionOptimizer
+    from mixprec.core.optim import MixedPrecisionOptimizer
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 8).bfloat16()

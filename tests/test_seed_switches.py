@@ -12,8 +12,8 @@ from conftest import tiny_mlp
 from mixprec import engine as mixprec_engine
 from mixprec.amp import AMP_TYPE, convert_to_amp
 from mixprec.apex import amp
-from mixprec.apex.multi_loss import MultiLossOptimizer
 from mixprec.booster import Booster
+from mixprec.core.multi_loss import MultiLossOptimizer
 from mixprec.mixed_precision import FP16ApexMixedPrecision, FP16NaiveMixedPrecision
 
 WIDTH = 8  # fp16 matmuls are slow on CPU: tiny shapes

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.skip_monitor import SkipMonitor, scale_text
+from mixprec.core.skip_monitor import SkipMonitor, scale_text
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")

@@ -24,11 +24,13 @@ from torch import nn
 import mixprec
 import mixprec.paddle as paddle_amp
 from mixprec.apex import amp as apex_amp
-from mixprec.compiled_step import compile_step
-from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError
-from mixprec.policy import APEX_SCALER, ScalerConfig
+from mixprec.core.compiled_step import compile_step
+from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError
+from mixprec.core.policy import APEX_SCALER, ScalerConfig
 
-_REGIONS = importlib.import_module("mixprec.autocast")  # the module; mixprec.autocast is a class
+_REGIONS = importlib.import_module(
+    "mixprec.core.autocast"
+)  # the module; mixprec.core.autocast is a class
 PATTERN = [True, False, True, True, True, False, False, False]
 """Overflow per step (True: an inf in the target): bad, clean, bad, bad, bad, then growth."""
 GROWTH_INTERVAL = 2  # short enough that the clean tail grows the scale
@@ -292,7 +294,7 @@ def test_the_step_compiles_once_under_the_callers_regions(inner):
         with contextlib.ExitStack() as stack:
             regions.append(stack.enter_context(paddle_amp.auto_cast(dtype="bfloat16")))
             if inner:
-                region = mixprec.autocast(dtype=torch.bfloat16, custom_black_list={"relu"})
+                region = mixprec.core.autocast(dtype=torch.bfloat16, custom_black_list={"relu"})
                 regions.append(stack.enter_context(region))
             step(*batch(i))
             assert len(_REGIONS._STATE.exits) == 1 + inner  # the caller's, given back
@@ -363,7 +365,7 @@ def test_the_clip_epsilon_is_written_once():
     spelled = sorted(
         str(path.relative_to(src)) for path in src.rglob("*.py") if pattern.search(path.read_text())
     )
-    assert spelled == ["step_math.py"]
+    assert spelled == ["core/step_math.py"]
 
 
 @pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale_+step"])

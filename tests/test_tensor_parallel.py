@@ -16,10 +16,10 @@ import torch
 from dist_utils import assert_same_on_every_rank, local_shard, scaler_state
 from torch import nn
 
-from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import Policy, to_policy
-from mixprec.scaling import LossScaler
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import Policy, to_policy
+from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
+from mixprec.core.scaling import LossScaler
 
 WORLD = 2  # the machine has 2 cores: one per rank
 WIDTH = 8  # tiny: fp16 matmuls on CPU are very slow; 2 * WIDTH splits evenly over WORLD

@@ -1,4 +1,4 @@
-"""ZeRO-1/2 (LowLevelZeroPlugin, mixprec.zero) against one process on the concatenated batch."""
+"""ZeRO-1/2 (LowLevelZeroPlugin, mixprec.parallel.zero) against one process on the concatenated batch."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from torch import nn
 from mixprec.booster import Booster
 from mixprec.booster.plugin import LowLevelZeroPlugin
 from mixprec.config import load_config
-from mixprec.module import prepare_model, prepare_optimizer
-from mixprec.policy import AMP_TYPE
-from mixprec.zero import ZeroOptimizer, partition_params
+from mixprec.core.policy import AMP_TYPE
+from mixprec.core.prepare import prepare_model, prepare_optimizer
+from mixprec.parallel.zero import ZeroOptimizer, partition_params
 
 WIDTH = 16  # tiny: fp16 matmuls are slow on CPU
 STEPS = 4
@@ -367,7 +367,7 @@ def _half_steps(booster, model, opt, criterion, x, y, steps: int) -> None:  # no
 def _checkpoint_worker(rank: int, world: int, directory: str) -> None:
     from dist_utils import assert_same_on_every_rank, scaler_state
 
-    from mixprec.checkpoint import (
+    from mixprec.core.checkpoint import (
         hp_model_state_dict,
         load_checkpoint,
         load_hp_model_state_dict,
@@ -480,8 +480,8 @@ class _PartlyUsed(nn.Module):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_param_without_gradient_is_not_stepped(stage: int) -> None:
-    from mixprec.policy import preset
-    from mixprec.zero import prepare_zero_optimizer
+    from mixprec.core.policy import preset
+    from mixprec.parallel.zero import prepare_zero_optimizer
 
     x, y = _data(8)
     policy = preset("fp16_naive", dtype="bfloat16")
@@ -511,7 +511,7 @@ def test_a_param_without_gradient_is_not_stepped(stage: int) -> None:
 
 
 def test_cpu_offload_from_an_accelerator_is_refused() -> None:
-    from mixprec.zero import check_cpu_offload
+    from mixprec.parallel.zero import check_cpu_offload
 
     with pytest.raises(ValueError, match=r"cpu_offload=True on cuda:0.*not supported"):
         check_cpu_offload(True, torch.device("cuda", 0))
@@ -523,8 +523,8 @@ def test_zero_takes_the_policys_verbosity_and_refuses_several_losses() -> None:
     # policy carries (verbosity, num_losses) is honoured or refused, never dropped.
     from dataclasses import replace
 
-    from mixprec.policy import preset
-    from mixprec.zero import prepare_zero_optimizer
+    from mixprec.core.policy import preset
+    from mixprec.parallel.zero import prepare_zero_optimizer
 
     model = prepare_model(zero_model(), preset("fp16_naive"))
     quiet = replace(preset("fp16_naive"), verbosity=0)

@@ -39,7 +39,7 @@ from mixprec import AMP_TYPE
 from mixprec.bench.models import BasicBlock
 from mixprec.config import gpc
 from mixprec.launch import destroy
-from mixprec.policy import did_you_mean
+from mixprec.core.policy import did_you_mean
 
 logger = logging.getLogger("colossal_resnet")
 

@@ -6,7 +6,9 @@ Colossal-AI's `convert_to_amp`/`AMP_TYPE`, Apex's `mixprec.apex.amp`, Paddle's n
 
 from mixprec import fp8  # `import mixprec` gives mixprec.fp8.convert_to_fp8
 from mixprec.amp import AMPOptimizer, convert_to_amp
-from mixprec.autocast import (
+from mixprec.booster import Booster
+from mixprec.config import Config, gpc, load_config
+from mixprec.core.autocast import (
     autocast,
     fp16_guard,
     fp32,
@@ -15,13 +17,15 @@ from mixprec.autocast import (
     low_precision_region,
     resolve_ops,
 )
-from mixprec.booster import Booster
-from mixprec.casting import cast_floating, cast_module
-from mixprec.checkpoint import load_checkpoint, save_checkpoint
-from mixprec.compiled_step import CompiledStep, compile_step
-from mixprec.config import Config, gpc, load_config
+from mixprec.core.casting import cast_floating, cast_module
+from mixprec.core.checkpoint import load_checkpoint, save_checkpoint
+from mixprec.core.compiled_step import CompiledStep, compile_step
+from mixprec.core.grad_scaler import GradScaler
+from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
+from mixprec.core.policy import AMP_TYPE, MODES, Policy, ScalerConfig, preset, to_policy
+from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
+from mixprec.core.scaling import LossScaler
 from mixprec.engine import Engine, initialize
-from mixprec.grad_scaler import GradScaler
 from mixprec.launch import (
     get_default_parser,
     launch,
@@ -37,10 +41,6 @@ from mixprec.mixed_precision import (
     FP16NaiveMixedPrecision,
     FP16TorchMixedPrecision,
 )
-from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
-from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
-from mixprec.policy import AMP_TYPE, MODES, Policy, ScalerConfig, preset, to_policy
-from mixprec.scaling import LossScaler
 
 __version__ = "0.1.0"
 

@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.apex.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
+from mixprec.core.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import AMP_TYPE, Policy, to_policy
+from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.mixed_precision import OptimizerWrapperAPI, with_optimizer_wrapper_api
-from mixprec.module import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import AMP_TYPE, Policy, to_policy
 
 
 class AMPOptimizer(OptimizerWrapperAPI, MixedPrecisionOptimizer):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mixprec.policy import did_you_mean
+from mixprec.core.policy import did_you_mean
 
 NPROC_WORDS: tuple[str, ...] = ("auto", "cpu", "gpu", "xpu")
 """torchrun's non-numeric --nproc_per_node values (one worker per device of that kind)."""

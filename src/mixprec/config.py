@@ -23,8 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mixprec.policy import AMP_TYPE, Policy, clip_norm_for, did_you_mean, to_policy
-from mixprec.zero import to_zero_config
+from mixprec.core.policy import AMP_TYPE, Policy, clip_norm_for, did_you_mean, to_policy
+from mixprec.parallel.zero import to_zero_config
 
 CONFIG_SUFFIXES: tuple[str, ...] = (".py", ".json", ".toml")
 """File types load_config reads: Python (runs the file), JSON and TOML (run nothing)."""
@@ -205,7 +205,7 @@ PARALLEL_KEYS: tuple[str, ...] = ("pipeline", "tensor")
 
 
 def _check_keys(what: str, given: Mapping[str, Any], valid: tuple[str, ...]) -> None:
-    from mixprec.policy import check_keys  # here, not above: keeps the import block as it was
+    from mixprec.core.policy import check_keys  # here, not above: keeps the import block as it was
 
     check_keys(what, given, valid)
 
@@ -268,7 +268,7 @@ def validate_config(config: Mapping[str, Any]) -> None:
 def load_config(config: ConfigLike, *, validate: bool = True) -> Config:
     """A Config from a mapping or a .py/.json/.toml file path (None gives an empty Config).
 
-    validate: check the fp16 section with mixprec.policy.to_policy (and clip_grad_norm,
+    validate: check the fp16 section with mixprec.core.policy.to_policy (and clip_grad_norm,
     gradient_accumulation) now, so a bad config fails before any process group is built.
     """
     if config is None:

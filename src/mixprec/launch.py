@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.config import Config, ConfigLike, gpc, load_config
-from mixprec.policy import did_you_mean
+from mixprec.core.policy import did_you_mean
 
 logger = logging.getLogger(__name__)
 

@@ -13,28 +13,13 @@ own messages go) with one handler writing INFO and above to stdout, as Colossal-
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mixprec.scaling import rank_and_world
+from mixprec.core.logs import log_info_to_stdout
+from mixprec.core.scaling import rank_and_world
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-class _StdoutHandler(logging.StreamHandler):
-    """Writes to whatever sys.stdout is at emit time (pytest and notebooks swap it)."""
-
-    def __init__(self) -> None:
-        super().__init__(sys.stdout)
-
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stdout
-
-    @stream.setter
-    def stream(self, value: object) -> None:  # StreamHandler.__init__ assigns it: ignored
-        pass
 
 
 def _check_level(level: str) -> int:
@@ -48,13 +33,7 @@ class DistributedLogger:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.logger = logging.getLogger(name)
-        if not any(isinstance(h, _StdoutHandler) for h in self.logger.handlers):
-            handler = _StdoutHandler()
-            handler.setFormatter(logging.Formatter("%(name)s - %(levelname)s: %(message)s"))
-            self.logger.addHandler(handler)
-        if self.logger.level == logging.NOTSET or self.logger.level > logging.INFO:
-            self.logger.setLevel(logging.INFO)
+        self.logger = log_info_to_stdout(logging.getLogger(name))
 
     def _log(self, level: int, message: str, ranks: Sequence[int] | None) -> None:
         if ranks is not None:

@@ -1,6 +1,6 @@
 """Colossal-AI's mixed-precision objects for the Booster: one thin class per mode.
 
-Each class holds a `Policy` built by mixprec.policy's parsers (the one vocabulary; every
+Each class holds a `Policy` built by mixprec.core.policy's parsers (the one vocabulary; every
 default below is read from there, not retyped) and applies it through the same few hooks:
 `convert_module`, `convert_optimizer`, `convert_criterion`. A subclass overrides only what
 differs from the base (Lightning Fabric's precision-plugin style); most override nothing but
@@ -16,11 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.apex.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
 from mixprec.apex.policy import apex_policy
-from mixprec.module import FP32Criterion, PrecisionModule, prepare_model
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import (
+from mixprec.core.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import (
     MODES,
     NAIVE_SCALER,
     TORCH_SCALER,
@@ -30,11 +29,16 @@ from mixprec.policy import (
     to_policy,
     torch_amp_policy,
 )
-from mixprec.scaling import ProcessGroup
+from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model
+from mixprec.core.scaling import ProcessGroup
 
 # Modules whose optimizers hold the one clip of each parallelism (single process, ZeRO's
 # shards, the pipeline's stages); a face's override of clip_grad_norm is its legacy form.
-_CORE_CLIP_MODULES = ("mixprec.optim", "mixprec.zero", "mixprec.pipeline_optim")
+_CORE_CLIP_MODULES = (
+    "mixprec.core.optim",
+    "mixprec.parallel.zero",
+    "mixprec.parallel.pipeline.optim",
+)
 
 
 class OptimizerWrapperAPI:
@@ -164,7 +168,11 @@ class OptimizerWrapperAPI:
 _WITH_API: dict[type, type] = {}
 # Where the optimizer classes a Colossal face returns live: an unpickling process finds
 # "Colossal<name>" here (see __getattr__) before any optimizer was wrapped in it.
-_OPTIMIZER_MODULES = ("mixprec.optim", "mixprec.zero", "mixprec.pipeline_optim")
+_OPTIMIZER_MODULES = (
+    "mixprec.core.optim",
+    "mixprec.parallel.zero",
+    "mixprec.parallel.pipeline.optim",
+)
 
 
 def _api_class(cls: type) -> type:
@@ -183,7 +191,7 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         base = name.removeprefix("Colossal")
-        for module in (*_OPTIMIZER_MODULES, "mixprec.apex.multi_loss"):
+        for module in (*_OPTIMIZER_MODULES, "mixprec.core.multi_loss"):
             cls = getattr(importlib.import_module(module), base, None)
             if isinstance(cls, type) and issubclass(cls, MixedPrecisionOptimizer):
                 return _api_class(cls)
@@ -366,7 +374,7 @@ class BF16MixedPrecision(MixedPrecision):
 
 class BF16SRMixedPrecision(MixedPrecision):
     """'bf16_sr': bf16 weights without fp32 masters, updates stochastically rounded into them
-    (mixprec.lean); optimizer_state: 'fp32' (default), 'bf16', 'int8', 'int4' or 'fp8'."""
+    (mixprec.core.lean); optimizer_state: 'fp32' (default), 'bf16', 'int8', 'int4' or 'fp8'."""
 
     def __init__(self, optimizer_state: str = "fp32") -> None:
         super().__init__(to_policy("bf16_sr", {"optimizer_state": optimizer_state}))

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from mixprec.data import EpochShuffledDistributedSampler
+from mixprec.parallel.data import EpochShuffledDistributedSampler
 
 
 def seed_worker(worker_id: int, seed: int) -> None:

@@ -8,8 +8,8 @@ MixedPrecisionOptimizer); see mixprec.apex.amp for the differences from Apex.
 """
 
 from mixprec.apex import amp
-from mixprec.apex._optim import AmpOptimizer
 from mixprec.apex.fp16_utils import FP16_Optimizer
 from mixprec.apex.policy import apex_policy
+from mixprec.core.per_loss_optim import AmpOptimizer
 
 __all__ = ["AmpOptimizer", "FP16_Optimizer", "amp", "apex_policy"]

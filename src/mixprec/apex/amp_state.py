@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from mixprec.apex.policy import NO_FLOOR
-from mixprec.autocast import fp32_region
-from mixprec.scaling import LossScaler
+from mixprec.core.autocast import fp32_region
+from mixprec.core.scaling import LossScaler
 
 
 class ApexLossScaler:

@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from mixprec.apex._optim import (
+from mixprec.core.optim import StepResult
+from mixprec.core.per_loss_optim import (
     StashingOptimizer,
     UnscaleEvent,
     is_rank_zero,
     reduce_found_inf_,
 )
-from mixprec.optim import StepResult
-from mixprec.policy import ScalerConfig, check_keys
+from mixprec.core.policy import ScalerConfig, check_keys
 
 log = logging.getLogger("mixprec")
 DYNAMIC_LOSS_ARGS = ("init_scale", "scale_factor", "scale_window")

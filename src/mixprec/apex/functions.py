@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-from mixprec.casting import cast_floating
+from mixprec.core.casting import cast_floating
 
 CastKind = Literal["half", "float", "promote"]
 CAST_KINDS: tuple[str, ...] = ("half", "float", "promote")

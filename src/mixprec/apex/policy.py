@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mixprec.policy import (
+from mixprec.core.policy import (
     APEX_SCALER,
     OPT_LEVELS,
     Policy,

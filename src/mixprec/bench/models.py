@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.policy import did_you_mean
+from mixprec.core.policy import did_you_mean
 
 ModelName = Literal["mlp", "vit", "resnet"]
 MODEL_NAMES: tuple[str, ...] = get_args(ModelName)

@@ -38,7 +38,7 @@ from mixprec.bench.worker import (
     RoundResult,
     WorkerJob,
 )
-from mixprec.policy import did_you_mean
+from mixprec.core.policy import did_you_mean
 
 CPU_FP16_STEPS = 1
 """Timed steps per round for fp16 (bf16) modes on a CPU without fp16 (bf16) kernels, unless the
@@ -180,7 +180,7 @@ def resolve_device(device: str) -> torch.device:
 
 def cpu_has_fast_fp16() -> bool:
     """Whether this CPU has native fp16 arithmetic (x86 avx512_fp16/amx_fp16, arm asimdhp)."""
-    from mixprec.debugging.hardware import ARM_FP16_FLAGS, X86_FP16_FLAGS, read_cpu_flags
+    from mixprec.core.hardware import ARM_FP16_FLAGS, X86_FP16_FLAGS, read_cpu_flags
 
     flags = read_cpu_flags() or frozenset()
     return any(f in flags for f in (*X86_FP16_FLAGS, *ARM_FP16_FLAGS))
@@ -188,7 +188,7 @@ def cpu_has_fast_fp16() -> bool:
 
 def cpu_has_fast_bf16() -> bool:
     """Whether this CPU has native bf16 math (x86 avx512_bf16/amx_bf16, arm bf16)."""
-    from mixprec.debugging.hardware import ARM_BF16_FLAGS, X86_BF16_FLAGS, read_cpu_flags
+    from mixprec.core.hardware import ARM_BF16_FLAGS, X86_BF16_FLAGS, read_cpu_flags
 
     flags = read_cpu_flags() or frozenset()
     return any(f in flags for f in (*X86_BF16_FLAGS, *ARM_BF16_FLAGS))

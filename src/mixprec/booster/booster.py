@@ -21,17 +21,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.apex import multi_loss
 from mixprec.booster.plugin.plugin_base import Plugin
-from mixprec.compiled_step import CompiledStep, compile_step
+from mixprec.core import multi_loss
+from mixprec.core.compiled_step import CompiledStep, compile_step
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.prepare import FP32Criterion
+from mixprec.core.skip_monitor import SkipStats
 from mixprec.mixed_precision import (
     MixedPrecision,
     to_mixed_precision,
     with_optimizer_wrapper_api,
 )
-from mixprec.module import FP32Criterion
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.skip_monitor import SkipStats
 
 
 class SkipAwareLRScheduler:
@@ -81,7 +81,7 @@ class Booster:
 
     Args:
         device: where the model trains (default: 'cuda' when available, else 'cpu').
-        mixed_precision: None (fp32), a mode name (mixprec.policy.MODES: 'fp16', 'bf16',
+        mixed_precision: None (fp32), a mode name (mixprec.core.policy.MODES: 'fp16', 'bf16',
             'fp16_naive', 'fp16_apex', 'fp8', 'fp32') or a MixedPrecision instance.
         plugin: TorchDDPPlugin, TorchFSDPPlugin, HybridParallelPlugin, or None (one process).
         compile_step: compile `train_step` (mixprec.compile_step); single process or DDP.

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mixprec.checkpoint import load_checkpoint, save_checkpoint
+from mixprec.core.checkpoint import load_checkpoint, save_checkpoint
 
 MODEL_INDEX = {False: "pytorch_model.bin.index.json", True: "model.safetensors.index.json"}
 OPTIMIZER_INDEX = "pytorch_optim.bin.index.json"

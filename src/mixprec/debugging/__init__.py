@@ -7,16 +7,20 @@
 - `add_doctor_arguments` / `run_doctor`: the `mixprec doctor` command.
 """
 
-from mixprec.debugging.doctor import add_doctor_arguments, load_factory, run_doctor
-from mixprec.debugging.hardware import (
+from mixprec.core.hardware import (
     CUDA_MIN_CAPABILITY,
     Finding,
     cpu_findings,
     cuda_findings,
-    findings_table,
-    hardware_report,
     parse_cpu_flags,
     read_cpu_flags,
+)
+from mixprec.debugging.doctor import (
+    add_doctor_arguments,
+    findings_table,
+    hardware_report,
+    load_factory,
+    run_doctor,
 )
 from mixprec.debugging.model_report import (
     LayerPrecision,

@@ -6,16 +6,24 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec.core.hardware import (
+    Finding,
+    cpu_findings,
+    cuda_findings,
+    fp8_finding,
+    read_cpu_flags,
+)
+from mixprec.core.policy import LOW_DTYPES, PRESETS, preset
+from mixprec.debugging._markdown import markdown_table
 from mixprec.debugging.gemm_speed import default_gemm_device, measure_gemm_speed
-from mixprec.debugging.hardware import findings_table, hardware_report
 from mixprec.debugging.model_report import model_report
-from mixprec.policy import LOW_DTYPES, PRESETS, preset
+from mixprec.fp8 import fp8_kernel_problem  # probes the CPU kernel once, when called
 
 
 def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,3 +120,40 @@ def run_doctor(args: argparse.Namespace) -> int:
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     print(model_report(model, policy, example, gpu_capability=capability).table())
     return 0
+
+
+def findings_table(findings: Sequence[Finding]) -> str:
+    """The findings as a markdown table."""
+    rows = [[f.device, f.dtype or "-", f.level, f.message] for f in findings]
+    return markdown_table(["device", "dtype", "level", "finding"], rows)
+
+
+def hardware_report() -> list[Finding]:
+    """Findings for this machine: every visible CUDA device, then the CPU; fp8 for each."""
+    findings: list[Finding] = []
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            device = f"cuda:{index}"
+            name = torch.cuda.get_device_name(index)
+            if torch.version.hip is not None:  # ROCm numbers its archs differently (gfx9xx)
+                message = f"{name}: ROCm device; NVIDIA capability checks skipped."
+                findings.append(Finding(device=device, dtype="", level="info", message=message))
+                continue
+            capability = torch.cuda.get_device_capability(index)
+            findings.extend(cuda_findings(name, capability, device=device))
+            findings.append(fp8_finding(device, fp8_kernel_problem(device)))
+    else:
+        message = "No CUDA device visible: training runs on the CPU."
+        findings.append(Finding(device="cuda", dtype="", level="info", message=message))
+    mkldnn_bf16 = None
+    if torch.backends.mkldnn.is_available():
+        mkldnn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    findings.extend(
+        cpu_findings(
+            read_cpu_flags(),
+            cpu_capability=torch.backends.cpu.get_cpu_capability(),
+            mkldnn_bf16=mkldnn_bf16,
+        )
+    )
+    findings.append(fp8_finding("cpu", fp8_kernel_problem("cpu")))
+    return findings

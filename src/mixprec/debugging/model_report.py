@@ -10,12 +10,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from mixprec.casting import NORM_TYPES, cast_floating, cast_module
+from mixprec.core.casting import NORM_TYPES, cast_floating, cast_module
+from mixprec.core.policy import Policy
 from mixprec.debugging._markdown import markdown_table
 from mixprec.debugging.conv_layout import ConvNote, conv_notes, gemm_multiple
 from mixprec.fp8.config import GEMM_ALIGN, LP_FORWARD_DTYPE
 from mixprec.fp8.convert import default_fp8_filter
-from mixprec.policy import Policy
 
 TENSOR_CORE_MULTIPLE = 8
 """fp16/bf16 GEMM and conv dims that are multiples of 8 run on tensor cores (seed 002, 3.1)."""
@@ -246,7 +246,7 @@ def model_report(
         raise TypeError(f"model_report needs an nn.Module, got {type(model).__name__}.")
     if not isinstance(policy, Policy):
         raise TypeError(
-            f"model_report needs a mixprec Policy (e.g. mixprec.policy.preset('bf16')), "
+            f"model_report needs a mixprec Policy (e.g. mixprec.core.policy.preset('bf16')), "
             f"got {policy!r}."
         )
     multiple = (

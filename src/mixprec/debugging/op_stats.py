@@ -16,8 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from mixprec.core.policy import did_you_mean
 from mixprec.debugging._markdown import markdown_table
-from mixprec.policy import did_you_mean
 
 DtypeColumn = Literal["float32", "float16", "bfloat16", "other"]
 DTYPE_COLUMNS: tuple[str, ...] = get_args(DtypeColumn)

@@ -6,7 +6,7 @@ Where each piece lives:
     state.py            the Engine's checkpoint (state_dict / load_state_dict)
     pipeline_engine.py  the Engine of `parallel=dict(pipeline=N)`
     base.py             what both Engines share (train/eval, step with the LR schedule, counters)
-    mixprec.data        dataloader_to_distributed: a loader sharded over ranks
+    mixprec.parallel.data        dataloader_to_distributed: a loader sharded over ranks
 
 `initialize` reads `fp16`, `clip_grad_norm`, `gradient_accumulation` and `compile` (bool:
 `engine.train_step(x, target=y)` runs mixprec.compile_step's compiled whole step) from a config (by
@@ -34,10 +34,10 @@ the dataloader is not shortened to a multiple of N: a partial window at the end 
 carries over into the next one.
 """
 
-from mixprec.data import EpochShuffledDistributedSampler, dataloader_to_distributed
 from mixprec.engine.engine import Engine
 from mixprec.engine.from_config import initialize
 from mixprec.engine.state import ENGINE_STATE_KEYS
+from mixprec.parallel.data import EpochShuffledDistributedSampler, dataloader_to_distributed
 
 __all__ = [
     "ENGINE_STATE_KEYS",

@@ -10,8 +10,8 @@ from typing import Any
 
 from torch import nn
 
-from mixprec.optim import MixedPrecisionOptimizer, StepResult
-from mixprec.skip_monitor import SkipStats
+from mixprec.core.optim import MixedPrecisionOptimizer, StepResult
+from mixprec.core.skip_monitor import SkipStats
 
 
 class EngineBase:

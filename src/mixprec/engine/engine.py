@@ -13,13 +13,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mixprec.apex import multi_loss
-from mixprec.compiled_step import CompiledStep, compile_step
+from mixprec.core import multi_loss
+from mixprec.core.compiled_step import CompiledStep, compile_step
+from mixprec.core.optim import MixedPrecisionOptimizer, StepResult
+from mixprec.core.policy import Policy
+from mixprec.core.prepare import FP32Criterion, PrecisionModule
 from mixprec.engine.base import EngineBase
 from mixprec.engine.state import engine_state_dict, load_engine_state_dict
-from mixprec.module import FP32Criterion, PrecisionModule
-from mixprec.optim import MixedPrecisionOptimizer, StepResult
-from mixprec.policy import Policy
 
 
 class Engine(EngineBase):

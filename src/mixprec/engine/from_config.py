@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mixprec.apex.multi_loss import prepare_loss_optimizer
 from mixprec.config import (
     ConfigLike,
     config_to_pipeline,
@@ -25,14 +24,15 @@ from mixprec.config import (
     load_config,
     validate_config,
 )
-from mixprec.data import shard_loader
+from mixprec.core.multi_loss import prepare_loss_optimizer
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import Policy, clip_norm_for
+from mixprec.core.prepare import FP32Criterion, prepare_model
+from mixprec.core.scaling import rank_and_world
+from mixprec.core.validate import check_bool
 from mixprec.engine.engine import Engine, _check_compile
-from mixprec.module import FP32Criterion, prepare_model
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import Policy, clip_norm_for
-from mixprec.scaling import rank_and_world
-from mixprec.validate import check_bool
-from mixprec.zero import check_cpu_offload, prepare_zero_optimizer, to_zero_config
+from mixprec.parallel.data import shard_loader
+from mixprec.parallel.zero import check_cpu_offload, prepare_zero_optimizer, to_zero_config
 
 log = logging.getLogger("mixprec")
 
@@ -60,7 +60,7 @@ def initialize(
     config: a mapping or a .py/.json/.toml path; None reads `gpc.config` (set by launch).
     Its keys: `fp16=dict(mode=AMP_TYPE.X, **mode_keys)` (absent: fp32), `clip_grad_norm`
     (float; 0 or absent: off), `gradient_accumulation` (int N >= 1), `zero=dict(level=1|2|3)`
-    (mixprec.zero: sharded masters and state, + gradients, + params via FSDP2; no DDP then).
+    (mixprec.parallel.zero: sharded masters and state, + gradients, + params via FSDP2; no DDP then).
     Other keys are the user's and are left alone.
     lr_scheduler: when given, the engine steps it after every optimizer step that was not
     skipped; it is returned unchanged. Leave it out to step a schedule yourself.

@@ -11,7 +11,7 @@
         engine.step()
 
 initialize builds this engine when the config names a pipeline; everything precise happens in
-mixprec.pipeline (the core), with torch's Schedule1F1B.
+mixprec.parallel.pipeline.schedule (the core), with torch's Schedule1F1B.
 """
 
 from __future__ import annotations
@@ -22,19 +22,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.data import shard_loader
+from mixprec.core.optim import StepResult
+from mixprec.core.policy import Policy
+from mixprec.core.prepare import FP32Criterion
 from mixprec.engine.base import EngineBase
-from mixprec.module import FP32Criterion
-from mixprec.optim import StepResult
-from mixprec.pipeline import (
+from mixprec.parallel.data import shard_loader
+from mixprec.parallel.pipeline.optim import PipelineOptimizer
+from mixprec.parallel.pipeline.schedule import (
     PipelineConfig,
     PipelinedModel,
     data_shard,
     next_batch,
     prepare_pipeline,
 )
-from mixprec.pipeline_optim import PipelineOptimizer
-from mixprec.policy import Policy
 
 
 class PipelineEngine(EngineBase):

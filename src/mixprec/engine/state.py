@@ -13,8 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from mixprec.checkpoint import hp_model_state_copy
-from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.core.checkpoint import hp_model_state_copy
+from mixprec.core.optim import MixedPrecisionOptimizer
 
 ENGINE_STATE_KEYS: tuple[str, ...] = (
     "model",

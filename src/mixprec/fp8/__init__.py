@@ -17,6 +17,7 @@ nn.Linear's keys. Where no float8 GEMM kernel exists, `Float8Config(emulate=True
 float8 and back and runs the GEMM in fp32: the same rounding, no speedup.
 """
 
+from mixprec.core.prepare import register_fp8_converter
 from mixprec.fp8.casts import (
     amax_to_scale,
     cast_to_fp8,
@@ -42,6 +43,8 @@ from mixprec.fp8.convert import (
 )
 from mixprec.fp8.kernels import cpu_has_scaled_mm, fp8_kernel_problem, lp_gemm, resolve_emulate
 from mixprec.fp8.linear import Float8Conv1D, Float8Linear, is_hf_conv1d
+
+register_fp8_converter(convert_to_fp8)  # the core's prepare_model calls it for 'fp8'
 
 __all__ = [
     "AMAX_EPS",

@@ -7,7 +7,7 @@ from typing import Literal, get_args
 
 import torch
 
-from mixprec.policy import did_you_mean
+from mixprec.core.policy import did_you_mean
 
 LP_FORWARD_DTYPE = torch.float8_e4m3fn
 """Inputs and weights: 3 mantissa bits, range +-448 (precision matters more than range)."""

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mixprec.core.validate import check_callable
 from mixprec.fp8.config import GEMM_ALIGN, Float8Config
 from mixprec.fp8.kernels import resolve_emulate
 from mixprec.fp8.linear import Float8Conv1D, Float8Linear, is_hf_conv1d
-from mixprec.validate import check_callable
 
 logger = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from mixprec.autocast import default_device_type
-from mixprec.casting import cast_floating, cast_module
-from mixprec.module import autocast_context, prepare_optimizer
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import MODES, Policy, did_you_mean, to_policy
-from mixprec.scaling import LossScaler
-from mixprec.validate import check_module_has_parameters
+from mixprec.core.autocast import default_device_type
+from mixprec.core.casting import cast_floating, cast_module
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import MODES, Policy, did_you_mean, to_policy
+from mixprec.core.prepare import autocast_context, prepare_optimizer
+from mixprec.core.scaling import LossScaler
+from mixprec.core.validate import check_module_has_parameters
 
 OP_LIST_KEYS = ("custom_white_list", "custom_black_list")
 """Options that set the policy's runtime op lists, in any mode with a low compute dtype."""

@@ -47,7 +47,7 @@ Differences from Paddle, each deliberate:
 - O2 with use_promote promotes through torch's type promotion and keeps torch.autocast's own
   fp32 list (on CUDA: exp, log, softmax, sum, ... run fp32 where Paddle runs fp16 inputs low).
 - All norm layers stay fp32 in O2 (Paddle keeps LayerNorm/InstanceNorm bf16 under bfloat16).
-- Nested auto_cast contexts add their lists to the enclosing ones (mixprec.autocast's rule);
+- Nested auto_cast contexts add their lists to the enclosing ones (mixprec.core.autocast's rule);
   Paddle's replace them. O0 / enable=False inside any level turns everything off, as Paddle.
 - master_grad: fp32 master gradients are always kept (they accumulate in fp32 across
   micro-batches), so master_grad=False behaves as True; it needs master weights to exist.
@@ -67,13 +67,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.autocast import autocast, fp16_guard, fp32, is_fp32_module, resolve_ops
-from mixprec.casting import NORM_TYPES, cast_module
-from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.core.autocast import autocast, fp16_guard, fp32, is_fp32_module, resolve_ops
+from mixprec.core.casting import NORM_TYPES, cast_module
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import UNIT_SCALE, did_you_mean, to_low_dtype
+from mixprec.core.scaling import rank_and_world
+from mixprec.core.validate import check_module_has_parameters
 from mixprec.paddle import op_names
-from mixprec.policy import UNIT_SCALE, did_you_mean, to_low_dtype
-from mixprec.scaling import rank_and_world
-from mixprec.validate import check_module_has_parameters
 
 log = logging.getLogger("mixprec")
 
@@ -180,7 +180,7 @@ def level_op_lists(
     dtype: str | torch.dtype = "float16",
     use_promote: bool = True,
 ) -> tuple[frozenset[str], frozenset[str]]:
-    """The (low, fp32) op lists auto_cast(level, ...) hands to mixprec.autocast.
+    """The (low, fp32) op lists auto_cast(level, ...) hands to mixprec.core.autocast.
 
     Paddle's default white and black lists for level and dtype (paddle.amp.white_list(),
     black_list(), in torch's op names), the custom lists moved in; in O1 and O2 torch.autocast
@@ -201,7 +201,7 @@ def level_op_lists(
 
 
 class auto_cast(autocast):  # noqa: N801 - Paddle's name
-    """paddle.amp.auto_cast: a mixprec.autocast configured by a Paddle AMP level.
+    """paddle.amp.auto_cast: a mixprec.core.autocast configured by a Paddle AMP level.
 
     enable: False runs everything as if no autocast were active (as level O0).
     custom_white_list: ops run in dtype (Paddle or torch names, or torch callables).
@@ -213,7 +213,7 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
         computing op but the norms runs low.
     device_type: mixprec's addition: the device whose autocast is set; None is 'cuda' when a
     GPU is visible, else 'cpu'.
-    A context manager and a decorator, like mixprec.autocast.
+    A context manager and a decorator, like mixprec.core.autocast.
     """
 
     def __init__(

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-from mixprec.grad_scaler import GradScaler as _CoreGradScaler
-from mixprec.grad_scaler import default_device
+from mixprec.core.grad_scaler import GradScaler as _CoreGradScaler
+from mixprec.core.grad_scaler import default_device
+from mixprec.core.policy import did_you_mean
+from mixprec.core.scaling import ProcessGroup
 from mixprec.paddle.dygraph import MasterWeightOptimizer, amp_global_state, holds_pure_lp_params
-from mixprec.policy import did_you_mean
-from mixprec.scaling import ProcessGroup
 
 TORCH_ALIASES: dict[str, str] = {
     "enabled": "enable",

@@ -11,7 +11,7 @@ import difflib
 import functools
 from collections.abc import Callable, Iterable
 
-from mixprec.autocast import resolve_ops
+from mixprec.core.autocast import resolve_ops
 
 # ----- Paddle 3.3.1's lists, by Paddle's names (python/paddle/amp/amp_lists.py) -----
 

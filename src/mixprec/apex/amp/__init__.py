@@ -72,7 +72,6 @@ import torch
 from torch import nn
 
 from mixprec.apex import functions
-from mixprec.apex._optim import AmpOptimizer, UnscaleEvent, is_rank_zero, reduce_found_inf_
 from mixprec.apex._optimizer_like import REQUIRED, OptimizerLike, missing_members
 from mixprec.apex.amp._amp_state import _amp_state, master_params
 from mixprec.apex.amp_state import AmpHandle, Properties
@@ -85,13 +84,14 @@ from mixprec.apex.functions import (  # Apex's amp namespace holds these too
     register_promote_function,
 )
 from mixprec.apex.policy import _as_bool, apex_policy, apex_properties, uncast_master_weights
-from mixprec.autocast import fp32_region
-from mixprec.casting import cast_call_args, cast_floating, cast_module
-from mixprec.debugging.amp_warning import warn_if_amp_cannot_help
-from mixprec.module import autocast_context, param_probe, probe_device_type
-from mixprec.policy import Policy, describe
-from mixprec.scaling import LossScaler
-from mixprec.validate import check_module_has_parameters
+from mixprec.core.amp_warning import warn_if_amp_cannot_help
+from mixprec.core.autocast import fp32_region
+from mixprec.core.casting import cast_call_args, cast_floating, cast_module
+from mixprec.core.per_loss_optim import AmpOptimizer, UnscaleEvent, is_rank_zero, reduce_found_inf_
+from mixprec.core.policy import Policy, describe
+from mixprec.core.prepare import autocast_context, param_probe, probe_device_type
+from mixprec.core.scaling import LossScaler
+from mixprec.core.validate import check_module_has_parameters
 
 log = logging.getLogger("mixprec")
 PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)

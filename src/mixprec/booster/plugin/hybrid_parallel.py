@@ -1,4 +1,4 @@
-"""HybridParallelPlugin: Colossal-AI's pipeline (x data) parallel plugin over mixprec.pipeline.
+"""HybridParallelPlugin: Colossal-AI's pipeline (x data) parallel plugin over mixprec.parallel.pipeline.schedule.
 
     plugin = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=4, precision="fp16")
     booster = Booster(plugin=plugin)
@@ -40,15 +40,7 @@ from mixprec.booster.plugin.plugin_base import (
     refuse_non_defaults,
 )
 from mixprec.mixed_precision import FP32Precision, MixedPrecision, to_mixed_precision
-from mixprec.pipeline import (
-    PipelineConfig,
-    PipelinedModel,
-    check_pp_size,
-    data_shard,
-    next_batch,
-    prepare_pipeline,
-)
-from mixprec.pipeline_checkpoint import (
+from mixprec.parallel.pipeline.checkpoint import (
     load_pipeline_model_state,
     load_pipeline_optimizer_state,
     owns_key,
@@ -56,7 +48,15 @@ from mixprec.pipeline_checkpoint import (
     pipeline_optimizer_state,
     template_from_metadata,
 )
-from mixprec.pipeline_optim import PipelineOptimizer
+from mixprec.parallel.pipeline.optim import PipelineOptimizer
+from mixprec.parallel.pipeline.schedule import (
+    PipelineConfig,
+    PipelinedModel,
+    check_pp_size,
+    data_shard,
+    next_batch,
+    prepare_pipeline,
+)
 
 SHARDFORMER = "a shardformer feature mixprec does not have (tensor parallelism is tp_plan)"
 DDP_KNOB = (

@@ -1,7 +1,7 @@
-"""LowLevelZeroPlugin: Colossal-AI's ZeRO-1/2 plugin over mixprec.zero, fp16 included.
+"""LowLevelZeroPlugin: Colossal-AI's ZeRO-1/2 plugin over mixprec.parallel.zero, fp16 included.
 
 Colossal-AI refuses fp16 with ZeRO; here every rank keeps the fp16/bf16 model, the fp32 masters
-and optimizer state are sharded (mixprec.zero.ZeroOptimizer), and the loss scale's overflow
+and optimizer state are sharded (mixprec.parallel.zero.ZeroOptimizer), and the loss scale's overflow
 flag is agreed over the group, so a step skips on every rank together.
 """
 
@@ -20,12 +20,12 @@ from mixprec.booster.plugin.plugin_base import (
     refuse_non_defaults,
     unwrap_model,
 )
-from mixprec.checkpoint import hp_model_state_dict
+from mixprec.core.checkpoint import hp_model_state_dict
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import Policy, ScalerConfig, preset
+from mixprec.core.scaling import default_group
 from mixprec.mixed_precision import FP32Precision, MixedPrecision
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import Policy, ScalerConfig, preset
-from mixprec.scaling import default_group
-from mixprec.zero import (
+from mixprec.parallel.zero import (
     ZeroOptimizer,
     check_communication_dtype,
     check_cpu_offload,
@@ -56,7 +56,7 @@ class LowLevelZeroPlugin(Plugin):
         cpu_offload: keep masters and optimizer state in CPU memory (on CPU already: no-op).
         master_weights: keep fp32 masters of fp16/bf16 params (False: step them directly).
         update_rounding: how updates are written into params without masters: 'stochastic'
-            (bf16 only, mixprec.lean) or 'nearest'. None: stochastic for bf16 without masters
+            (bf16 only, mixprec.core.lean) or 'nearest'. None: stochastic for bf16 without masters
             (round-to-nearest drops updates below ~2**-8 of a weight), else nearest.
         optimizer_state: 'fp32', 'bf16', 'int8', 'int4' or 'fp8' moments (sharded like fp32
             state: each owner quantizes its own); None: the optimizer's own, except fp32

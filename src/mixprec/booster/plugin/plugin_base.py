@@ -19,18 +19,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
-from mixprec.checkpoint import (
+from mixprec.core.checkpoint import (
     hp_model_state_copy,
     hp_model_state_dict,
     load_checkpoint,
     load_hp_model_state_dict,
     save_checkpoint,
 )
-from mixprec.data import EpochShuffledDistributedSampler
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.prepare import PrecisionModule
+from mixprec.core.scaling import ProcessGroup, rank_and_world
 from mixprec.mixed_precision import MixedPrecision
-from mixprec.module import PrecisionModule
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.scaling import ProcessGroup, rank_and_world
+from mixprec.parallel.data import EpochShuffledDistributedSampler
 
 FP8_COMMUNICATION = (
     "fp8 compression of gradient communication (per-tensor scaled fp8 all-reduce / "

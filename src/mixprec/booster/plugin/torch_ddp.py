@@ -14,7 +14,7 @@ from mixprec.booster.plugin.plugin_base import (
     is_distributed,
     refuse_non_defaults,
 )
-from mixprec.module import PrecisionModule
+from mixprec.core.prepare import PrecisionModule
 
 
 class TorchDDPPlugin(Plugin):

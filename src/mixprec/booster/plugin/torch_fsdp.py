@@ -44,11 +44,11 @@ from mixprec.booster.plugin.plugin_base import (
     refuse_non_defaults,
     unwrap_model,
 )
-from mixprec.casting import NORM_TYPES, keep_module_fp32
+from mixprec.core.casting import NORM_TYPES, keep_module_fp32
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.prepare import set_verbosity
+from mixprec.core.scaling import ProcessGroup
 from mixprec.mixed_precision import MixedPrecision
-from mixprec.module import set_verbosity
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.scaling import ProcessGroup
 
 ShardFilter = Callable[[str, nn.Module], bool]
 

@@ -17,16 +17,16 @@ from typing import Any
 
 import torch
 
-from mixprec.autocast import resolve_ops
-from mixprec.compiled_step import CompiledStep
-from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.core.autocast import resolve_ops
+from mixprec.core.compiled_step import CompiledStep
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import to_low_dtype
 from mixprec.paddle import op_names
 from mixprec.paddle.dygraph import NORM_OPS
 from mixprec.paddle.grad_scaler import GradScaler
 from mixprec.paddle.op_names import paddle_ops_to_torch
 from mixprec.paddle.static.executor import PROMOTE, CPUPlace, CUDAPlace, build_step
 from mixprec.paddle.static.program import Program, Ref, Scope, Variable, fp16_guard
-from mixprec.policy import to_low_dtype
 
 
 class AutoMixedPrecisionLists:

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from mixprec.compiled_step import CompiledStep, compile_step
+from mixprec.core.compiled_step import CompiledStep, compile_step
+from mixprec.core.policy import did_you_mean
 from mixprec.paddle.static.program import (
     DTYPES,
     Program,
@@ -25,7 +26,6 @@ from mixprec.paddle.static.program import (
     default_main_program,
     default_startup_program,
 )
-from mixprec.policy import did_you_mean
 
 COMPILE_OPTIONS: dict[str, Any] = {}
 """torch.compile options for every Executor's step (tests pass backend="eager": dynamo only)."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from mixprec.policy import did_you_mean
+from mixprec.core.policy import did_you_mean
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -57,12 +57,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec import fused_step as fused
-from mixprec.autocast import fp32_region, scopes_set_aside
-from mixprec.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
-from mixprec.scaling import ProcessGroup, default_group, rank_and_world
-from mixprec.skip_monitor import SkipMonitor, SkipStats
-from mixprec.step_math import clip_coefficient
+from mixprec.core import fused_step as fused
+from mixprec.core.autocast import fp32_region, scopes_set_aside
+from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
+from mixprec.core.scaling import ProcessGroup, default_group, rank_and_world
+from mixprec.core.skip_monitor import SkipMonitor, SkipStats
+from mixprec.core.step_math import clip_coefficient
 
 _LAST = object()  # step(x, y): no target keyword, so the last positional is the target
 _TRACE_AUTOGRAD_GRAD = torch._dynamo.config.patch(trace_autograd_ops=True)
@@ -120,7 +120,7 @@ def _scale_owner(optimizer: torch.optim.Optimizer, scaler: Any, device: torch.de
     """The scaler that owns this step's loss scale: the given GradScaler, the optimizer's own
     LossScaler, or a unit scale. The step reads its `scale_tensor` and advances it by the
     owner's own rule (see _advance_scale): one rule per scaler, whichever path steps."""
-    from mixprec.grad_scaler import GradScaler  # core module; imported late: it imports optim
+    from mixprec.core.grad_scaler import GradScaler  # core module; imported late: it imports optim
 
     own = optimizer.scaler if isinstance(optimizer, MixedPrecisionOptimizer) else None
     if scaler is not None:
@@ -143,7 +143,7 @@ def _scale_owner(optimizer: torch.optim.Optimizer, scaler: Any, device: torch.de
 def _advance_scale(owner: Any, found_inf: torch.Tensor) -> None:
     """The owning scaler's rule, on the device: a mixprec.GradScaler's _update_scale_ (Paddle's
     GradScaler overrides it with Paddle's rule), a LossScaler's update (Megatron's hysteresis)."""
-    from mixprec.grad_scaler import GradScaler
+    from mixprec.core.grad_scaler import GradScaler
 
     if isinstance(owner, GradScaler):
         if owner.cfg.dynamic:

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, get_overridable_functions
 
-from mixprec.policy import did_you_mean, to_low_dtype
+from mixprec.core.policy import did_you_mean, to_low_dtype
 
 T = TypeVar("T")
 
@@ -463,7 +463,7 @@ class autocast(_RegionContext):  # noqa: N801 - mirrors torch.autocast
         # warn once per device and dtype where it cannot be fast (as Paddle does); not while
         # torch.compile traces a forward that builds this context
         if enabled and not torch.compiler.is_compiling():
-            from mixprec.debugging.amp_warning import warn_if_amp_cannot_help
+            from mixprec.core.amp_warning import warn_if_amp_cannot_help
 
             warn_if_amp_cannot_help(self.dtype, self.device_type, type(self).__name__)
 
@@ -480,7 +480,7 @@ class autocast(_RegionContext):  # noqa: N801 - mirrors torch.autocast
 
     def __repr__(self) -> str:
         return (
-            f"mixprec.autocast(dtype={self.dtype}, custom_white_list="
+            f"mixprec.core.autocast(dtype={self.dtype}, custom_white_list="
             f"{sorted(self.custom_white_list)}, custom_black_list={sorted(self.custom_black_list)}"
             f", enabled={self.enabled}, device_type={self.device_type!r})"
         )

@@ -11,7 +11,7 @@ precision rules a pipeline needs:
 - the last stage seeds backward with loss / num_microbatches * scale; earlier stages receive
   gradients already scaled, and nothing is rescaled at stage boundaries;
 - fp32 accumulation of micro-batch gradients, dp averaging, global-norm clipping and the skip
-  agreed over every rank: see mixprec.pipeline_optim.PipelineOptimizer.
+  agreed over every rank: see mixprec.parallel.pipeline.optim.PipelineOptimizer.
 
 A rank whose process dies mid-step resets its gloo connections: its peers' sends/receives
 raise at once. A rank that hangs holds its peers until the process group's timeout
@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.module import PrecisionModule, prepare_model, prepare_optimizer
-from mixprec.pipeline_optim import PipelineOptimizer
-from mixprec.pipeline_split import split_sequential
-from mixprec.policy import Policy, did_you_mean
+from mixprec.core.policy import Policy, did_you_mean
+from mixprec.core.prepare import PrecisionModule, prepare_model, prepare_optimizer
+from mixprec.parallel.pipeline.optim import PipelineOptimizer
+from mixprec.parallel.pipeline.split import split_sequential
 
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)

@@ -104,7 +104,7 @@ def cast_module(
     Kept modules are norm layers (when keep_norm_fp32), modules marked @mixprec.fp32, and any
     for which keep_fp32(name, module) is true; they compute in fp32 on up-cast inputs and return dtype outputs.
     """
-    from mixprec.autocast import is_fp32_module  # modules the user marked @mixprec.fp32
+    from mixprec.core.autocast import is_fp32_module  # modules the user marked @mixprec.fp32
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"cast_module needs an nn.Module, got {model!r} ({type(model).__name__}).")

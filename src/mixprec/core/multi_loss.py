@@ -2,7 +2,7 @@
 
 `FP16ApexMixedPrecision(num_losses=N)`, `fp16=dict(mode=AMP_TYPE.APEX, num_losses=N)` and
 `convert_to_amp(..., AMP_TYPE.APEX, {"num_losses": N})` build a `MultiLossOptimizer`: the
-optimizer `amp.initialize` returns (the per-backward unscale of mixprec.apex._optim), owning
+optimizer `amp.initialize` returns (the per-backward unscale of mixprec.core.per_loss_optim), owning
 its N scalers instead of sharing amp's. `optimizer.backward(loss, loss_id=i)` (and
 `booster.backward(loss, optimizer, loss_id=i)`, `engine.backward(loss, loss_id=i)`) scales
 by scaler i, unscales and checks the new grads at once, and updates scaler i alone.
@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.apex._optim import AmpOptimizer, UnscaleEvent
-from mixprec.module import prepare_optimizer
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import OPT_LEVELS, Policy
-from mixprec.scaling import (
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.per_loss_optim import AmpOptimizer, UnscaleEvent
+from mixprec.core.policy import OPT_LEVELS, Policy
+from mixprec.core.prepare import prepare_optimizer
+from mixprec.core.scaling import (
     LossScaler,
     ProcessGroup,
     all_reduce_found_inf_,

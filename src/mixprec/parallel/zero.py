@@ -28,12 +28,12 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from mixprec.lean import LeanConfig, state_bytes
-from mixprec.module import prepare_optimizer
-from mixprec.optim import LOW_DTYPES, MixedPrecisionOptimizer
-from mixprec.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
-from mixprec.scaling import ProcessGroup, default_group
-from mixprec.step_math import clip_coefficient
+from mixprec.core.lean import LeanConfig, state_bytes
+from mixprec.core.optim import LOW_DTYPES, MixedPrecisionOptimizer
+from mixprec.core.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
+from mixprec.core.prepare import prepare_optimizer
+from mixprec.core.scaling import ProcessGroup, default_group
+from mixprec.core.step_math import clip_coefficient
 
 log = logging.getLogger("mixprec")
 STAGES = (1, 2)

@@ -11,12 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.casting import cast_call_args, cast_floating, cast_module
-from mixprec.lean import lean_config
-from mixprec.optim import LOW_DTYPES, MixedPrecisionOptimizer
-from mixprec.policy import Policy, clip_norm_for
-from mixprec.scaling import ProcessGroup
-from mixprec.validate import check_callable, check_module_has_parameters
+from mixprec.core.casting import cast_call_args, cast_floating, cast_module
+from mixprec.core.lean import lean_config
+from mixprec.core.logs import log_info_to_stdout
+from mixprec.core.optim import LOW_DTYPES, MixedPrecisionOptimizer
+from mixprec.core.policy import Policy, clip_norm_for
+from mixprec.core.scaling import ProcessGroup
+from mixprec.core.validate import check_callable, check_module_has_parameters
 
 log = logging.getLogger("mixprec")
 
@@ -47,7 +48,7 @@ def autocast_context(policy: Policy, device_type: str) -> contextlib.AbstractCon
     if policy.compute_dtype in (None, torch.float32):
         return contextlib.nullcontext()
     if policy.custom_white_list or policy.custom_black_list:
-        from mixprec.autocast import autocast
+        from mixprec.core.autocast import autocast
 
         return autocast(
             dtype=policy.compute_dtype,
@@ -119,6 +120,17 @@ class FP32Criterion(nn.Module):
             return self.criterion(*args, **kwargs)
 
 
+# mixprec.fp8 builds on the core (its config and validation), so the core does not import it:
+# the package registers convert_to_fp8 here when imported (`import mixprec` imports it first).
+_FP8_CONVERTER: Callable[..., nn.Module] | None = None
+
+
+def register_fp8_converter(convert: Callable[..., nn.Module]) -> None:
+    """Set what prepare_model calls for an fp8 policy: convert(model, fp8_filter, fp8_config)."""
+    global _FP8_CONVERTER
+    _FP8_CONVERTER = convert
+
+
 def prepare_model(
     model: nn.Module,
     policy: Policy,
@@ -136,14 +148,14 @@ def prepare_model(
     if not policy.casts_params:
         upcast_lp_params(model, policy)
     if policy.fp8:
-        from mixprec.fp8 import convert_to_fp8
-
-        model = convert_to_fp8(model, fp8_filter, fp8_config)  # a bare Linear is replaced
+        if _FP8_CONVERTER is None:
+            raise RuntimeError("An fp8 policy needs mixprec.fp8: import mixprec (or mixprec.fp8).")
+        model = _FP8_CONVERTER(model, fp8_filter, fp8_config)  # a bare Linear is replaced
     elif fp8_filter is not None or fp8_config is not None:
         raise ValueError(f"fp8_filter/fp8_config given, but mode {policy.name!r} is not fp8.")
     if policy.casts_params:
         cast_module(model, policy.param_dtype, keep_norm_fp32=policy.keep_norm_fp32)
-    from mixprec.debugging.amp_warning import warn_if_amp_cannot_help  # imports the doctor
+    from mixprec.core.amp_warning import warn_if_amp_cannot_help  # imports the doctor
 
     warn_if_amp_cannot_help(policy, device_of(model), f"mixed precision {policy.name!r}")
     return PrecisionModule(model, policy)
@@ -189,14 +201,14 @@ def prepare_optimizer(
     optimizer_cls: a face's or a parallelism's subclass (ZeRO, pipeline, Apex), built with the
     policy's scaler, masters, zero counting and verbosity, plus its own cls_kwargs.
     A policy with num_losses > 1 needs per-loss unscaling: the faces build that optimizer
-    (mixprec.apex.multi_loss), so here it is refused rather than run with one scaler.
+    (mixprec.core.multi_loss), so here it is refused rather than run with one scaler.
     """
     if policy.num_losses != 1:
         raise ValueError(
             f"num_losses={policy.num_losses} needs one loss scaler per loss, which "
             f"{optimizer_cls.__name__} does not have: the Booster's DDP/no plugin, initialize "
             "without zero/pipeline, and convert_to_amp build one "
-            "(mixprec.apex.multi_loss.prepare_loss_optimizer)."
+            "(mixprec.core.multi_loss.prepare_loss_optimizer)."
         )
     mp_optimizer = optimizer_cls(
         optimizer,
@@ -216,6 +228,4 @@ def set_verbosity(optimizer: MixedPrecisionOptimizer, verbosity: int) -> None:
     """Set what the optimizer logs; debug output (2) also makes sure it reaches stdout."""
     optimizer.verbosity = verbosity
     if verbosity >= 2:
-        from mixprec.logging import get_dist_logger
-
-        get_dist_logger()  # the "mixprec" logger then writes INFO to stdout
+        log_info_to_stdout(log)  # the "mixprec" logger then writes INFO to stdout

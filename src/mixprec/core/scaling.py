@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.policy import ScalerConfig
+from mixprec.core.policy import ScalerConfig
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps import-time cost nil
 

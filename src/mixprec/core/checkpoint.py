@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.optim import MixedPrecisionOptimizer
+from mixprec.core.optim import MixedPrecisionOptimizer
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 

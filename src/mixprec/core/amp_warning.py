@@ -14,8 +14,8 @@ import warnings
 
 import torch
 
-from mixprec.debugging.hardware import Finding, cpu_findings, cuda_findings, read_cpu_flags
-from mixprec.policy import Policy
+from mixprec.core.hardware import Finding, cpu_findings, cuda_findings, read_cpu_flags
+from mixprec.core.policy import Policy
 
 
 class AmpHardwareWarning(UserWarning):

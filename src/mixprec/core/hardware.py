@@ -6,14 +6,10 @@ without the hardware); `hardware_report()` reads the real machine and calls them
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
-
-import torch
-
-from mixprec.debugging._markdown import markdown_table
 
 Level = Literal["ok", "info", "warn"]
 
@@ -175,42 +171,3 @@ def read_cpu_flags(path: str | Path = "/proc/cpuinfo") -> frozenset[str] | None:
         return parse_cpu_flags(Path(path).read_text(errors="replace"))
     except OSError:
         return None
-
-
-def hardware_report() -> list[Finding]:
-    """Findings for this machine: every visible CUDA device, then the CPU; fp8 for each."""
-    from mixprec.fp8 import fp8_kernel_problem  # probes the CPU kernel once (a 16x16 GEMM)
-
-    findings: list[Finding] = []
-    if torch.cuda.is_available():
-        for index in range(torch.cuda.device_count()):
-            device = f"cuda:{index}"
-            name = torch.cuda.get_device_name(index)
-            if torch.version.hip is not None:  # ROCm numbers its archs differently (gfx9xx)
-                message = f"{name}: ROCm device; NVIDIA capability checks skipped."
-                findings.append(Finding(device=device, dtype="", level="info", message=message))
-                continue
-            capability = torch.cuda.get_device_capability(index)
-            findings.extend(cuda_findings(name, capability, device=device))
-            findings.append(fp8_finding(device, fp8_kernel_problem(device)))
-    else:
-        message = "No CUDA device visible: training runs on the CPU."
-        findings.append(Finding(device="cuda", dtype="", level="info", message=message))
-    mkldnn_bf16 = None
-    if torch.backends.mkldnn.is_available():
-        mkldnn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    findings.extend(
-        cpu_findings(
-            read_cpu_flags(),
-            cpu_capability=torch.backends.cpu.get_cpu_capability(),
-            mkldnn_bf16=mkldnn_bf16,
-        )
-    )
-    findings.append(fp8_finding("cpu", fp8_kernel_problem("cpu")))
-    return findings
-
-
-def findings_table(findings: Sequence[Finding]) -> str:
-    """The findings as a markdown table."""
-    rows = [[f.device, f.dtype or "-", f.level, f.message] for f in findings]
-    return markdown_table(["device", "dtype", "level", "finding"], rows)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from mixprec.policy import did_you_mean
+from mixprec.core.policy import did_you_mean
 
 
 def balanced_boundaries(sizes: Sequence[int], parts: int) -> list[int]:

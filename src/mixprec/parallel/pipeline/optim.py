@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.optim import MixedPrecisionOptimizer, local_shards
-from mixprec.scaling import ProcessGroup
-from mixprec.step_math import clip_coefficient
+from mixprec.core.optim import MixedPrecisionOptimizer, local_shards
+from mixprec.core.scaling import ProcessGroup
+from mixprec.core.step_math import clip_coefficient
 
 
 class PipelineOptimizer(MixedPrecisionOptimizer):

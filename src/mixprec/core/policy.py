@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from mixprec.validate import check_bool, check_real
+from mixprec.core.validate import check_bool, check_real
 
 Mode = Literal["fp32", "fp16", "bf16", "fp16_naive", "fp16_apex", "fp8", "bf16_sr"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -147,9 +147,9 @@ class Policy:
     Also spelled 'fp32' (True) or 'none' (False); stored as the bool."""
     update_rounding: Rounding = "nearest"
     """How an update is written back to low-precision params without masters: 'nearest'
-    (a cast) or 'stochastic' (bf16 params only; unbiased, see mixprec.lean)."""
+    (a cast) or 'stochastic' (bf16 params only; unbiased, see mixprec.core.lean)."""
     optimizer_state: OptimizerState | None = None
-    """Format of the optimizer's moments: 'fp32', 'bf16', 'int8', 'int4', 'fp8' (mixprec.lean
+    """Format of the optimizer's moments: 'fp32', 'bf16', 'int8', 'int4', 'fp8' (mixprec.core.lean
     steps SGD/Adam/AdamW itself); None: the optimizer's own (torch's: the held params' dtype)."""
     keep_norm_fp32: bool = True
     """Leave Batch/Layer/Group/InstanceNorm parameters (and their math) in fp32."""
@@ -274,7 +274,7 @@ PRESETS: dict[str, Policy] = {
         loss_scale=NAIVE_SCALER,
     ),
     "fp8": Policy(name="fp8", compute_dtype=torch.bfloat16, fp8=True),
-    # Lean: bf16 params without masters, updates stochastically rounded (mixprec.lean).
+    # Lean: bf16 params without masters, updates stochastically rounded (mixprec.core.lean).
     "bf16_sr": Policy(
         name="bf16_sr",
         param_dtype=torch.bfloat16,

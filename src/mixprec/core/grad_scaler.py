@@ -15,16 +15,16 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-from mixprec.optim import MixedPrecisionOptimizer
-from mixprec.policy import ScalerConfig, did_you_mean
-from mixprec.scaling import (
+from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import ScalerConfig, did_you_mean
+from mixprec.core.scaling import (
     ProcessGroup,
     all_reduce_found_inf_,
     default_group,
     group_to_hold,
     update_scale_,
 )
-from mixprec.validate import check_bool
+from mixprec.core.validate import check_bool
 
 
 def default_device() -> str:

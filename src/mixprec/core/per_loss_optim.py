@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from mixprec.optim import MixedPrecisionOptimizer, StepResult
-from mixprec.scaling import (
+from mixprec.core.optim import MixedPrecisionOptimizer, StepResult
+from mixprec.core.scaling import (
     LossScaler,
     all_reduce_found_inf_,
     default_group,

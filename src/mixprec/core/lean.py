@@ -17,7 +17,7 @@ Two ways to keep fewer bytes per parameter than fp32 masters + fp32 moments (16 
   it back (torchao's copy_ quantizes: nearest code of its map); tensors torchao does not
   quantize (under 4096 elements, or not a whole number of blocks) keep fp32 state.
 
-The update math is the core's one SGD/Adam/AdamW step math (mixprec.fused_step's *_update
+The update math is the core's one SGD/Adam/AdamW step math (mixprec.core.fused_step's *_update
 functions, which the fused master step runs too); this module only says where the fp32
 operands come from and how the results are written back.
 """
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from mixprec import fused_step as step_math
-from mixprec.policy import OPTIMIZER_STATES, ROUNDINGS, OptimizerState, Policy, Rounding
-from mixprec.scaling import rank_and_world
+from mixprec.core import fused_step as fused
+from mixprec.core.policy import OPTIMIZER_STATES, ROUNDINGS, OptimizerState, Policy, Rounding
+from mixprec.core.scaling import rank_and_world
 
 __all__ = [
     # the rounding
@@ -199,7 +199,7 @@ class LeanUpdate:
     """
 
     def __init__(self, cfg: LeanConfig, optimizer: torch.optim.Optimizer) -> None:
-        reason = step_math.unsupported_reason(optimizer)
+        reason = fused.unsupported_reason(optimizer)
         if reason:
             raise ValueError(
                 f"optimizer_state={cfg.state!r} / update_rounding={cfg.rounding!r} run the "
@@ -254,14 +254,14 @@ class LeanUpdate:
             hp, g = _local(p).float(), self._grad(p, maximize)
             if momentum == 0:
                 s = self._scalars([wd, -lr], hp)
-                self._write(p, step_math.sgd_update(hp, g, s, wd != 0))
+                self._write(p, fused.sgd_update(hp, g, s, wd != 0))
                 continue
             state = optimizer.state[p]
             first = "momentum_buffer" not in state
             buf = self._state(state, "momentum_buffer", p)
             decay, keep = (0.0, 1.0) if first else (momentum, 1 - group["dampening"])
             s = self._scalars([wd, -lr, decay, keep, momentum], hp)
-            new, b = step_math.sgd_momentum_update(
+            new, b = fused.sgd_momentum_update(
                 hp, g, to_fp32(buf), s, wd != 0, bool(group["nesterov"])
             )
             buf.copy_(b)  # torchao's copy_ quantizes
@@ -285,7 +285,7 @@ class LeanUpdate:
             values = [wd, 1 - lr * wd, 1 - beta1, beta2, 1 - beta2]
             values += [bias_correction2**0.5, eps, -(lr / bias_correction1)]
             hp, g = _local(p).float(), self._grad(p, maximize)
-            new, m, v = step_math.adam_update(
+            new, m, v = fused.adam_update(
                 hp, g, to_fp32(exp_avg), to_fp32(exp_avg_sq), self._scalars(values, hp), wd != 0,
                 bool(decoupled),
             )  # fmt: skip

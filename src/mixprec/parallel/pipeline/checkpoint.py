@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from mixprec.checkpoint import hp_model_state_dict, load_hp_model_state_dict
-from mixprec.pipeline import PipelinedModel
-from mixprec.pipeline_optim import PipelineOptimizer
+from mixprec.core.checkpoint import hp_model_state_dict, load_hp_model_state_dict
+from mixprec.parallel.pipeline.optim import PipelineOptimizer
+from mixprec.parallel.pipeline.schedule import PipelinedModel
 
 STATE = "state."
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from mixprec import fused_step as fused
-from mixprec import lean as lean_step
-from mixprec.optim_state import place_masters, saved_masters, upgrade_optimizer_checkpoint
-from mixprec.policy import UNIT_SCALE, ScalerConfig
-from mixprec.scaling import (
+from mixprec.core import fused_step as fused
+from mixprec.core import lean as lean_step
+from mixprec.core.optim_state import place_masters, saved_masters, upgrade_optimizer_checkpoint
+from mixprec.core.policy import UNIT_SCALE, ScalerConfig
+from mixprec.core.scaling import (
     LossScaler,
     ProcessGroup,
     all_reduce_found_inf_,
@@ -30,9 +30,9 @@ from mixprec.scaling import (
     rank_and_world,
     unscale_and_check_,
 )
-from mixprec.skip_monitor import SkipMonitor, SkipStats, scale_text
-from mixprec.step_math import clip_coefficient
-from mixprec.validate import check_bool, check_int, check_real
+from mixprec.core.skip_monitor import SkipMonitor, SkipStats, scale_text
+from mixprec.core.step_math import clip_coefficient
+from mixprec.core.validate import check_bool, check_int, check_real
 
 log = logging.getLogger("mixprec")
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -118,10 +118,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             backward peak then holds lp grads, not fp32 ones); on CUDA the caching allocator
             hands the memory back for free, on CPU each re-allocation page-faults anew.
         fused_step: run the step as one compiled pass per tensor straight from the lp grads
-            (mixprec.fused_step: SGD, Adam, AdamW; no fp32 master grads at all). None: on CPU
+            (mixprec.core.fused_step: SGD, Adam, AdamW; no fp32 master grads at all). None: on CPU
             steps of at least fused_step.AUTO_MIN_ELEMENTS elements. A step whose grads were
             already unscaled (clip_grad_norm(), an outside GradScaler) runs unfused.
-        lean: step through mixprec.lean's write-back instead of the inner optimizer's step():
+        lean: step through mixprec.core.lean's write-back instead of the inner optimizer's step():
             low-bit optimizer state and/or stochastic rounding into bf16 params (None: off).
     """
 
@@ -217,7 +217,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.lean = None if lean is None else lean_step.LeanUpdate(lean, optimizer)
         if self.lean is not None:  # compile_step traces the inner optimizer's own step
             self.whole_step_refusal = (
-                "its lean write-back (mixprec.lean) runs outside torch.compile"
+                "its lean write-back (mixprec.core.lean) runs outside torch.compile"
             )
         self.skip_monitor = SkipMonitor()  # says when a run starts by skipping, or skips too often
         # torch.optim.Optimizer's bookkeeping, for hooks and LR schedulers.
@@ -788,7 +788,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # ----- checkpoints -----
     def state_dict(self) -> dict[str, Any]:
         """torch's layout ({'state', 'param_groups'} of the params the inner optimizer steps,
-        fp32 masters included) with mixprec's additions beside it (see mixprec.optim_state):
+        fp32 masters included) with mixprec's additions beside it (see mixprec.core.optim_state):
         'master_weights', 'master_index', 'scaler', 'steps', 'skipped_steps'. A plain torch
         optimizer over the fp32 model loads it as is (torch reads only its own two keys)."""
         state = self.optim.state_dict()
