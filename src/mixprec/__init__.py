@@ -4,6 +4,11 @@ One core (Policy, loss scaling, casting, the master-weight optimizer) and severa
 Colossal-AI's `convert_to_amp`/`AMP_TYPE`, Apex's `mixprec.apex.amp`, Paddle's names.
 """
 
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
 from mixprec import fp8  # `import mixprec` gives mixprec.fp8.convert_to_fp8
 from mixprec.amp import AMPOptimizer, convert_to_amp
 from mixprec.booster import Booster
@@ -94,3 +99,54 @@ __all__ = [
     "prepare_optimizer",
     "to_policy",
 ]
+
+
+# -- module paths from before the core/ and parallel/ layout --------------------------------
+# `from mixprec.policy import Policy` (as the README once showed), `import mixprec.zero`, ...
+# still import: each old path is the very module object it became (one module, two names).
+_MOVED = {
+    "policy": "core.policy",
+    "validate": "core.validate",
+    "scaling": "core.scaling",
+    "grad_scaler": "core.grad_scaler",
+    "casting": "core.casting",
+    "autocast": "core.autocast",
+    "module": "core.prepare",
+    "optim": "core.optim",
+    "optim_state": "core.optim_state",
+    "fused_step": "core.fused_step",
+    "compiled_step": "core.compiled_step",
+    "checkpoint": "core.checkpoint",
+    "skip_monitor": "core.skip_monitor",
+    "lean": "core.lean",
+    "step_math": "core.step_math",
+    "zero": "parallel.zero",
+    "data": "parallel.data",
+    "pipeline": "parallel.pipeline.schedule",
+    "pipeline_optim": "parallel.pipeline.optim",
+    "pipeline_split": "parallel.pipeline.split",
+    "pipeline_checkpoint": "parallel.pipeline.checkpoint",
+    "apex.multi_loss": "core.multi_loss",
+    "debugging.hardware": "core.hardware",
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds `mixprec.<old path>` as the module now at `mixprec.<new path>`."""
+
+    def find_spec(self, fullname, path, target=None):  # noqa: ANN001, ANN201 - importlib's API
+        new = (
+            _MOVED.get(fullname.removeprefix("mixprec."))
+            if fullname.startswith("mixprec.")
+            else None
+        )
+        return None if new is None else importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):  # noqa: ANN001, ANN201
+        return importlib.import_module("mixprec." + _MOVED[spec.name.removeprefix("mixprec.")])
+
+    def exec_module(self, module) -> None:  # noqa: ANN001 - already executed under its new name
+        pass
+
+
+sys.meta_path.append(_MovedModuleFinder())

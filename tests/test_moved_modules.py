@@ -1,0 +1,30 @@
+"""Module paths from before the core/ and parallel/ layout still import, as the same objects."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import mixprec
+
+
+@pytest.mark.parametrize("old", sorted(mixprec._MOVED))
+def test_an_old_module_path_is_the_module_it_became(old: str) -> None:
+    moved = importlib.import_module(f"mixprec.{old}")
+    assert moved is importlib.import_module(f"mixprec.{mixprec._MOVED[old]}")
+
+
+def test_names_import_from_old_paths() -> None:
+    from mixprec.policy import Policy as OldPolicy
+    from mixprec.zero import ZeroOptimizer as OldZero
+
+    from mixprec.core.policy import Policy
+    from mixprec.parallel.zero import ZeroOptimizer
+
+    assert OldPolicy is Policy and OldZero is ZeroOptimizer
+
+
+def test_an_unknown_path_still_fails() -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("mixprec.no_such_module")
