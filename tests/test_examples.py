@@ -261,7 +261,11 @@ def test_booster_example_under_mixprec_run_on_two_processes(tmp_path: Path) -> N
 
 def _reference_results() -> dict[str, bytes]:
     results = ROOT / "benchmarks" / "results"
-    return {p.name: p.read_bytes() for p in sorted(results.iterdir())}
+    return {
+        str(p.relative_to(results)): p.read_bytes()
+        for p in sorted(results.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_booster_example_saves_to_a_fresh_runs_folder_by_default(tmp_path, monkeypatch) -> None:

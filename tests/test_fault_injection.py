@@ -80,6 +80,13 @@ def assert_bitwise(a, b) -> None:
     torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
 
 
+def poisoned(grad: torch.Tensor, value: float) -> torch.Tensor:
+    """grad with its first element set to value (a new tensor: a hook must not write in place)."""
+    out = grad.clone()
+    out.view(-1)[0] = value
+    return out
+
+
 @pytest.mark.parametrize("name", list(MODES))
 def test_injected_faults_are_skipped_and_change_nothing(name: str) -> None:
     mode, config = MODES[name]
@@ -93,10 +100,16 @@ def test_injected_faults_are_skipped_and_change_nothing(name: str) -> None:
         fault = plan.get(step)
         if fault and fault[0] == "loss":
             loss = loss * float(fault[1])
-        opt.backward(loss)
+        handle = None
         if fault and fault[0] == "grad":
+            # the fault arises in backward, as a real one does: Apex's modes check each loss's
+            # grads when its backward ends (scale_loss's exit), so a write after it is unseen
             params = list(model.parameters())
-            params[fault[2] % len(params)].grad.view(-1)[0] = float(fault[1])
+            param = params[fault[2] % len(params)]
+            handle = param.register_hook(lambda g, v=float(fault[1]): poisoned(g, v))
+        opt.backward(loss)
+        if handle is not None:
+            handle.remove()
         before = state_of(model, opt)
         result = opt.step()
         overflows.append(result.skipped)

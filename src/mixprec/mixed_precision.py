@@ -85,6 +85,7 @@ class OptimizerWrapperAPI:
                 "clip_grad_by_norm/value) but before step(): the new gradients would stay scaled."
             )
         torch.autograd.backward(tensor, grad, inputs=inputs, retain_graph=retain_graph)
+        self.note_scaled_backward()  # type: ignore[attr-defined] # grad carries this scale
 
     def clip_grad_by_norm(
         self,
