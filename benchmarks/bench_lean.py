@@ -14,7 +14,7 @@ Measured in one run, each mode through the core's own prepare_model / prepare_op
     time    one GPT training step per mode, modes interleaved in a shuffled order each round
             (load from other processes falls on all alike); speed = NAIVE time / mode time
 
-Writes a fresh folder (default benchmarks/results/lean-<UTC time>/) with lean.md, lean.json
+Writes a fresh folder (default ./runs/bench_lean-<UTC time>/; --out to choose) with lean.md, lean.json
 and lean.png.
 
     python benchmarks/bench_lean.py                                 # ~15 min on 2 busy cores
@@ -39,13 +39,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mixprec.bench.command import fresh_out_dir
 from mixprec.bench.progress import progress_bar
 from mixprec.bench.runner import machine_name
 from mixprec.core.lean import state_bytes
-from mixprec.core.prepare import prepare_model, prepare_optimizer
 from mixprec.core.policy import Policy, preset, to_policy, with_optimizer_state
-
-RESULTS = Path(__file__).parent / "results"
+from mixprec.core.prepare import prepare_model, prepare_optimizer
 
 
 def policies() -> dict[str, Policy]:
@@ -384,7 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         chart(record, folder / "lean.png")
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="a new folder (default: fresh)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default: a new runs/bench_lean-<UTC time>/; benchmarks/results/ holds the references, written only when named here)",
+    )
     parser.add_argument("--mem-width", type=int, default=384, help="768 with depth 12: ~100M")
     parser.add_argument("--mem-depth", type=int, default=4)
     parser.add_argument("--mem-batch", type=int, default=1)
@@ -402,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-rounds", type=int, default=10)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    out = args.out or RESULTS / time.strftime("lean-%Y%m%d-%H%M%S", time.gmtime())
+    out = args.out or fresh_out_dir("bench_lean")
     if out.exists() and any(out.iterdir()):
         parser.error(f"--out {out} exists and is not empty: name a new folder")
     torch.set_num_threads(1)
