@@ -13,7 +13,7 @@ from mixprec.apex import amp
 from mixprec.core.amp_warning import AmpHardwareWarning, amp_hardware_warnings
 from mixprec.core.hardware import cpu_findings, cuda_findings
 from mixprec.core.policy import preset
-from mixprec.debugging import amp_warning
+from mixprec.core import amp_warning
 
 K40 = cuda_findings("Tesla K40m", (3, 5))
 V100 = cuda_findings("Tesla V100", (7, 0))
