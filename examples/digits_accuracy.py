@@ -36,8 +36,8 @@ from tqdm import tqdm
 from mixprec import convert_to_amp
 from mixprec.bench import BENCH_MODES, ResNet, ViT, amp_args, amp_call_text, parse_modes
 from mixprec.bench.command import fresh_out_dir
-from mixprec.fp8 import Float8Linear
 from mixprec.core.policy import did_you_mean
+from mixprec.fp8 import Float8Linear
 
 IMAGE_SIZE = 8
 """load_digits' images are 8x8, pixel values 0..16."""

@@ -10,10 +10,10 @@ from conftest import tiny_mlp
 
 from mixprec.amp import AMP_TYPE, convert_to_amp
 from mixprec.apex import amp
+from mixprec.core import amp_warning
 from mixprec.core.amp_warning import AmpHardwareWarning, amp_hardware_warnings
 from mixprec.core.hardware import cpu_findings, cuda_findings
 from mixprec.core.policy import preset
-from mixprec.core import amp_warning
 
 K40 = cuda_findings("Tesla K40m", (3, 5))
 V100 = cuda_findings("Tesla V100", (7, 0))

@@ -38,8 +38,8 @@ import mixprec
 from mixprec import AMP_TYPE
 from mixprec.bench.models import BasicBlock
 from mixprec.config import gpc
-from mixprec.launch import destroy
 from mixprec.core.policy import did_you_mean
+from mixprec.launch import destroy
 
 logger = logging.getLogger("colossal_resnet")
 
