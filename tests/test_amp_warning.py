@@ -69,10 +69,10 @@ def test_autocast_and_paddles_auto_cast_warn_once(slow_fp16_device) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", AmpHardwareWarning)
         paddle.auto_cast(enable=False)  # AMP off: nothing to say
-        mixprec.core.autocast(dtype=torch.float16, enabled=False)
+        mixprec.autocast(dtype=torch.float16, enabled=False)
     with pytest.warns(AmpHardwareWarning, match=r"auto_cast: AMP only support NVIDIA GPU"):
         paddle.auto_cast(level="O1", device_type="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error", AmpHardwareWarning)
-        with mixprec.core.autocast(dtype=torch.float16, device_type="cpu"):
+        with mixprec.autocast(dtype=torch.float16, device_type="cpu"):
             pass

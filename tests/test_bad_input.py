@@ -168,14 +168,14 @@ CASES = [
     ),
     (
         "autocast op name",
-        lambda: mixprec.core.autocast(dtype=torch.bfloat16, custom_white_list=["sofmax"]),
+        lambda: mixprec.autocast(dtype=torch.bfloat16, custom_white_list=["sofmax"]),
         ValueError,
         r"'sofmax'.*'softmax'",
     ),
-    ("autocast dtype", lambda: mixprec.core.autocast(dtype=torch.int8), ValueError, r"int8"),
+    ("autocast dtype", lambda: mixprec.autocast(dtype=torch.int8), ValueError, r"int8"),
     (
         "op in both lists",
-        lambda: mixprec.core.autocast(
+        lambda: mixprec.autocast(
             dtype=torch.bfloat16, custom_white_list=["add"], custom_black_list=["add"]
         ),
         ValueError,

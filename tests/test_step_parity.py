@@ -28,9 +28,7 @@ from mixprec.core.compiled_step import compile_step
 from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError
 from mixprec.core.policy import APEX_SCALER, ScalerConfig
 
-_REGIONS = importlib.import_module(
-    "mixprec.core.autocast"
-)  # the module; mixprec.core.autocast is a class
+_REGIONS = importlib.import_module("mixprec.core.autocast")  # the module; mixprec.autocast: a class
 PATTERN = [True, False, True, True, True, False, False, False]
 """Overflow per step (True: an inf in the target): bad, clean, bad, bad, bad, then growth."""
 GROWTH_INTERVAL = 2  # short enough that the clean tail grows the scale
@@ -294,7 +292,7 @@ def test_the_step_compiles_once_under_the_callers_regions(inner):
         with contextlib.ExitStack() as stack:
             regions.append(stack.enter_context(paddle_amp.auto_cast(dtype="bfloat16")))
             if inner:
-                region = mixprec.core.autocast(dtype=torch.bfloat16, custom_black_list={"relu"})
+                region = mixprec.autocast(dtype=torch.bfloat16, custom_black_list={"relu"})
                 regions.append(stack.enter_context(region))
             step(*batch(i))
             assert len(_REGIONS._STATE.exits) == 1 + inner  # the caller's, given back

@@ -480,7 +480,7 @@ class autocast(_RegionContext):  # noqa: N801 - mirrors torch.autocast
 
     def __repr__(self) -> str:
         return (
-            f"mixprec.core.autocast(dtype={self.dtype}, custom_white_list="
+            f"mixprec.autocast(dtype={self.dtype}, custom_white_list="
             f"{sorted(self.custom_white_list)}, custom_black_list={sorted(self.custom_black_list)}"
             f", enabled={self.enabled}, device_type={self.device_type!r})"
         )

@@ -47,7 +47,7 @@ Differences from Paddle, each deliberate:
 - O2 with use_promote promotes through torch's type promotion and keeps torch.autocast's own
   fp32 list (on CUDA: exp, log, softmax, sum, ... run fp32 where Paddle runs fp16 inputs low).
 - All norm layers stay fp32 in O2 (Paddle keeps LayerNorm/InstanceNorm bf16 under bfloat16).
-- Nested auto_cast contexts add their lists to the enclosing ones (mixprec.core.autocast's rule);
+- Nested auto_cast contexts add their lists to the enclosing ones (mixprec.autocast's rule);
   Paddle's replace them. O0 / enable=False inside any level turns everything off, as Paddle.
 - master_grad: fp32 master gradients are always kept (they accumulate in fp32 across
   micro-batches), so master_grad=False behaves as True; it needs master weights to exist.
@@ -201,7 +201,7 @@ def level_op_lists(
 
 
 class auto_cast(autocast):  # noqa: N801 - Paddle's name
-    """paddle.amp.auto_cast: a mixprec.core.autocast configured by a Paddle AMP level.
+    """paddle.amp.auto_cast: a mixprec.autocast configured by a Paddle AMP level.
 
     enable: False runs everything as if no autocast were active (as level O0).
     custom_white_list: ops run in dtype (Paddle or torch names, or torch callables).
