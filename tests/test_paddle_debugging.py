@@ -209,3 +209,9 @@ def test_check_layer_numerics_checks_the_inputs_and_refuses_what_paddle_refuses(
         layer([1.0, 2.0])
     with pytest.raises(TypeError, match="decorates a forward method"):
         debugging.check_layer_numerics(3)
+
+
+def test_paddles_debugging_names_are_here_but_compare_accuracy() -> None:
+    # compare_accuracy is left out on purpose: README, "Differences from PaddlePaddle 3.3.1"
+    missing = {n for n in FACTS["paddle_amp_debugging_names"] if not hasattr(debugging, n)}
+    assert missing == {"compare_accuracy"}
