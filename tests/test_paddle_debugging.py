@@ -197,6 +197,22 @@ def test_check_layer_numerics_aborts_at_the_op_that_made_the_inf() -> None:
     (torch.tensor([1.0]) / 0).sum()  # the check ends with the forward
 
 
+def test_check_layer_numerics_checks_the_gradients_at_the_layers_edges() -> None:
+    layer = _Checked()
+    x = torch.rand(10, 2, 2, requires_grad=True)
+    out = layer(x)
+    with pytest.raises(
+        debugging.TensorCheckerError, match="inf in .* op _Checked.forward.s output grads"
+    ):
+        out.backward(torch.full_like(out, math.inf))  # an inf gradient reaches the output
+    assert layer.w.grad is None  # it stopped there, before the layer's own grad ops
+    x.grad = None
+    out = layer(x)
+    # a finite gradient in, an fp32 overflow out: x.grad = g @ w.T overflows to inf
+    with pytest.raises(debugging.TensorCheckerError, match=r"input grads \(float32"):
+        out.backward(torch.full_like(out, 3e38))
+
+
 def test_check_layer_numerics_checks_the_inputs_and_refuses_what_paddle_refuses() -> None:
     layer = _Checked()
     x = torch.rand(10, 2, 2)

@@ -334,14 +334,30 @@ def disable_tensor_checker() -> None:
 # ----- check_layer_numerics -----
 
 
+def _check_grads(mode: _CheckingMode, where: str, tensors: Sequence[Any]) -> None:
+    """Check the gradients of these tensors (those that take one) when backward reaches them."""
+    for index, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+            t.register_hook(functools.partial(_check_grad, mode, where, index))
+
+
+def _check_grad(mode: _CheckingMode, where: str, index: int, grad: torch.Tensor) -> None:
+    if grad.numel():
+        mode._check(where, index, grad)
+
+
 def check_layer_numerics(func: Callable[..., Any]) -> Callable[..., Any]:
     """paddle.amp.debugging.check_layer_numerics: decorate a Layer's (nn.Module's) forward so
     its floating tensor inputs and every op the forward runs are checked for inf/NaN; the
-    first one raises TensorCheckerError naming the op (or the input), as Paddle's aborts.
+    first one raises TensorCheckerError naming the op (or the input), as Paddle's aborts. In
+    the backward the gradients at the layer's edges are checked: those reaching its outputs and
+    those it gives its inputs (the ones that require grad).
 
     As Paddle, the forward must be called with at least one positional argument, the first a
-    tensor (RuntimeError otherwise). Only the forward is checked: Paddle also checks the
-    backward's grad ops of the layer; for gradients use mixprec.debugging.NonFiniteLocator.
+    tensor (RuntimeError otherwise). Paddle checks each of the backward's grad ops; here the
+    op inside the layer that made a bad gradient is not named (NonFiniteLocator narrows it to
+    a module). Paddle marks the first input stop_gradient=False so its gradient is checked;
+    torch leaves the caller's tensor as it is.
     """
     if not callable(func):
         raise TypeError(f"check_layer_numerics decorates a forward method, got {func!r}.")
@@ -360,12 +376,20 @@ def check_layer_numerics(func: Callable[..., Any]) -> Callable[..., Any]:
             )
         config = TensorCheckerConfig(enable=True, stack_height_limit=1)
         mode = _CheckingMode(config, step=0)
-        where = f"{type(self).__name__}.forward's inputs"
-        for index, t in enumerate(tree_leaves((args, kwargs))):
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-                mode._check(where, index, t)
+        name = type(self).__name__
+        inputs = [
+            t
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+        ]
+        for index, t in enumerate(inputs):
+            mode._check(f"{name}.forward's inputs", index, t)
         with mode:
-            return func(self, *args, **kwargs)
+            out = func(self, *args, **kwargs)
+        # the backward at the layer's edges: the gradient coming in, the ones going out
+        _check_grads(mode, f"{name}.forward's output grads", tree_leaves(out))
+        _check_grads(mode, f"{name}.forward's input grads", inputs)
+        return out
 
     return wrapper
 
