@@ -152,3 +152,82 @@ def test_decorate_defaults_to_o1_as_paddle(caplog) -> None:
     assert got_model is model and got_opt is opt and model.weight.dtype == torch.float32
     with pytest.raises(RuntimeError, match="decorate the model first"):
         amp.decorate(nn.DataParallel(model), level="O2")
+
+
+class _Checked(nn.Module):
+    """Paddle's check_layer_numerics example: x @ w + b, or 1 / x * w + b with divide=True."""
+
+    def __init__(self, divide: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w, self.b = nn.Parameter(torch.rand(2, 3)), nn.Parameter(torch.rand(2, 3))
+        self.divide = divide
+
+    def plain(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        if self.divide:
+            return 1 / x * self.w + self.b
+        return x @ self.w * scale + self.b
+
+    forward = debugging.check_layer_numerics(plain)
+
+
+def test_check_layer_numerics_passes_a_clean_forward_through_unchanged() -> None:
+    layer, x = _Checked(), torch.rand(10, 2, 2)
+    out = layer(x, scale=2.0)
+    torch.testing.assert_close(out, layer.plain(x, scale=2.0), rtol=0, atol=0)
+    out.sum().backward()  # the backward runs as without the decorator
+    assert layer.w.grad is not None and torch.isfinite(layer.w.grad).all()
+    with amp.auto_cast(dtype="bfloat16"):  # under AMP too: the same casts, the same values
+        with debugging.collect_operator_stats() as stats:
+            checked = layer(x)
+        torch.testing.assert_close(checked, layer.plain(x), rtol=0, atol=0)
+    assert stats.calls("bmm", "bfloat16") + stats.calls("mm", "bfloat16") == 1  # ran low
+    assert _Checked.forward.__name__ == "plain"  # functools.wraps
+
+
+def test_check_layer_numerics_aborts_at_the_op_that_made_the_inf() -> None:
+    layer = _Checked(divide=True)
+    x = torch.rand(10, 2, 3) + 0.5
+    x[0] = 0.0  # Paddle's example: 1 / x gives inf in the divide op
+    with pytest.raises(debugging.TensorCheckerError, match=r"inf in output 0 of op \w+") as e:
+        layer(x)
+    assert e.value.record.kind == "inf" and e.value.record.op in ("reciprocal", "div")
+    (frame,) = e.value.record.stack  # the forward's own line, as Paddle's traceback shows
+    assert "in plain" in frame
+    (torch.tensor([1.0]) / 0).sum()  # the check ends with the forward
+
+
+def test_check_layer_numerics_checks_the_gradients_at_the_layers_edges() -> None:
+    layer = _Checked()
+    x = torch.rand(10, 2, 2, requires_grad=True)
+    out = layer(x)
+    with pytest.raises(
+        debugging.TensorCheckerError, match="inf in .* op _Checked.forward.s output grads"
+    ):
+        out.backward(torch.full_like(out, math.inf))  # an inf gradient reaches the output
+    assert layer.w.grad is None  # it stopped there, before the layer's own grad ops
+    x.grad = None
+    out = layer(x)
+    # a finite gradient in, an fp32 overflow out: x.grad = g @ w.T overflows to inf
+    with pytest.raises(debugging.TensorCheckerError, match=r"input grads \(float32"):
+        out.backward(torch.full_like(out, 3e38))
+
+
+def test_check_layer_numerics_checks_the_inputs_and_refuses_what_paddle_refuses() -> None:
+    layer = _Checked()
+    x = torch.rand(10, 2, 2)
+    x[3, 1, 0] = math.nan
+    with pytest.raises(debugging.TensorCheckerError, match="nan in output 0 of op _Checked"):
+        layer(x)
+    with pytest.raises(RuntimeError, match="no positional argument"):
+        layer()
+    with pytest.raises(RuntimeError, match="first input .* must be a tensor, got list"):
+        layer([1.0, 2.0])
+    with pytest.raises(TypeError, match="decorates a forward method"):
+        debugging.check_layer_numerics(3)
+
+
+def test_paddles_debugging_names_are_here_but_compare_accuracy() -> None:
+    # compare_accuracy is left out on purpose: README, "Differences from PaddlePaddle 3.3.1"
+    missing = {n for n in FACTS["paddle_amp_debugging_names"] if not hasattr(debugging, n)}
+    assert missing == {"compare_accuracy"}

@@ -11,6 +11,10 @@
     ...
     debugging.disable_tensor_checker()
 
+    class Net(nn.Module):
+        @debugging.check_layer_numerics               # its inputs and forward's ops checked
+        def forward(self, x): ...
+
 Op names are aten's as the dispatcher runs them ('addmm', 'mm'); Paddle's names in
 checked_op_list / skipped_op_list are mapped to torch ops (mixprec.paddle.op_names).
 Every check reads values back to the host: a debugging tool, slow by design.
@@ -20,10 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import os
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -326,6 +331,69 @@ def disable_tensor_checker() -> None:
         mode.__exit__(None, None, None)
 
 
+# ----- check_layer_numerics -----
+
+
+def _check_grads(mode: _CheckingMode, where: str, tensors: Sequence[Any]) -> None:
+    """Check the gradients of these tensors (those that take one) when backward reaches them."""
+    for index, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+            t.register_hook(functools.partial(_check_grad, mode, where, index))
+
+
+def _check_grad(mode: _CheckingMode, where: str, index: int, grad: torch.Tensor) -> None:
+    if grad.numel():
+        mode._check(where, index, grad)
+
+
+def check_layer_numerics(func: Callable[..., Any]) -> Callable[..., Any]:
+    """paddle.amp.debugging.check_layer_numerics: decorate a Layer's (nn.Module's) forward so
+    its floating tensor inputs and every op the forward runs are checked for inf/NaN; the
+    first one raises TensorCheckerError naming the op (or the input), as Paddle's aborts. In
+    the backward the gradients at the layer's edges are checked: those reaching its outputs and
+    those it gives its inputs (the ones that require grad).
+
+    As Paddle, the forward must be called with at least one positional argument, the first a
+    tensor (RuntimeError otherwise). Paddle checks each of the backward's grad ops; here the
+    op inside the layer that made a bad gradient is not named (NonFiniteLocator narrows it to
+    a module). Paddle marks the first input stop_gradient=False so its gradient is checked;
+    torch leaves the caller's tensor as it is.
+    """
+    if not callable(func):
+        raise TypeError(f"check_layer_numerics decorates a forward method, got {func!r}.")
+
+    @functools.wraps(func)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args:
+            raise RuntimeError(
+                f"{type(self).__name__}.forward decorated with check_layer_numerics was called "
+                "with no positional argument: pass the input tensor first (as Paddle)."
+            )
+        if not isinstance(args[0], torch.Tensor):
+            raise RuntimeError(
+                f"{type(self).__name__}.forward: the first input of a layer under "
+                f"check_layer_numerics must be a tensor, got {type(args[0]).__name__}."
+            )
+        config = TensorCheckerConfig(enable=True, stack_height_limit=1)
+        mode = _CheckingMode(config, step=0)
+        name = type(self).__name__
+        inputs = [
+            t
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+        ]
+        for index, t in enumerate(inputs):
+            mode._check(f"{name}.forward's inputs", index, t)
+        with mode:
+            out = func(self, *args, **kwargs)
+        # the backward at the layer's edges: the gradient coming in, the ones going out
+        _check_grads(mode, f"{name}.forward's output grads", tree_leaves(out))
+        _check_grads(mode, f"{name}.forward's input grads", inputs)
+        return out
+
+    return wrapper
+
+
 collect_operator_stats = collect_operator_stats_and_print
 """Paddle's name: a context manager counting ops by dtype, printing the table when it ends."""
 
@@ -334,6 +402,7 @@ __all__ = [
     "TensorCheckRecord",
     "TensorCheckerConfig",
     "TensorCheckerError",
+    "check_layer_numerics",
     "check_numerics",
     "collect_operator_stats",
     "disable_operator_stats_collection",

@@ -222,8 +222,29 @@ class OptimizerWithMixedPrecision(_Minimized):
             self.wrapped = MixedPrecisionOptimizer(self.inner)
         loss.program.minimized = self
 
-    def amp_init(self, place: CPUPlace | CUDAPlace, scope: Scope | None = None, **_: Any) -> None:
-        """Cast the parameters that only low-precision ops use; keep their fp32 masters."""
+    def amp_init(
+        self,
+        place: CPUPlace | CUDAPlace,
+        scope: Scope | None = None,
+        test_program: Program | None = None,
+        use_fp16_test: bool = False,
+        rewrite_master_weight: bool = False,
+    ) -> None:
+        """Cast the parameters that only low-precision ops use; keep their fp32 masters.
+
+        Paddle's signature. test_program is refused: Executor runs the minimized program's
+        training step only, so there is no separate test program to cast. use_fp16_test without
+        one does nothing in Paddle either. rewrite_master_weight: the masters start from the
+        parameters' low-precision rounding (as Paddle) instead of their fp32 values.
+        """
+        _check_bool("use_fp16_test", use_fp16_test)
+        _check_bool("rewrite_master_weight", rewrite_master_weight)
+        if test_program is not None:
+            raise NotImplementedError(
+                f"amp_init(test_program={test_program!r}): mixprec's Executor runs the "
+                "minimized program's training step only, so there is no test program to cast; "
+                "evaluate the torch model eagerly under mixprec.paddle.auto_cast instead."
+            )
         if self.program is None:
             raise RuntimeError("amp_init before minimize(loss): there is no program to cast yet.")
         if not self.cfg.pure:
@@ -249,6 +270,8 @@ class OptimizerWithMixedPrecision(_Minimized):
                 hp_values[id(p)] = p.detach().clone()
                 p.data = p.data.to(place.device, self.cfg.lp_dtype)
         self.wrapped = MixedPrecisionOptimizer(self.inner, master_weights=True)
+        if rewrite_master_weight:  # Paddle: the masters take the parameters' rounding
+            return  # the wrapper built its masters from the cast parameters
         with torch.no_grad():  # masters hold the fp32 values, not their low-precision rounding
             for lp, hp in zip(self.wrapped.lp_params, self.wrapped.hp_masters, strict=True):
                 hp.copy_(hp_values[id(lp)])
