@@ -25,6 +25,18 @@ def test_names_import_from_old_paths() -> None:
     assert OldPolicy is Policy and OldZero is ZeroOptimizer
 
 
+def test_an_old_path_that_is_also_a_public_name_keeps_the_name() -> None:
+    """mixprec.autocast is the class; its old module path imports without replacing it."""
+    from mixprec.autocast import fp32_region  # the old module path
+
+    from mixprec.core.autocast import autocast
+    from mixprec.core.autocast import fp32_region as new_fp32_region
+
+    importlib.import_module("mixprec.autocast")
+    assert fp32_region is new_fp32_region
+    assert mixprec.autocast is autocast
+
+
 def test_an_unknown_path_still_fails() -> None:
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("mixprec.no_such_module")

@@ -150,3 +150,7 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.append(_MovedModuleFinder())
+# An old path that is also a public name here (mixprec.autocast: the class) is bound now: the
+# finder importing it later would set the package's attribute to the module, hiding the class.
+for _old in [name for name in _MOVED if name in globals()]:
+    sys.modules[f"mixprec.{_old}"] = importlib.import_module(f"mixprec.{_MOVED[_old]}")
