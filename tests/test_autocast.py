@@ -47,7 +47,11 @@ def mode_stack_depth() -> int:
 # --- white list: ops forced to the low dtype ------------------------------------------------
 
 
-@pytest.mark.parametrize("op", ["softmax", torch.softmax, F.softmax, torch.Tensor.softmax], ids=str)
+@pytest.mark.parametrize(
+    "op",
+    ["softmax", torch.softmax, F.softmax, torch.Tensor.softmax],
+    ids=["name", "torch", "F", "Tensor"],
+)
 def test_white_listed_softmax_runs_in_bf16_and_equals_manual_cast(device: str, op: object) -> None:
     x = torch.randn(4, 16)
     with torch.autocast(device, dtype=torch.bfloat16):
