@@ -393,6 +393,14 @@ def test_compare_accuracy_reads_paddles_own_dumps(tmp_path, caplog) -> None:
     assert ours.startswith("[PRECISION] [ERROR] in [device=cpu, op=div, tensor=out0, dtype=fp32]")
 
 
+def test_compare_accuracy_has_paddles_signature() -> None:
+    import inspect
+
+    recorded = json.loads((DUMPS / "compare_accuracy.json").read_text())["signature"]
+    ours = inspect.signature(debugging.compare_accuracy).parameters.values()
+    assert [[p.name, None if p.default is p.empty else p.default] for p in ours] == recorded
+
+
 def test_compare_accuracy_refuses_what_it_cannot_compare(tmp_path) -> None:
     with pytest.raises(ValueError, match="dump_all_tensors=True"):
         debugging.compare_accuracy(str(DUMPS), str(DUMPS), "x.csv", dump_all_tensors=True)

@@ -269,6 +269,17 @@ def test_lars_multi_precision_keeps_fp32_masters_as_the_fp32_run():
     assert plain[-1].dtype == torch.bfloat16 and not torch.equal(plain[-1].float(), master)
 
 
+def test_lars_has_paddles_signature_but_its_graph_options():
+    import inspect
+
+    # regularization, grad_clip, name, exclude_from_weight_decay: README says why they are out
+    left_out = {"regularization", "grad_clip", "name", "exclude_from_weight_decay"}
+    recorded = [[n, d] for n, d in LARS["signature"] if n not in left_out]
+    ours = inspect.signature(LarsMomentumOptimizer.__init__).parameters.values()
+    got = [[p.name, None if p.default is p.empty else p.default] for p in ours if p.name != "self"]
+    assert got == recorded
+
+
 def test_lars_param_groups_and_bad_arguments():
     a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
     opt = LarsMomentumOptimizer(

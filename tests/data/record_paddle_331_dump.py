@@ -4,9 +4,12 @@ Run in a venv of its own (not mixprec's): pip install paddlepaddle==3.3.1; then
     python tests/data/record_paddle_331_dump.py
 check_all/: DebugMode.CHECK_ALL over a Linear, relu, mean and its backward (every op's line);
 nan_inf/: DebugMode.CHECK_NAN_INF over a division making inf and nan (only the [ERROR] lines).
-These are the files paddle.amp.debugging.compare_accuracy reads (worker_* under a dump dir).
+These are the files paddle.amp.debugging.compare_accuracy reads (worker_* under a dump dir);
+compare_accuracy.json holds its signature.
 """
 
+import inspect
+import json
 import os
 import shutil
 
@@ -40,3 +43,8 @@ def nan_inf():
 
 run("check_all", debugging.DebugMode.CHECK_ALL, check_all)
 run("nan_inf", debugging.DebugMode.CHECK_NAN_INF, nan_inf)
+
+signature = inspect.signature(debugging.compare_accuracy).parameters.values()
+signature = [p.replace(default=None) if p.default is p.empty else p for p in signature]
+with open(os.path.join(HERE, "compare_accuracy.json"), "w") as f:
+    json.dump({"signature": [[p.name, p.default] for p in signature]}, f)

@@ -6,6 +6,7 @@ Each case: one fp32 parameter, three steps with fixed gradients (loss = sum(p * 
 parameter after each step. CPU Paddle has no fp16 lars kernel: multi_precision is not recorded.
 """
 
+import inspect
 import json
 import os
 
@@ -45,6 +46,11 @@ for name, kwargs in CASES.items():
         params.append(p.numpy().tolist())
     facts["cases"][name] = {"kwargs": kwargs, "params": params}
 
+facts["signature"] = [
+    [p.name, None if p.default is inspect.Parameter.empty else p.default]
+    for p in inspect.signature(LarsMomentumOptimizer.__init__).parameters.values()
+    if p.name != "self"
+]
 out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paddle_331_lars.json")
 with open(out, "w") as f:
     json.dump(facts, f, indent=1)
