@@ -161,10 +161,10 @@ CASES = [
     ("booster name", lambda: booster("fp16_navie"), ValueError, r"'fp16_navie'.*'fp16_naive'"),
     ("booster type", lambda: booster(3.0), (TypeError, ValueError), r"3.0"),
     (
-        "grad scaler paddle typo",
-        lambda: mixprec.GradScaler("cpu", init_loss_scale=8),
+        "grad scaler paddle keyword",
+        lambda: mixprec.GradScaler("cpu", init_loss_scaling=8),
         TypeError,
-        r"'init_loss_scale'.*'init_loss_scaling'",
+        r"'init_loss_scaling'.*mixprec.paddle.GradScaler",
     ),
     (
         "autocast op name",

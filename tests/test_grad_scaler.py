@@ -109,20 +109,19 @@ def test_overflow_on_one_rank_skips_on_all() -> None:
     spawn(_one_rank_overflows, 2)
 
 
-def test_paddle_keyword_names(device: str) -> None:
-    # Seed 002: paddle.amp.GradScaler(init_loss_scaling=1024); decr_every_n_nan_or_inf is hysteresis.
-    s = GradScaler(device, init_loss_scaling=1024, incr_every_n_steps=7, decr_every_n_nan_or_inf=2)
-    assert (s.get_scale(), s.get_growth_interval(), s.cfg.hysteresis) == (1024.0, 7, 2)
-    with pytest.raises(TypeError, match="unknown keyword 'init_loss_scale'.*'init_loss_scaling'"):
-        GradScaler(device, init_loss_scale=8)
+def test_paddle_keyword_names_go_to_the_paddle_scaler(device: str) -> None:
+    # mixprec.GradScaler is torch's drop-in; seed 002's GradScaler(init_loss_scaling=1024) is
+    # mixprec.paddle.GradScaler's (tests/test_paddle_scaler.py)
+    with pytest.raises(TypeError, match="'init_loss_scaling'.*mixprec.paddle.GradScaler"):
+        GradScaler(device, init_loss_scaling=1024)
+    with pytest.raises(TypeError, match="'init_scael'.*Did you mean 'init_scale'"):
+        GradScaler(device, init_scael=8)
 
 
 def test_static_scale_never_moves(device: str) -> None:
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = GradScaler(
-        device, init_loss_scaling=8.0, use_dynamic_loss_scaling=False, growth_interval=1
-    )
+    scaler = GradScaler(device, init_scale=8.0, dynamic=False, growth_interval=1)
     assert set(train(scaler, model, opt, {1, 2}, steps=5)) == {8.0}
 
 

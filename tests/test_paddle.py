@@ -143,6 +143,54 @@ def test_custom_lists(level, white, black, op, dtype, xy):
     assert unlisted == {k: v for k, v in EXPECTED.get(level, got).items() if k not in skip}
 
 
+# Paddle's spellings the core's op lists once took as aliases: the face translates them now
+PADDLE_SPELLINGS = {
+    "elementwise_add": {"add"},
+    "elementwise_sub": {"sub"},
+    "elementwise_mul": {"mul"},
+    "elementwise_div": {"div"},
+    "elementwise_pow": {"pow"},
+    "elementwise_max": {"maximum"},
+    "elementwise_min": {"minimum"},
+    "elementwise_mod": {"remainder"},
+    "elementwise_floordiv": {"floor_divide"},
+    "matmul_v2": {"matmul", "mm", "bmm"},
+    "fc": {"linear"},
+    "depthwise_conv2d": {"conv2d"},
+    "conv2d_transpose": {"conv_transpose2d"},
+    "conv3d_transpose": {"conv_transpose3d"},
+    "reduce_sum": {"sum"},
+    "reduce_mean": {"mean"},
+    "reduce_prod": {"prod"},
+    "reduce_max": {"amax"},
+    "reduce_min": {"amin"},
+    "lookup_table": {"embedding"},
+    "lookup_table_v2": {"embedding"},
+    "softmax_with_cross_entropy": {"cross_entropy"},
+    "cross_entropy2": {"cross_entropy"},
+    "sigmoid_cross_entropy_with_logits": {"binary_cross_entropy_with_logits"},
+    "cos_sim": {"cosine_similarity"},
+    "top_k": {"topk"},
+    "top_k_v2": {"topk"},
+}
+
+
+def test_paddle_op_names_are_the_faces_not_the_cores(xy):
+    from mixprec.core.autocast import ALIASES, resolve_ops
+    from mixprec.paddle.op_names import paddle_ops_to_torch
+
+    for name, torch_ops in PADDLE_SPELLINGS.items():
+        assert paddle_ops_to_torch([name]) == torch_ops, name
+        assert name not in ALIASES
+        with pytest.raises(ValueError, match=f"Unknown op '{name}'"):
+            resolve_ops([name])  # mixprec.autocast speaks torch only
+    _, x, y = xy
+    with amp.auto_cast(custom_black_list={"fc"}, dtype="bfloat16"):  # Paddle's name for Linear
+        assert F.linear(x, y).dtype == HP
+    with amp.auto_cast(custom_white_list={"fc"}, dtype="bfloat16"):
+        assert F.linear(x, y).dtype == LP
+
+
 def test_enable_false_and_nested_o0_turn_everything_off(xy):
     with amp.auto_cast(enable=False, level="O2", dtype="bfloat16"):
         assert probe(*xy) == EXPECTED["O0"]
@@ -267,7 +315,7 @@ def test_masters_match_hand_written_fp32_master_loop(device: str):
     model = copy.deepcopy(base)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, opt = amp.decorate(model, opt, level="O2", dtype="bfloat16")
-    scaler = mixprec.GradScaler(device, init_loss_scaling=SCALE)  # the core one: any scaler works
+    scaler = mixprec.GradScaler(device, init_scale=SCALE)  # the core one: any scaler works
 
     ref = amp.decorate(
         copy.deepcopy(base), level="O2", dtype="bfloat16"
@@ -392,7 +440,7 @@ def test_pure_fp16_without_optimizers_needs_the_paddle_grad_scaler(
     x, y = torch.randn(3, 4), torch.randn(3, 2)
     model, opt = make()
     assert "decorate(models, optimizers)" in caplog.text
-    core = mixprec.GradScaler(device, init_loss_scaling=SCALE)
+    core = mixprec.GradScaler(device, init_scale=SCALE)
     with ctx:
         loss = F.mse_loss(model(x), y)
     core.scale(loss).backward()

@@ -14,6 +14,7 @@ from torch import nn
 
 from mixprec import paddle as amp
 from mixprec.paddle import debugging
+from mixprec.paddle.accuracy_compare import read_dump
 
 FACTS = json.loads((Path(__file__).parent / "data" / "paddle_331_facts.json").read_text())
 
@@ -105,7 +106,14 @@ def test_tensor_checker_steps_op_lists_and_modes(caplog, tmp_path) -> None:
     finally:
         debugging.disable_tensor_checker()
     assert [(r.op, r.kind) for r in big.records] == [("mul", "overflow")]
-    assert "overflow in output 0 of op mul" in (tmp_path / "tensor_checker.log").read_text()
+    (line,) = read_dump(str(tmp_path / "worker_cpu"))  # Paddle's dump line, file name
+    assert (line.op, line.tensor, line.dtype, line.max, line.shape) == (
+        "mul",
+        "out0",
+        "fp32",
+        1e6,
+        (1,),
+    )
     with pytest.raises(ValueError, match="'fused_attention' cannot be checked"):
         debugging.TensorCheckerConfig(enable=True, checked_op_list=["fused_attention"])
     with pytest.raises(ValueError, match="debug_step"):
@@ -227,7 +235,181 @@ def test_check_layer_numerics_checks_the_inputs_and_refuses_what_paddle_refuses(
         debugging.check_layer_numerics(3)
 
 
-def test_paddles_debugging_names_are_here_but_compare_accuracy() -> None:
-    # compare_accuracy is left out on purpose: README, "Differences from PaddlePaddle 3.3.1"
+def test_paddles_debugging_names_are_all_here() -> None:
     missing = {n for n in FACTS["paddle_amp_debugging_names"] if not hasattr(debugging, n)}
-    assert missing == {"compare_accuracy"}
+    assert missing == set()
+
+
+# ----- compare_accuracy -----
+
+DUMPS = Path(__file__).parent / "data" / "paddle_331_dump"  # recorded from Paddle 3.3.1 (CPU)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _dumped_step(model, out_dir, dtype=None, loss_scale=1.0):
+    """One forward and backward under CHECK_ALL dumping to out_dir; returns the config."""
+    config = debugging.TensorCheckerConfig(
+        enable=True, debug_mode=debugging.DebugMode.CHECK_ALL, output_dir=str(out_dir)
+    )
+    x = torch.linspace(-2, 2, 32).reshape(4, 8)
+    model.zero_grad()  # each run's gradients land in None (the same ops as the other run)
+    debugging.enable_tensor_checker(config)
+    try:
+        with amp.auto_cast(enable=dtype is not None, dtype=dtype or "float16"):
+            loss = model(x).float().pow(2).mean()
+        (loss * loss_scale if loss_scale != 1 else loss).backward()
+    finally:
+        debugging.disable_tensor_checker()
+    return config
+
+
+def _rows(path):
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_compare_accuracy_pairs_an_fp32_run_with_a_bf16_run_and_flags_a_mismatch(
+    tmp_path, capsys
+) -> None:
+    model = _mlp()
+    fp32 = _dumped_step(model, tmp_path / "fp32")
+    _dumped_step(model, tmp_path / "bf16", dtype="bfloat16")
+    # the records carry op, order, forward/backward, dtype, shape and the statistics
+    addmm = [r for r in fp32.records if r.op == "addmm"]
+    assert [(r.shape, r.dtype, r.grad_of) for r in addmm] == [
+        ((4, 16), torch.float32, None),
+        ((4, 4), torch.float32, None),
+    ]
+    assert {r.grad_of for r in fp32.records if r.op == "mm"} == {"AddmmBackward0"}
+    out = debugging.compare_accuracy(
+        str(tmp_path / "fp32"), str(tmp_path / "bf16"), str(tmp_path / "cmp.csv")
+    )
+    assert out == str(tmp_path / "cmp.csv")
+    rows = _rows(out)
+    # every fp32 op output found its bf16 partner; the bf16 run's extra rows are autocast's casts
+    assert all(r["lp_dtype"] != "--" for r in rows)
+    assert {r["op_type"] for r in rows if r["fp32_dtype"] == "--"} == {"_to_copy"}
+    paired = [r for r in rows if r["fp32_dtype"] != "--"]
+    assert len(paired) == len(fp32.records)
+    assert [r["op_type"] for r in paired if r["op_type"] == "addmm"] == ["addmm", "addmm"]
+    assert {r["lp_dtype"] for r in paired if r["op_type"] in ("addmm", "mm")} == {"bf16"}
+    assert [
+        r for r in rows if r["infinite"] != "0"
+    ] == []  # bf16 rounding stays within Paddle's 1e-2
+    # inject a mismatch: the bf16 run's second layer gets a wrong bias
+    with torch.no_grad():
+        model[2].bias[1] += 0.5
+    _dumped_step(model, tmp_path / "bad", dtype="bfloat16")
+    rows = _rows(
+        debugging.compare_accuracy(
+            str(tmp_path / "fp32"), str(tmp_path / "bad"), str(tmp_path / "bad.csv")
+        )
+    )
+    flagged = [(r["op_type"], r["tensor_name"]) for r in rows if r["infinite"] == "1"]
+    assert flagged[0] == ("addmm", "out0#1")  # the op that took the bias, nothing before it
+    first = rows.index(next(r for r in rows if r["infinite"] == "1"))
+    assert all(r["infinite"] == "0" for r in rows[:first])
+    assert "differ" in rows[first]["why"] and "addmm" in capsys.readouterr().out
+
+
+def test_compare_accuracy_divides_the_low_precision_backward_by_loss_scale(tmp_path) -> None:
+    model = _mlp()
+    _dumped_step(model, tmp_path / "fp32")
+    scaled = _dumped_step(model, tmp_path / "bf16", dtype="bfloat16", loss_scale=1024.0)
+    args = (str(tmp_path / "fp32"), str(tmp_path / "bf16"))
+    rows = _rows(debugging.compare_accuracy(*args, str(tmp_path / "a.csv"), loss_scale=1024))
+    assert [r for r in rows if r["infinite"] != "0"] == []
+    grads = [r for r in rows if r["op_type"] == "mm"]  # the weight and input grads
+    assert len(grads) == 3 and {r["lp_divided_by"] for r in grads} == {"1024.0"}
+    mm = [r for r in scaled.records if r.op == "mm"]
+    assert [float(r["lp_max_value"]) * 1024 for r in grads] == pytest.approx(
+        [r.max for r in mm],
+        rel=1e-6,  # the dump's 7 significant digits
+    )
+    # a backward op on a saved forward tensor (the transposed weight) ran unscaled: not divided
+    weight_t = next(r for r in rows if r["tensor_name"] == "AddmmBackward0.out0@GRAD#0")
+    assert weight_t["op_type"] == "t" and weight_t["lp_divided_by"] == "1.0"
+    # told loss_scale=1, the scaled gradients differ from the fp32 run's
+    rows = _rows(debugging.compare_accuracy(*args, str(tmp_path / "b.csv")))
+    assert {r["op_type"] for r in rows if r["infinite"] == "1"} >= {"mm", "threshold_backward"}
+    assert all(r["infinite"] == "0" for r in rows if "GRAD" not in r["tensor_name"])
+
+
+def test_compare_accuracy_reads_paddles_own_dumps(tmp_path, caplog) -> None:
+    # Paddle 3.3.1's CHECK_ALL dump of Linear, relu, mean and backward, compared with itself
+    check_all = str(DUMPS / "check_all")
+    path = debugging.compare_accuracy(check_all, check_all, str(tmp_path / "cmp.xlsx"))
+    if path.endswith(".csv"):  # no xlsxwriter here: CSV beside the asked-for name, with why
+        assert path == str(tmp_path / "cmp.csv") and "xlsxwriter" in caplog.text
+        rows = _rows(path)
+        ops = [r["op_type"] for r in rows]
+        assert ops[:6] == ["uniform", "full_", "matmul", "add", "relu", "mean"]
+        assert ops.count("matmul_grad") == 2 and all(r["infinite"] == "0" for r in rows)
+        assert {r["lp/fp32_max_value"] for r in rows} == {"1.0"}
+        assert rows[1]["tensor_name"] == "linear_0.b_0#0"
+    else:
+        import zipfile
+
+        assert "matmul_grad" in zipfile.ZipFile(path).read("xl/sharedStrings.xml").decode()
+    # its [ERROR] line (CHECK_NAN_INF): counts, inf, nan
+    (line,) = read_dump(str(DUMPS / "nan_inf" / "worker_cpu"))
+    assert (line.op, line.num_nan, line.num_inf, line.num_zero, line.max) == (
+        "divide",
+        1,
+        1,
+        1,
+        math.inf,
+    )
+    assert math.isnan(line.mean)
+    # mixprec writes the same fields in the same order (shape and step added at the end)
+    model = _mlp()
+    _dumped_step(model, tmp_path / "ours")
+    theirs = (DUMPS / "check_all" / "worker_cpu").read_text().splitlines()[2]
+    ours = (tmp_path / "ours" / "worker_cpu").read_text().splitlines()[0]
+    import re
+
+    def fields(text):
+        return re.findall(r"(\w+)=", text)
+
+    assert fields(ours)[: len(fields(theirs))] == fields(theirs)
+    assert ours.startswith("[PRECISION] in [device=cpu, op=")
+    config = debugging.TensorCheckerConfig(
+        enable=True, debug_mode=debugging.DebugMode.CHECK_NAN_INF, output_dir=str(tmp_path / "e")
+    )
+    debugging.enable_tensor_checker(config)
+    try:
+        torch.tensor([1.0, 0.0, 3.0, 0.0]) / torch.tensor([0.5, 0.0, 0.0, 2.0])
+    finally:
+        debugging.disable_tensor_checker()
+    ours = (tmp_path / "e" / "worker_cpu").read_text().strip()
+    theirs = (DUMPS / "nan_inf" / "worker_cpu").read_text().strip()
+    assert fields(ours)[: len(fields(theirs))] == fields(theirs)
+    assert ours.startswith("[PRECISION] [ERROR] in [device=cpu, op=div, tensor=out0, dtype=fp32]")
+
+
+def test_compare_accuracy_has_paddles_signature() -> None:
+    import inspect
+
+    recorded = json.loads((DUMPS / "compare_accuracy.json").read_text())["signature"]
+    ours = inspect.signature(debugging.compare_accuracy).parameters.values()
+    assert [[p.name, None if p.default is p.empty else p.default] for p in ours] == recorded
+
+
+def test_compare_accuracy_refuses_what_it_cannot_compare(tmp_path) -> None:
+    with pytest.raises(ValueError, match="dump_all_tensors=True"):
+        debugging.compare_accuracy(str(DUMPS), str(DUMPS), "x.csv", dump_all_tensors=True)
+    with pytest.raises(FileNotFoundError, match="no directory"):
+        debugging.compare_accuracy(str(tmp_path / "nope"), str(DUMPS), "x.csv")
+    with pytest.raises(FileNotFoundError, match="No worker_"):
+        debugging.compare_accuracy(str(tmp_path), str(tmp_path), "x.csv")
+    with pytest.raises(ValueError, match="loss_scale=0"):
+        debugging.compare_accuracy(str(DUMPS), str(DUMPS), "x.csv", loss_scale=0)
+    (tmp_path / "worker_cpu").write_text("[PRECISION] in [device=cpu, op=add], numel=x\n")
+    with pytest.raises(ValueError, match="Not a tensor-checker dump line"):
+        debugging.compare_accuracy(str(tmp_path), str(tmp_path), str(tmp_path / "x.csv"))

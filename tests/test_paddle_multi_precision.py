@@ -12,14 +12,21 @@ Steps are compiled with backend="eager" (dynamo only), as tests/test_paddle_stat
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 import torch._dynamo
+from tolerances import EXACT, FP32_ROUNDING
 from torch import nn
 from torch.nn import functional as F
 
+from mixprec.core.compiled_step import CompileStepError
 from mixprec.paddle import static
+from mixprec.paddle.optimizer import LarsMomentumOptimizer
 from mixprec.paddle.static import executor
 
 # tiny on purpose: Paddle's is 3x32x32 images, batch 16, a 32-deep ResNet, 5 batches
@@ -119,7 +126,7 @@ def train(optimizer_name: str, dtype: torch.dtype | None):
 
 # bfloat16 for the optimizer sweep: a CPU has no fast float16 kernels (convolutions and GEMMs
 # in fp16 are slow fallbacks), so fp16, Paddle's dtype, runs once, on Momentum, at this tiny size.
-# Paddle's fourth optimizer, Lars, has no torch counterpart.
+# Paddle's fourth optimizer, Lars (mixprec.paddle.optimizer), steps eagerly only: tested below.
 @pytest.mark.parametrize(
     ("optimizer_name", "dtype"),
     [
@@ -210,3 +217,106 @@ def test_amp_init_rewrite_master_weight_starts_the_masters_from_the_rounding():
         rounded = fp32_weight.to(torch.bfloat16).float()
         assert not torch.equal(rounded, fp32_weight)  # the rounding is visible at this seed
         torch.testing.assert_close(master, rounded, rtol=0, atol=0)
+
+
+# ----- Lars: Paddle's fourth optimizer, written for torch -----
+
+LARS = json.loads((Path(__file__).parent / "data" / "paddle_331_lars.json").read_text())
+
+
+def _lars_run(param: torch.Tensor, grads, **kwargs) -> list[torch.Tensor]:
+    opt = LarsMomentumOptimizer(parameter_list=[param], **kwargs)
+    out = []
+    for g in grads:
+        param.grad = torch.tensor(g, dtype=param.dtype)
+        opt.step()
+        out.append(param.detach().clone())
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(LARS["cases"]))
+def test_lars_steps_as_paddles_recorded_kernel(case):
+    fact = LARS["cases"][case]
+    param = nn.Parameter(torch.tensor(LARS["p0"]))
+    got = _lars_run(param, LARS["grads"], **fact["kwargs"])
+    # Paddle's CPU kernel is Eigen over fp32: its norms sum in another order (FP32_ROUNDING)
+    for step, expected in zip(got, fact["params"], strict=True):
+        torch.testing.assert_close(step, torch.tensor(expected), **FP32_ROUNDING)
+
+
+def test_lars_multi_precision_keeps_fp32_masters_as_the_fp32_run():
+    # gradients exact in bfloat16, so the bf16 run's fp32 masters see the fp32 run's gradients
+    torch.manual_seed(0)
+    start = torch.randn(4, 3)
+    grads = [(torch.randint(-8, 8, (4, 3)) / 8).tolist() for _ in range(4)]
+    kwargs = {"learning_rate": 0.5, "momentum": 0.9, "lars_coeff": 0.01}
+    fp32 = _lars_run(nn.Parameter(start.clone()), grads, **kwargs)
+    low = nn.Parameter(start.to(torch.bfloat16))
+    opt = LarsMomentumOptimizer(parameter_list=[low], multi_precision=True, **kwargs)
+    for g in grads:
+        low.grad = torch.tensor(g, dtype=torch.bfloat16)
+        opt.step()
+        master = opt.state[low]["master_weight"]
+        assert master.dtype == opt.state[low]["velocity"].dtype == torch.float32
+        # the master starts from the bf16 rounding of start, as Paddle's master weights do
+        assert low.dtype == torch.bfloat16 and torch.equal(low, master.to(torch.bfloat16))
+    reference = _lars_run(nn.Parameter(start.to(torch.bfloat16).float()), grads, **kwargs)
+    torch.testing.assert_close(master, reference[-1], **EXACT)  # the same fp32 math, bit for bit
+    assert not torch.equal(reference[-1], fp32[-1])  # (the starting rounding is visible)
+    # without multi_precision the bf16 parameter moves in bf16, with Paddle's warning
+    with pytest.warns(UserWarning, match="multi_precision=True"):
+        plain = _lars_run(nn.Parameter(start.to(torch.bfloat16)), grads, **kwargs)
+    assert plain[-1].dtype == torch.bfloat16 and not torch.equal(plain[-1].float(), master)
+
+
+def test_lars_has_paddles_signature_but_its_graph_options():
+    import inspect
+
+    # regularization, grad_clip, name, exclude_from_weight_decay: README says why they are out
+    left_out = {"regularization", "grad_clip", "name", "exclude_from_weight_decay"}
+    recorded = [[n, d] for n, d in LARS["signature"] if n not in left_out]
+    ours = inspect.signature(LarsMomentumOptimizer.__init__).parameters.values()
+    got = [[p.name, None if p.default is p.empty else p.default] for p in ours if p.name != "self"]
+    assert got == recorded
+
+
+def test_lars_param_groups_and_bad_arguments():
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    opt = LarsMomentumOptimizer(
+        0.1, 0.9, parameter_list=[{"params": [a]}, {"params": [b], "lars_weight_decay": 0.0}]
+    )
+    a.grad, b.grad = torch.full((3,), 0.5), torch.full((3,), 0.5)
+    opt.step()
+    # no decay: plain momentum SGD (Paddle's exclude_from_weight_decay), b = 1 - 0.1 * 0.5
+    torch.testing.assert_close(b.detach(), torch.full((3,), 0.95), **EXACT)
+    # the LARS rate: 0.1 * 0.001 * |a| / (|g| + 5e-4 |a|) times (g + 5e-4 a)
+    norm_a, norm_g = math.sqrt(3), math.sqrt(3) * 0.5
+    local = 0.1 * 0.001 * norm_a / (norm_g + 0.0005 * norm_a)
+    torch.testing.assert_close(
+        a.detach(), torch.full((3,), 1 - local * (0.5 + 0.0005)), **FP32_ROUNDING
+    )
+    with pytest.raises(TypeError, match="parameter_list"):
+        LarsMomentumOptimizer(0.1, 0.9)
+    with pytest.raises(ValueError, match="momentum=-1"):
+        LarsMomentumOptimizer(0.1, -1, parameter_list=[a])
+    with pytest.raises(TypeError, match="multi_precision=1"):
+        LarsMomentumOptimizer(0.1, 0.9, parameter_list=[a], multi_precision=1)
+    with pytest.raises(TypeError, match="exclude_from_weight_decay"):
+        LarsMomentumOptimizer(0.1, 0.9, parameter_list=[a], exclude_from_weight_decay=["b"])
+
+
+def test_lars_under_the_static_executor_is_refused_by_name():
+    # the Executor runs the compiled step, whose fused update knows SGD, Adam and AdamW only
+    with static.program_guard(static.Program(), static.Program()):
+        net = nn.Linear(4, 2)
+        x = static.data(name="x", shape=[-1, 4], dtype="float32")
+        loss = net(x).sum()
+        lars = LarsMomentumOptimizer(0.1, 0.9, parameter_list=net.parameters())
+        opt = static.amp.decorate(lars, use_pure_fp16=True, use_fp16_guard=False, dtype="bfloat16")
+        opt.minimize(loss)
+        place = static.CPUPlace()
+        exe = static.Executor(place)
+        exe.run(static.default_startup_program())
+        opt.amp_init(place)
+        with pytest.raises(CompileStepError, match="cannot run LarsMomentumOptimizer"):
+            exe.run(feed={"x": np.ones((2, 4), np.float32)}, fetch_list=[loss])

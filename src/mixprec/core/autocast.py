@@ -7,13 +7,12 @@ each public torch call (torch.X, torch.nn.functional.X, torch.Tensor.X and the o
 the op's floating inputs and runs it with torch's autocast off, so torch cannot re-cast them.
 
 Naming ops: a plain name ("softmax", "add", "layer_norm", "matmul"), a torch callable
-(torch.softmax, F.layer_norm, torch.Tensor.add, torch.matmul), or one of Paddle's op names
-(ALIASES, e.g. "elementwise_add" -> "add", "matmul_v2" -> "matmul"). Every name is normalised
-to one plain torch name; a name stands for all its spellings: "add" is torch.add,
-torch.Tensor.add, `a + b` and `1 + a`; "sub" is torch.sub and torch.subtract. Where Paddle and
-torch disagree, torch wins: "mul" is torch.mul (elementwise), not Paddle's legacy
-matrix-multiply `mul` op (use "matmul"). In-place ops (add_, `a += b`) cannot be listed: their
-result keeps self's dtype whatever the inputs are.
+(torch.softmax, F.layer_norm, torch.Tensor.add, torch.matmul), or a torch synonym (ALIASES,
+e.g. "subtract" -> "sub"). Every name is normalised to one plain torch name; a name stands for
+all its spellings: "add" is torch.add, torch.Tensor.add, `a + b` and `1 + a`; "sub" is
+torch.sub and torch.subtract. A peer's op names (Paddle's "elementwise_add") are its face's to
+translate (mixprec.paddle.auto_cast takes them). In-place ops (add_, `a += b`) cannot be
+listed: their result keeps self's dtype whatever the inputs are.
 
 Nesting: an inner `autocast` starts from the enclosing one's lists; its white list adds ops to
 the low set and takes them out of the fp32 set, its black list does the reverse; its dtype and
@@ -69,36 +68,10 @@ ALIASES: dict[str, str] = {
     "absolute": "abs",
     "negative": "neg",
     "clip": "clamp",
-    # Paddle's op names (fluid / static-graph and AMP list spellings).
-    "elementwise_add": "add",
-    "elementwise_sub": "sub",
-    "elementwise_mul": "mul",
-    "elementwise_div": "div",
-    "elementwise_pow": "pow",
-    "elementwise_max": "maximum",
-    "elementwise_min": "minimum",
-    "elementwise_mod": "remainder",
-    "elementwise_floordiv": "floor_divide",
-    "matmul_v2": "matmul",
-    "fc": "linear",
-    "depthwise_conv2d": "conv2d",
-    "conv2d_transpose": "conv_transpose2d",
-    "conv3d_transpose": "conv_transpose3d",
-    "reduce_sum": "sum",
-    "reduce_mean": "mean",
-    "reduce_prod": "prod",
-    "reduce_max": "amax",
-    "reduce_min": "amin",
-    "lookup_table": "embedding",
-    "lookup_table_v2": "embedding",
-    "softmax_with_cross_entropy": "cross_entropy",
-    "cross_entropy2": "cross_entropy",
-    "sigmoid_cross_entropy_with_logits": "binary_cross_entropy_with_logits",
-    "cos_sim": "cosine_similarity",
-    "top_k": "topk",
-    "top_k_v2": "topk",
 }
-"""Other spellings -> the plain torch name they are normalised to."""
+"""torch's other spellings -> the plain torch name they are normalised to. A face whose peer
+names ops otherwise (Paddle's "elementwise_add") translates them before handing a list in
+(mixprec.paddle.op_names)."""
 
 OPERATOR_DUNDERS: dict[str, str] = {
     "__add__": "add",
@@ -229,7 +202,7 @@ def _resolve_op(op: str | Callable) -> str:
 def resolve_ops(names: Iterable[str | Callable] | None) -> frozenset[str]:
     """Validate a custom op list and normalise it to plain torch op names.
 
-    names: op names ("softmax"), Paddle names ("elementwise_add"), or torch callables
+    names: op names ("softmax", torch synonyms "subtract"), or torch callables
     (torch.softmax, F.layer_norm, torch.Tensor.add); None means no ops.
     """
     if names is None:

@@ -31,33 +31,33 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-PADDLE_NAMES = {
-    "init_loss_scaling": "init_scale",
-    "incr_ratio": "growth_factor",
-    "decr_ratio": "backoff_factor",
-    "incr_every_n_steps": "growth_interval",
-    "decr_every_n_nan_or_inf": "hysteresis",
-    "enable": "enabled",
-}
-"""Paddle's GradScaler keywords -> torch's (seed 002 writes GradScaler(init_loss_scaling=1024))."""
+TORCH_KEYWORDS: tuple[str, ...] = (
+    "device",
+    "init_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "enabled",
+    "hysteresis",
+    "min_scale",
+    "max_scale",
+    "consecutive_hysteresis",
+    "dynamic",
+    "process_group",
+)
+"""GradScaler's keywords: torch.amp.GradScaler's and mixprec's extras."""
 
 
-def paddle_to_torch_names(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Translate Paddle keyword names; use_dynamic_loss_scaling=False means a static scale."""
-    out: dict[str, Any] = {}
-    for key, value in kwargs.items():
-        if key == "use_dynamic_loss_scaling":
-            if not isinstance(value, bool):
-                raise TypeError(f"use_dynamic_loss_scaling={value!r} must be a bool.")
-            out["dynamic"] = value
-            continue
-        if key not in PADDLE_NAMES:
-            valid = [*PADDLE_NAMES, "use_dynamic_loss_scaling"]
-            raise TypeError(
-                f"GradScaler got an unknown keyword {key!r}." + did_you_mean(key, valid)
-            )
-        out[PADDLE_NAMES[key]] = value
-    return out
+def unknown_keyword(kwargs: dict[str, Any]) -> TypeError:
+    """The error for keywords that are not GradScaler's: other peers' spellings belong to
+    their faces' scalers (this class stays torch's drop-in)."""
+    key = next(iter(kwargs))
+    return TypeError(
+        f"mixprec.GradScaler got an unexpected keyword {key!r}: it is torch.amp.GradScaler's "
+        "drop-in and takes torch's keywords." + did_you_mean(key, TORCH_KEYWORDS) + " A "
+        "peer's own scaler keywords go to its face's scaler: mixprec.paddle.GradScaler takes "
+        "Paddle's."
+    )
 
 
 def refuse_stacked_scaler(optimizer: MixedPrecisionOptimizer) -> None:
@@ -80,9 +80,9 @@ class GradScaler(torch.amp.GradScaler):
     Extra keywords: hysteresis (overflows tolerated before backing off), min_scale (floor,
     default 1: the scale never collapses to 0), max_scale, consecutive_hysteresis, and
     process_group (the group whose ranks must agree on overflow; default: the world group
-    when torch.distributed is initialised). Paddle's names are accepted too:
-    init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf
-    (= hysteresis), enable, use_dynamic_loss_scaling.
+    when torch.distributed is initialised), dynamic (False: the scale stays init_scale;
+    overflowing steps are still skipped). Another peer's keywords raise TypeError naming its
+    face's scaler (mixprec.paddle.GradScaler takes Paddle's).
     """
 
     def __init__(
@@ -98,21 +98,18 @@ class GradScaler(torch.amp.GradScaler):
         min_scale: float = 1.0,
         max_scale: float = float("inf"),
         consecutive_hysteresis: bool = False,
+        dynamic: bool = True,
         process_group: ProcessGroup | None = None,
-        **paddle_names: Any,
+        **unknown: Any,
     ) -> None:
-        given = paddle_to_torch_names(paddle_names)
-        enabled = given.pop("enabled", enabled)
+        if unknown:
+            raise unknown_keyword(unknown)
         check_bool("enabled", enabled)  # bool('no') would be True
-        init_scale = given.pop("init_scale", init_scale)
-        growth_factor = given.pop("growth_factor", growth_factor)
-        backoff_factor = given.pop("backoff_factor", backoff_factor)
-        growth_interval = given.pop("growth_interval", growth_interval)
-        hysteresis = given.pop("hysteresis", hysteresis)
+        check_bool("dynamic", dynamic)
         # mixprec's own settings; the growth/backoff factors and interval live in torch's
         # attributes (setters and load_state_dict write there) and `cfg` reads them from there.
         self._base_cfg = ScalerConfig(
-            dynamic=given.pop("dynamic", True),
+            dynamic=dynamic,
             init_scale=init_scale,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,

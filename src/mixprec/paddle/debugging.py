@@ -38,8 +38,8 @@ from torch.utils._pytree import tree_leaves
 
 from mixprec.debugging import OperatorStats
 from mixprec.debugging import collect_operator_stats as _collect
-from mixprec.debugging.nonfinite import tensor_to_kind
 from mixprec.debugging.op_stats import op_to_name
+from mixprec.paddle.accuracy_compare import DumpLine, compare_accuracy, worker_file_name
 from mixprec.paddle.op_names import PADDLE_MEANING, REFUSED, TO_TORCH
 
 log = logging.getLogger("mixprec")
@@ -97,6 +97,22 @@ def collect_operator_stats_and_print() -> Iterator[OperatorStats]:
 # ----- check_numerics -----
 
 
+def _numerics(
+    tensor: torch.Tensor,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """On the device: [num_nan, num_inf, num_zero] and [max, min, mean] in fp32, max and min
+    skipping NaNs (as Paddle's), mean the plain mean. check_numerics and the checker share it."""
+    flat = tensor.detach().float().reshape(-1)
+    nan = torch.isnan(flat)
+    counts = [nan.sum(), torch.isinf(flat).sum(), (flat == 0).sum()]
+    finite_or_inf = flat[~nan]
+    if finite_or_inf.numel():
+        high, low = finite_or_inf.amax(), finite_or_inf.amin()
+    else:
+        high = low = flat.new_tensor(float("nan"))
+    return counts, [high, low, flat.mean()]
+
+
 def check_numerics(
     tensor: torch.Tensor,
     op_type: str,
@@ -112,15 +128,9 @@ def check_numerics(
         raise TypeError(f"check_numerics needs a floating tensor, got {tensor!r}.")
     if not isinstance(debug_mode, DebugMode):
         raise TypeError(f"debug_mode={debug_mode!r} must be a DebugMode.")
-    flat = tensor.detach().float().reshape(-1)
-    nan, inf = torch.isnan(flat), torch.isinf(flat)
-    stats = torch.stack([nan.sum(), inf.sum(), (flat == 0).sum()]).to(torch.int64)
-    finite_or_inf = flat[~nan]
-    if finite_or_inf.numel():
-        high, low = finite_or_inf.amax(), finite_or_inf.amin()
-    else:
-        high = low = flat.new_tensor(float("nan"))
-    values = torch.stack([high, low, flat.mean()])
+    counts, values = _numerics(tensor)
+    stats = torch.stack(counts).to(torch.int64)
+    values = torch.stack(values)
     num_nan, num_inf, num_zero = stats.tolist()  # the host sync this check is for
     if num_nan or num_inf:
         message = (
@@ -141,7 +151,8 @@ class TensorCheckerConfig:
     """paddle.amp.debugging.TensorCheckerConfig.
 
     enable: check at all. debug_mode: a DebugMode. output_dir: a directory to write the
-    report lines to (one file, tensor_checker.log), else they are logged. checked_op_list /
+    reported outputs to, one Paddle dump line each in worker_<device> (what compare_accuracy
+    pairs; CHECK_ALL reports every output), else they are logged. checked_op_list /
     skipped_op_list: op names (torch's or Paddle's) to check only / never. debug_step: [start,
     end): check only the steps (calls of enable_tensor_checker) in that range.
     stack_height_limit: how many Python stack frames (innermost last, mixprec's own frames
@@ -224,14 +235,43 @@ class TensorCheckRecord:
     max_abs: float
     stack: tuple[str, ...] = ()
     """The innermost user frames ('file:line in function'), as many as stack_height_limit."""
+    grad_of: str | None = None
+    """In the backward: the autograd node that ran the op ('AddmmBackward0'); None forward."""
+    device: str = "cpu"
+    num_nan: int = 0
+    num_inf: int = 0
+    num_zero: int = 0
+    max: float = 0.0
+    min: float = 0.0
+    """max and min skip NaNs (as Paddle's)."""
+    mean: float = 0.0
 
     def describe(self) -> str:
         where = f" at {' <- '.join(reversed(self.stack))}" if self.stack else ""
+        grad = f" in the backward of {self.grad_of}" if self.grad_of else ""
         return (
             f"[step {self.step}] {self.kind} in output {self.output} of op {self.op} "
             f"({str(self.dtype).removeprefix('torch.')}, shape {list(self.shape)}, "
-            f"max |x| {self.max_abs:g}){where}"
+            f"max |x| {self.max_abs:g}){grad}{where}"
         )
+
+    def dump_line(self) -> str:
+        """The line Paddle's tensor checker writes to output_dir, which compare_accuracy reads."""
+        tensor = f"{self.grad_of}.out{self.output}@GRAD" if self.grad_of else f"out{self.output}"
+        return DumpLine(
+            device=self.device,
+            op=self.op,
+            tensor=tensor,
+            dtype=self.dtype,
+            shape=self.shape,
+            num_nan=self.num_nan,
+            num_inf=self.num_inf,
+            num_zero=self.num_zero,
+            max=self.max,
+            min=self.min,
+            mean=self.mean,
+            step=self.step,
+        ).format()
 
 
 def _user_frames(limit: int) -> tuple[str, ...]:
@@ -273,8 +313,13 @@ class _CheckingMode(TorchDispatchMode):
 
     def _check(self, op: str, index: int, t: torch.Tensor) -> None:
         mode = self.config.debug_mode
-        kind = tensor_to_kind(t)  # the host sync: one per checked output
-        max_abs = float(t.detach().abs().float().nan_to_num(nan=0.0).amax())
+        counts, values = _numerics(t)
+        max_abs = t.detach().abs().float().nan_to_num(nan=0.0).amax()
+        # the host sync: one per checked output
+        num_nan, num_inf, num_zero, high, low, mean, max_abs = torch.stack(
+            [c.float() for c in counts] + values + [max_abs]
+        ).tolist()
+        kind = "nan" if num_nan else "inf" if num_inf else None
         if kind is None:
             if mode is DebugMode.CHECK_ALL_FOR_OVERFLOW and t.dtype == torch.float32:
                 kind = "overflow" if max_abs > _FP16_MAX else None
@@ -282,6 +327,7 @@ class _CheckingMode(TorchDispatchMode):
                 kind = "overflow" if t.dtype == torch.float32 and max_abs > _FP16_MAX else "ok"
         if kind is None:
             return
+        node = torch._C._current_autograd_node()  # set while backward runs this op
         record = TensorCheckRecord(
             self.step,
             op,
@@ -291,20 +337,31 @@ class _CheckingMode(TorchDispatchMode):
             tuple(t.shape),
             max_abs,
             _user_frames(self.config.stack_height_limit),
+            grad_of=node.name() if node is not None else None,
+            device=str(t.device),
+            num_nan=int(num_nan),
+            num_inf=int(num_inf),
+            num_zero=int(num_zero),
+            max=high,
+            min=low,
+            mean=mean,
         )
         self.config.records.append(record)
+        _report(self.config, record)
         if mode is DebugMode.CHECK_NAN_INF_AND_ABORT:
             raise TensorCheckerError(record)
-        _report(self.config, record)
 
 
 def _report(config: TensorCheckerConfig, record: TensorCheckRecord) -> None:
+    """To output_dir: Paddle's dump line in worker_<device> (what compare_accuracy reads);
+    else a WARNING (not in CHECK_NAN_INF_AND_ABORT mode, whose error carries the record)."""
     if config.output_dir is None:
-        log.warning("mixprec.paddle tensor checker: %s", record.describe())
+        if config.debug_mode is not DebugMode.CHECK_NAN_INF_AND_ABORT:
+            log.warning("mixprec.paddle tensor checker: %s", record.describe())
         return
     os.makedirs(config.output_dir, exist_ok=True)
-    with open(os.path.join(config.output_dir, "tensor_checker.log"), "a") as f:
-        f.write(record.describe() + "\n")
+    with open(os.path.join(config.output_dir, worker_file_name(record.device)), "a") as f:
+        f.write(record.dump_line() + "\n")
 
 
 _CHECKER: dict[str, _CheckingMode] = {}
@@ -405,6 +462,7 @@ __all__ = [
     "check_layer_numerics",
     "check_numerics",
     "collect_operator_stats",
+    "compare_accuracy",
     "disable_operator_stats_collection",
     "disable_tensor_checker",
     "enable_operator_stats_collection",

@@ -4,8 +4,8 @@ A subclass of mixprec.GradScaler (torch's contracts: scale/unscale_/step/update,
 optimizers), constructed as Paddle's: GradScaler(enable, init_loss_scaling, incr_ratio,
 decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf, use_dynamic_loss_scaling).
 
-The scale follows Paddle's update_loss_scaling rule (_update_scale_, device-side), the one the
-static face's optimizer runs too.
+The scale follows Paddle's update_loss_scaling rule: _update_scale_ (device-side), which the
+core's update() and the static face's compiled step both call: one implementation.
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ import functools
 import inspect
 import math
 import warnings
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from mixprec.core.grad_scaler import GradScaler as _CoreGradScaler
 from mixprec.core.grad_scaler import default_device
@@ -158,7 +156,7 @@ class GradScaler(_CoreGradScaler):
             min_scale=min_scale,
             max_scale=max_scale,
             process_group=process_group,
-            use_dynamic_loss_scaling=use_dynamic_loss_scaling,
+            dynamic=use_dynamic_loss_scaling,
         )
         self._init_bad_steps = 0  # Paddle's decr_count before the state tensors exist
         self._bad_steps: torch.Tensor | None = None
@@ -190,21 +188,6 @@ class GradScaler(_CoreGradScaler):
         scale.copy_(torch.where(backoff, backed, torch.where(grow, grown, scale)))
         bad.copy_(bad_now.masked_fill_(backoff, 0))
         good.copy_(good_now.masked_fill_(grow, 0))
-
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        if not self._enabled or new_scale is not None or not self.cfg.dynamic:
-            super().update(new_scale)
-            return
-        self._check_scale_growth_tracker("update")
-        found_infs = [
-            found_inf.to(device=self._scale.device, non_blocking=True)
-            for state in self._per_optimizer_states.values()
-            for found_inf in state["found_inf_per_device"].values()
-        ]
-        if not found_infs:
-            raise AssertionError("No inf checks were recorded prior to update.")
-        self._update_scale_(torch.stack(found_infs).amax())
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # ----- scale / step -----
 
