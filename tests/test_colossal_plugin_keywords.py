@@ -137,7 +137,6 @@ REFUSED: dict[type, dict[str, Any]] = {
         "mixed_precision": object(),
         "ignored_modules": [nn.Linear(1, 1)],
         "param_init_fn": lambda m: None,
-        "fp8_communication": True,
     },
     HybridParallelPlugin: {
         "sp_size": 2,
@@ -213,6 +212,7 @@ CHECKED_BY = {
         "process_group": "test_distributed_keywords (sharded over the given group)",
         "sharding_strategy": "test_fsdp_sharding_strategy_maps_to_reshard_after_forward",
         "sync_module_states": "test_distributed_keywords (rank 1 starts from rank 0's)",
+        "fp8_communication": "test_zero_comm.py (FSDP2: bytes counted, error bound)",
     },
     HybridParallelPlugin: {
         "tp_size": "test_pipeline.py (tp_plan runs)",

@@ -18,7 +18,12 @@ from tolerances import EXACT
 from torch import nn
 
 from mixprec.booster import Booster
-from mixprec.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+from mixprec.booster.plugin import (
+    HybridParallelPlugin,
+    LowLevelZeroPlugin,
+    TorchDDPPlugin,
+    TorchFSDPPlugin,
+)
 from mixprec.parallel.comm import fp8_all_reduce, fp8_reduce_scatter, to_fp8_comm_dtype
 
 WIO = Path("/proc/self/io")
@@ -122,7 +127,7 @@ def test_fp8_communication_values() -> None:
     assert to_fp8_comm_dtype("e4m3", "X") == E4M3
     with pytest.raises(ValueError, match=r"X\(fp8_communication='fp16'\).*e4m3"):
         to_fp8_comm_dtype("fp16", "X")
-    for plugin in (LowLevelZeroPlugin, TorchDDPPlugin):
+    for plugin in (LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin, HybridParallelPlugin):
         with pytest.raises(ValueError, match=rf"{plugin.__name__}\(fp8_communication=1\)"):
             plugin(fp8_communication=1)
     with pytest.raises(ValueError, match="leave communication_dtype None"):
@@ -177,7 +182,8 @@ def _one_sgd_step(plugin, rank: int) -> tuple[torch.Tensor, int]:  # noqa: ANN00
     assert not opt.step().skipped  # ZeRO and the hybrid plugin here
     sent = bytes_sent() - sent
     hp = getattr(opt, "hp_params", None)
-    after = torch.cat([p.detach().reshape(-1) for p in (hp() if hp else list(model.parameters()))])
+    params = hp() if hp else [getattr(p, "full_tensor", p.detach)() for p in model.parameters()]
+    after = torch.cat([p.detach().reshape(-1) for p in params])
     return before - after, sent
 
 
@@ -196,6 +202,12 @@ def _plugins_worker(rank: int, world: int) -> None:
             LowLevelZeroPlugin(stage=1, precision="fp32", fp8_communication=True),
             E5M2,
             False,
+        ),
+        "FSDP2": (
+            TorchFSDPPlugin(),
+            TorchFSDPPlugin(fp8_communication=True),
+            E5M2,
+            False,  # each unit reduce-scattered: one fp8 rounding
         ),
         "hybrid dp": (
             HybridParallelPlugin(precision="fp32"),
@@ -216,8 +228,9 @@ def _plugins_worker(rank: int, world: int) -> None:
         assert err.max() > 0, name
         assert_same_on_every_rank([delta], f"{name} fp8: every replica steps alike")
         # Gradient bytes fall ~4x (all-reduce) or ~8x (ZeRO's reduce-scatter); ZeRO's step also
-        # broadcasts the owners' fp32 params, which fp8 does not touch.
-        assert fp8_bytes * (3 if name in ("DDP", "hybrid dp") else 2) < ref_bytes, (
+        # broadcasts the owners' fp32 params, FSDP2 all-gathers them in forward and again in
+        # backward (two thirds of its bytes), which fp8 does not touch.
+        assert fp8_bytes * {"DDP": 3, "hybrid dp": 3, "FSDP2": 1.25}.get(name, 2) < ref_bytes, (
             name,
             fp8_bytes,
             ref_bytes,

@@ -121,6 +121,38 @@ def fp8_all_reduce(
     return total[: hp_tensor.numel()].view(hp_tensor.shape).to(hp_tensor.dtype)
 
 
+class Fp8ReduceScatter:
+    """FSDP2's reduce-scatter moving fp8 (FSDPModule.set_custom_reduce_scatter's interface:
+    allocate + the call): each FSDP unit's gradient buffer is reduce-scattered with one scale
+    per rank and summed in fp32 (one fp8 rounding), then averaged when FSDP asks for AVG."""
+
+    def __init__(self, fp8_dtype: torch.dtype) -> None:
+        self.fp8_dtype = fp8_dtype
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise NotImplementedError(
+                f"fp8 reduce-scatter under FSDP2 with op {op!r}: only SUM and AVG are "
+                "implemented (a gradient_divide_factor other than the world size asks for "
+                "PREMUL_SUM)."
+            )
+        summed = fp8_reduce_scatter(input_tensor.reshape(-1), group, self.fp8_dtype)
+        if op == dist.ReduceOp.AVG:
+            summed.div_(_world(group))
+        output_tensor.copy_(summed.view_as(output_tensor))
+        return None  # done synchronously: FSDP ignores the work handle when async_op is False
+
+
 def fp8_ddp_comm_hook(
     fp8_dtype: torch.dtype,
 ) -> Callable[[ProcessGroup | None, Any], torch.futures.Future]:
