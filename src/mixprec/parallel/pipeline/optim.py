@@ -87,7 +87,10 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         if self._dp_size > 1 and not self._dp_averaged:
             grads = [p.grad for g in self.optim.param_groups for p in g["params"]]
             grads = local_shards([g for g in grads if g is not None])
-            if self.fp8_communication is not None and grads:
+            if self.fp8_communication is None:
+                for grad in grads:  # fp32 sums (masters or fp32 params): no lp rounding here
+                    dist.all_reduce(grad, group=self.dp_group)
+            elif grads:
                 # One flat buffer, one scale per replica (as a DDP bucket): a collective per
                 # tensor would send more headers than fp8 saves on small ones.
                 sizes = [g.numel() for g in grads]
@@ -95,8 +98,6 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
                 summed = fp8_all_reduce(flat, self.dp_group, self.fp8_communication).split(sizes)
                 views = [v.view_as(g) for v, g in zip(summed, grads, strict=True)]
                 torch._foreach_copy_(grads, views)
-            for grad in grads if self.fp8_communication is None else ():
-                dist.all_reduce(grad, group=self.dp_group)  # fp32 sums: no lp rounding here
             torch._foreach_div_(grads, float(self._dp_size))
             self._dp_averaged = True
 
