@@ -1,19 +1,30 @@
-"""ZeRO-1/2 (LowLevelZeroPlugin) vs DDP with the same precision, on 2 and 4 gloo ranks (CPU).
+"""ZeRO-1/2 (LowLevelZeroPlugin) vs DDP with the same precision, on 2 and 4 gloo ranks (CPU),
+with and without overlap_communication and fp8_communication.
 
 A model whose optimizer state dominates (depth x Linear(width), AdamW, a small batch). For
-each world size and precision, every rank builds three runs from the same weights — DDP
-(TorchDDPPlugin over the same Policy), ZeRO stage 1 and stage 2 — and steps them in turns, so
-load from other processes falls on all three alike. Measured in that one run:
+each world size and precision, every rank builds the runs below from the same weights and
+steps them in turns (one step of each, then the next round), so load from other processes
+falls on all of them alike:
+
+    ddp, ddp_fp8                TorchDDPPlugin over the same Policy; fp8: its fp8 comm hook
+    zero1, zero2                LowLevelZeroPlugin, gradients reduced at step()
+    zero2_overlap               buckets reduced during backward (overlap_communication)
+    zero2_fp8, zero2_overlap_fp8  gradients moved in fp8 (fp8_communication)
+
+ZeRO's buckets hold --bucket-m million elements (default 0.25: one Linear(512) per bucket, so
+backward has several buckets to overlap). Measured in that one run:
 
     bytes   fp32 masters + optimizer state each rank holds, summed from the optimizers' own
             state after the steps (the largest rank is reported); ratio = ZeRO / DDP
             (target: <= 1/world + 5 %); and the gradient bytes held after step()
-    time    the fastest step (forward, backward, step) of each rank, the slowest rank's:
-            on shared cores the least disturbed step; speed = DDP time / ZeRO time (>= 0.9)
+    sent    bytes each rank writes to its sockets per step (/proc/self/io wchar: gloo's
+            sends, counted, not modelled), the largest rank's mean over the timed steps
+    time    each rank's median step (forward, backward, step) and its spread (the 10th-90th
+            percentile range), the slowest rank's; speed = DDP median / the run's median
 
 Writes runs/bench_zero-<UTC time>/zero_cpu.{md,json,png}.
 
-    python benchmarks/bench_zero.py                       # small default run (~1 min here)
+    python benchmarks/bench_zero.py                       # default run (~5 min on 2 loaded cores)
     python benchmarks/bench_zero.py --worlds 2 --width 1024 --steps 10
 """
 
@@ -37,7 +48,23 @@ from mixprec.bench.command import fresh_out_dir
 from mixprec.bench.runner import machine_name
 
 PRECISIONS = ("fp16", "bf16", "fp32")
-RUNS = ("ddp", "zero1", "zero2")
+# name -> (ZeRO stage or 0 for DDP, overlap_communication, fp8_communication)
+RUN_SPECS = {
+    "ddp": (0, False, False),
+    "ddp_fp8": (0, False, True),
+    "zero1": (1, False, False),
+    "zero2": (2, False, False),
+    "zero2_overlap": (2, True, False),
+    "zero2_fp8": (2, False, True),
+    "zero2_overlap_fp8": (2, True, True),
+}
+RUNS = tuple(RUN_SPECS)
+WIO = Path("/proc/self/io")
+
+
+def bytes_sent() -> int:
+    """Bytes this process has written (write/writev: gloo's socket sends included)."""
+    return int(dict(line.split(": ") for line in WIO.read_text().splitlines())["wchar"])
 
 
 def state_dominated_net(width: int, depth: int) -> nn.Module:
@@ -67,15 +94,23 @@ def build_runs(precision: str, args: argparse.Namespace) -> dict[str, tuple]:
     from mixprec.mixed_precision import MixedPrecision
 
     runs = {}
-    for name in RUNS:
+    for name, (stage, overlap, fp8) in RUN_SPECS.items():
         torch.manual_seed(0)
         model = state_dominated_net(args.width, args.depth)
         # 2**8: the default first fp16 scale (2**32) skips a few steps before one lands.
         zero = LowLevelZeroPlugin(
-            stage=int(name[-1]) if name != "ddp" else 1, precision=precision, initial_scale=2**8
+            stage=stage or 1,
+            precision=precision,
+            initial_scale=2**8,
+            reduce_bucket_size_in_m=args.bucket_m,
+            overlap_communication=overlap,
+            fp8_communication=fp8,
         )
-        if name == "ddp":  # the very same Policy, DDP instead of ZeRO
-            booster = Booster(mixed_precision=MixedPrecision(zero.policy), plugin=TorchDDPPlugin())
+        if not stage:  # the very same Policy, DDP instead of ZeRO
+            booster = Booster(
+                mixed_precision=MixedPrecision(zero.policy),
+                plugin=TorchDDPPlugin(fp8_communication=fp8),
+            )
         else:
             booster = Booster(plugin=zero)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -101,22 +136,34 @@ def worker(rank: int, world: int, rendezvous: str, out: str, args: argparse.Name
         for precision in args.precisions:
             runs = build_runs(precision, args)
             times: dict[str, list[float]] = {name: [] for name in RUNS}
+            sent: dict[str, list[int]] = {name: [] for name in RUNS}
             grad_bytes: dict[str, int] = {}
             for i in range(args.warmup + args.steps):
                 for name, (booster, model, opt, criterion) in runs.items():
                     dist.barrier()  # every rank starts the step together
+                    wchar = bytes_sent()
                     t0 = time.perf_counter()
                     booster.backward(criterion(model(x), y), opt)
                     opt.step()
                     elapsed = time.perf_counter() - t0
+                    wchar = bytes_sent() - wchar
                     grad_bytes[name] = held_grad_bytes(model, opt)  # what outlives the step
                     opt.zero_grad()
                     if i >= args.warmup:
                         times[name].append(elapsed)
+                        sent[name].append(wchar)
                     if bar is not None:
                         bar.update()
             stats = torch.tensor(
-                [[min(times[n]), held_bytes(runs[n][2]), grad_bytes[n]] for n in RUNS],
+                [
+                    [
+                        *torch.tensor(times[n]).quantile(torch.tensor([0.5, 0.1, 0.9])).tolist(),
+                        held_bytes(runs[n][2]),
+                        grad_bytes[n],
+                        sum(sent[n]) / len(sent[n]),
+                    ]
+                    for n in RUNS
+                ],
                 dtype=torch.float64,
             )
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest / fullest rank
@@ -126,8 +173,12 @@ def worker(rank: int, world: int, rendezvous: str, out: str, args: argparse.Name
                     "world": world,
                     "precision": precision,
                     "seconds": {n: float(stats[k, 0]) for k, n in enumerate(RUNS)},
-                    "bytes": {n: int(stats[k, 1]) for k, n in enumerate(RUNS)},
-                    "grad_bytes": {n: int(stats[k, 2]) for k, n in enumerate(RUNS)},
+                    "spread": {
+                        n: [float(stats[k, 1]), float(stats[k, 2])] for k, n in enumerate(RUNS)
+                    },
+                    "bytes": {n: int(stats[k, 3]) for k, n in enumerate(RUNS)},
+                    "grad_bytes": {n: int(stats[k, 4]) for k, n in enumerate(RUNS)},
+                    "sent_per_step": {n: int(stats[k, 5]) for k, n in enumerate(RUNS)},
                     "skipped_steps": skipped,
                 }
             )
@@ -151,29 +202,46 @@ def run_world(world: int, args: argparse.Namespace) -> list[dict]:
 def markdown(rows: list[dict], args: argparse.Namespace, machine: str, argv: list[str]) -> str:
     params = args.depth * (args.width * args.width + args.width)
     lines = [
-        "# ZeRO-1/2 vs DDP, same precision (gloo, CPU)",
+        "# ZeRO-1/2 vs DDP, same precision; overlap and fp8 communication (gloo, CPU)",
         "",
         f"Machine: {machine}; {args.threads} thread(s) per rank; "
         f"load average at start {args.load_start:.1f}, at end {args.load_end:.1f}.",
         f"Command: `{' '.join(['python benchmarks/bench_zero.py', *argv])}`",
         f"Model: {args.depth} x Linear({args.width}) = {params / 1e6:.2f} M params, AdamW, "
         f"batch {args.batch} per rank; {args.warmup} warm-up + {args.steps} timed steps per run, "
-        "runs taking turns.",
-        "bytes = fp32 masters + optimizer state on the fullest rank, from the optimizers' own "
-        "state; time = the slowest rank's fastest step (the least disturbed by other processes).",
+        f"runs taking turns; ZeRO buckets of {args.bucket_m} M elements.",
+        "time = the slowest rank's median step, [10th-90th percentile]; speed = DDP's median "
+        "/ the run's; sent = bytes a rank writes to its sockets per step (counted: "
+        "/proc/self/io), the largest rank's mean.",
         "",
-        "| ranks | precision | DDP MiB | ZeRO-1 MiB | ZeRO-1 / DDP | ZeRO-2 MiB | ZeRO-2 / DDP "
-        "| 1/world + 5 % | DDP ms | ZeRO-1 ms | speed vs DDP | ZeRO-2 ms | speed vs DDP |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ranks | precision | run | ms median [p10-p90] | speed vs DDP | KiB sent / step "
+        "| sent / DDP's |",
+        "|---:|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        b, s = r["bytes"], r["seconds"]
+        s, sent = r["seconds"], r["sent_per_step"]
+        for n in RUNS:
+            lo, hi = r["spread"][n]
+            lines.append(
+                f"| {r['world']} | {r['precision']} | {n} | {s[n] * 1e3:.1f} "
+                f"[{lo * 1e3:.1f}-{hi * 1e3:.1f}] | {s['ddp'] / s[n]:.2f}x | "
+                f"{sent[n] / 2**10:.0f} | {sent[n] / sent['ddp']:.3f} |"
+            )
+    lines += [
+        "",
+        "fp32 masters + optimizer state on the fullest rank, from the optimizers' own state:",
+        "",
+        "| ranks | precision | DDP MiB | ZeRO-1 MiB | ZeRO-1 / DDP | ZeRO-2 MiB | ZeRO-2 / DDP "
+        "| 1/world + 5 % |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        b = r["bytes"]
         mib = {n: b[n] / 2**20 for n in RUNS}
         lines.append(
             f"| {r['world']} | {r['precision']} | {mib['ddp']:.1f} | {mib['zero1']:.1f} | "
             f"{b['zero1'] / b['ddp']:.3f} | {mib['zero2']:.1f} | {b['zero2'] / b['ddp']:.3f} | "
-            f"{1 / r['world'] + 0.05:.3f} | {s['ddp'] * 1e3:.1f} | {s['zero1'] * 1e3:.1f} | "
-            f"{s['ddp'] / s['zero1']:.2f}x | {s['zero2'] * 1e3:.1f} | {s['ddp'] / s['zero2']:.2f}x |"
+            f"{1 / r['world'] + 0.05:.3f} |"
         )
     lines += [
         "",
@@ -201,19 +269,19 @@ def chart(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = [f"{r['world']}r {r['precision']}" for r in rows]
-    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4))
-    for k, stage in enumerate(("zero1", "zero2")):
-        pos = [i + (k - 0.5) * 0.38 for i in range(len(rows))]
-        mem.bar(pos, [r["bytes"][stage] / r["bytes"]["ddp"] for r in rows], 0.38, label=stage)
-        speed.bar(pos, [r["seconds"]["ddp"] / r["seconds"][stage] for r in rows], 0.38, label=stage)
-    for r_i, r in enumerate(rows):
-        mem.hlines(1 / r["world"] + 0.05, r_i - 0.4, r_i + 0.4, colors="black", linestyles="--")
-    speed.axhline(0.9, color="black", linestyle="--", linewidth=0.8, label="target 0.9")
-    mem.set_ylabel("masters + state bytes / DDP's (dashes: 1/world + 5 %)")
-    speed.set_ylabel("DDP step time / ZeRO step time")
-    for ax in (mem, speed):
+    shown = RUNS[1:]
+    width = 0.8 / len(shown)
+    fig, (speed, sent) = plt.subplots(1, 2, figsize=(12, 4))
+    for k, name in enumerate(shown):
+        pos = [i + (k - (len(shown) - 1) / 2) * width for i in range(len(rows))]
+        speed.bar(pos, [r["seconds"]["ddp"] / r["seconds"][name] for r in rows], width, label=name)
+        sent.bar(pos, [r["sent_per_step"][name] / r["sent_per_step"]["ddp"] for r in rows], width)
+    speed.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
+    speed.set_ylabel("DDP median step time / run's")
+    sent.set_ylabel("bytes sent per step / DDP's (counted)")
+    for ax in (speed, sent):
         ax.set_xticks(range(len(rows)), labels, rotation=30, fontsize=8)
-        ax.legend(fontsize=8)
+    speed.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -232,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument(
+        "--bucket-m", type=float, default=0.25, help="ZeRO reduce_bucket_size_in_m (millions)"
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -239,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.bucket_m <= 0:
+        parser.error(f"--bucket-m must be > 0, got {args.bucket_m}")
     for name in ("width", "depth", "batch", "steps", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")

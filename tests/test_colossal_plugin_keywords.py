@@ -126,12 +126,10 @@ COLOSSAL_HYBRID = {
 # ----- each keyword: refused (a non-default value to try) or honoured (checked below) -----
 REFUSED: dict[type, dict[str, Any]] = {
     LowLevelZeroPlugin: {
-        "overlap_communication": True,
         "overlap_allgather": True,
-        "fp8_communication": True,
         "extra_dp_size": 2,
     },
-    TorchDDPPlugin: {"fp8_communication": True},
+    TorchDDPPlugin: {},
     TorchFSDPPlugin: {
         "cpu_offload": object(),
         "auto_wrap_policy": lambda *a: True,
@@ -139,7 +137,6 @@ REFUSED: dict[type, dict[str, Any]] = {
         "mixed_precision": object(),
         "ignored_modules": [nn.Linear(1, 1)],
         "param_init_fn": lambda m: None,
-        "fp8_communication": True,
     },
     HybridParallelPlugin: {
         "sp_size": 2,
@@ -158,7 +155,6 @@ REFUSED: dict[type, dict[str, Any]] = {
         "check_reduction": True,
         "gradient_as_bucket_view": True,
         "static_graph": True,
-        "overlap_communication": True,
         "custom_policy": object(),
         "gradient_checkpoint_config": object(),
         "enable_metadata_cache": False,
@@ -167,7 +163,6 @@ REFUSED: dict[type, dict[str, Any]] = {
         "overlap_p2p": False,
         "overlap_allgather": True,
         "inner_ring_size": 2,
-        "fp8_communication": True,
     },
 }
 HONOURED: dict[type, set[str]] = {
@@ -203,15 +198,21 @@ CHECKED_BY = {
         "verbose": "test_low_level_zero_keywords_reach_the_optimizer",
         "cast_inputs": "test_cast_inputs_false_passes_inputs_as_given",
         "use_fp8": "test_use_fp8_converts_linears",
+        "overlap_communication": "test_zero_comm.py (bit-identical, reduced in backward)",
+        "fp8_communication": "test_zero_comm.py (bytes counted, error bound, skips agree)",
     },
     TorchDDPPlugin: {
-        name: "test_distributed_keywords (DDP's attributes)"
-        for name in set(COLOSSAL_TORCH_DDP) - {"fp8_communication"}
+        **{
+            name: "test_distributed_keywords (DDP's attributes)"
+            for name in set(COLOSSAL_TORCH_DDP) - {"fp8_communication"}
+        },
+        "fp8_communication": "test_zero_comm.py (DDP: bytes counted, error bound)",
     },
     TorchFSDPPlugin: {
         "process_group": "test_distributed_keywords (sharded over the given group)",
         "sharding_strategy": "test_fsdp_sharding_strategy_maps_to_reshard_after_forward",
         "sync_module_states": "test_distributed_keywords (rank 1 starts from rank 0's)",
+        "fp8_communication": "test_zero_comm.py (FSDP2: bytes counted, error bound)",
     },
     HybridParallelPlugin: {
         "tp_size": "test_pipeline.py (tp_plan runs)",
@@ -234,6 +235,8 @@ CHECKED_BY = {
         "num_model_chunks": "test_hybrid_pp_style_and_layers_per_stage",
         "num_layers_per_stage": "test_distributed_keywords (stage cut)",
         "use_fp8": "test_hybrid_precision_is_colossals",
+        "overlap_communication": "test_hybrid_zero_keywords_need_zero",
+        "fp8_communication": "test_zero_comm.py (pipeline dp and zero_stage)",
     },
 }
 
@@ -357,6 +360,7 @@ def test_hybrid_zero_keywords_need_zero() -> None:
         ("cpu_offload", True),
         ("communication_dtype", torch.float32),
         ("zero_bucket_size_in_m", 4),
+        ("overlap_communication", True),
     ):
         with pytest.raises(ValueError, match=f"{name}=.*zero_stage"):
             HybridParallelPlugin(pp_size=1, tp_size=1, **{name: value})
@@ -366,6 +370,8 @@ def test_hybrid_zero_keywords_need_zero() -> None:
             assert zero.communication_dtype == torch.float32
         elif name == "cpu_offload":
             assert zero.cpu_offload
+        elif name == "overlap_communication":
+            assert zero.overlap_communication
         else:
             assert zero.reduce_bucket_numel == 4 * 2**20
     with pytest.raises(NotImplementedError, match="zero_stage=1"):

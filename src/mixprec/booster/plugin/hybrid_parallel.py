@@ -33,13 +33,13 @@ from mixprec.booster.plugin.low_level_zero import (
     zero_policy,
 )
 from mixprec.booster.plugin.plugin_base import (
-    FP8_COMMUNICATION,
     Plugin,
     is_distributed,
     rank_and_world,
     refuse_non_defaults,
 )
 from mixprec.mixed_precision import FP32Precision, MixedPrecision, to_mixed_precision
+from mixprec.parallel.comm import to_fp8_comm_dtype
 from mixprec.parallel.pipeline.checkpoint import (
     load_pipeline_model_state,
     load_pipeline_optimizer_state,
@@ -79,7 +79,11 @@ class HybridParallelPlugin(Plugin):
         num_microbatches: micro-batches per batch (>= pp_size for '1f1b' and 'interleaved').
         initial_scale ... max_scale: precision='fp16''s loss scaler.
         max_norm: clip gradients to this norm over all stages (0: off).
-        zero_bucket_size_in_m, cpu_offload, communication_dtype: ZeRO's (zero_stage > 0).
+        zero_bucket_size_in_m, cpu_offload, communication_dtype, overlap_communication: ZeRO's
+            (zero_stage > 0; see LowLevelZeroPlugin).
+        fp8_communication: the data-parallel gradient reduction moves fp8 (True = 'e5m2', or
+            'e4m3'): ZeRO's buckets (zero_stage > 0) or, with a pipeline, the stage's
+            gradients averaged over its replicas (one flat buffer); see mixprec.parallel.comm.
         pp_style: '1f1b', 'gpipe' or 'interleaved' (torch's schedules); pp_schedule is
             mixprec's older spelling of it.
         num_model_chunks: stages per rank for 'interleaved' (default 2 there, else 1).
@@ -178,10 +182,6 @@ class HybridParallelPlugin(Plugin):
                 "check_reduction": (False, DDP_KNOB),
                 "gradient_as_bucket_view": (False, DDP_KNOB),
                 "static_graph": (False, DDP_KNOB),
-                "overlap_communication": (
-                    False,
-                    "ZeRO reduces every gradient once, at step(), not during backward",
-                ),
                 "overlap_allgather": (False, "ZeRO gathers params at the end of step()"),
                 "enable_metadata_cache": (
                     True,
@@ -189,7 +189,6 @@ class HybridParallelPlugin(Plugin):
                 ),
                 "overlap_p2p": (True, "torch.distributed.pipelining batches its p2p ops itself"),
                 "dp_outside": (True, "the mesh is (dp, pp, tp): data parallel outside"),
-                "fp8_communication": (False, FP8_COMMUNICATION),
             },
         )
         if sp_size == 1:
@@ -207,6 +206,7 @@ class HybridParallelPlugin(Plugin):
                 ("zero_bucket_size_in_m", 12),
                 ("cpu_offload", False),
                 ("communication_dtype", None),
+                ("overlap_communication", False),
             ):
                 if given[name] != default:
                     raise ValueError(
@@ -301,6 +301,7 @@ class HybridParallelPlugin(Plugin):
             self.precision = None if precision is None else to_mixed_precision(precision)
         self.max_norm = float(max_norm)
         self.zero_stage = zero_stage
+        self.fp8_communication = to_fp8_comm_dtype(fp8_communication, "HybridParallelPlugin")
         self._zero: LowLevelZeroPlugin | None = None
         if zero_stage:
             if pp_size != 1 or tp_size != 1 or not colossal:
@@ -323,6 +324,8 @@ class HybridParallelPlugin(Plugin):
                 max_norm=max_norm,
                 reduce_bucket_size_in_m=zero_bucket_size_in_m,
                 communication_dtype=communication_dtype,
+                overlap_communication=overlap_communication,
+                fp8_communication=fp8_communication,
                 cpu_offload=cpu_offload,
                 use_fp8=use_fp8,
             )
@@ -374,6 +377,7 @@ class HybridParallelPlugin(Plugin):
             max_norm=self.max_norm,
             convert=precision.convert_module,
             tp_plan=self.tp_plan,
+            fp8_communication=self.fp8_communication,
         )
 
     def execute_pipeline(

@@ -8,6 +8,7 @@ flag is agreed over the group, so a step skips on every rank together.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -15,7 +16,6 @@ import torch
 from torch import nn
 
 from mixprec.booster.plugin.plugin_base import (
-    FP8_COMMUNICATION,
     Plugin,
     refuse_non_defaults,
     unwrap_model,
@@ -29,6 +29,7 @@ from mixprec.parallel.zero import (
     ZeroOptimizer,
     check_communication_dtype,
     check_cpu_offload,
+    check_fp8_communication,
     prepare_zero_optimizer,
 )
 
@@ -50,8 +51,11 @@ class LowLevelZeroPlugin(Plugin):
             collective; a larger model is reduced in several buckets.
         communication_dtype: the dtype gradients are summed in; None: each param's own (over
             gloo fp32, whose sums ran faster than fp16's), or torch.float32/float16/bfloat16.
-        overlap_communication: must be False: gradients are reduced once, at step() (Colossal
-            defaults to True, reducing buckets during backward).
+        overlap_communication: reduce each gradient bucket (async) as soon as its grads are
+            ready during backward (hooks on grad accumulation), not all at step(); the results
+            are bit-identical. Every rank's backward must give grads to the same params (as
+            DDP without find_unused_parameters). Accumulate inside booster.no_sync(model).
+            Default False (Colossal: True): see the README's Differences.
         overlap_allgather: must be False (params are gathered at the end of step()).
         cpu_offload: keep masters and optimizer state in CPU memory (on CPU already: no-op).
         master_weights: keep fp32 masters of fp16/bf16 params (False: step them directly).
@@ -64,7 +68,9 @@ class LowLevelZeroPlugin(Plugin):
         verbose: also log every loss-scale change and why (verbosity 2; skipped steps are
             always logged).
         cast_inputs: cast floating forward inputs to the params' dtype (False: as given).
-        fp8_communication: must be False (see FP8_COMMUNICATION).
+        fp8_communication: gradients travel in fp8 with a per-bucket power-of-two scale
+            (True or 'e5m2'; 'e4m3' as a mixprec extension) and are summed in fp32 by their
+            owner (mixprec.parallel.comm); communication_dtype must then stay None.
         use_fp8: eligible Linear layers compute in float8 (mixprec.fp8) under this precision.
         extra_dp_size: must be 1 (one flat data-parallel group).
     """
@@ -100,16 +106,11 @@ class LowLevelZeroPlugin(Plugin):
             "LowLevelZeroPlugin",
             locals(),
             {
-                "overlap_communication": (
-                    False,
-                    "ZeRO reduces every gradient once, at step(), not in buckets during backward",
-                ),
                 "overlap_allgather": (
                     False,
                     "the updated params are gathered at the end of step(), not overlapped with "
                     "the next forward",
                 ),
-                "fp8_communication": (False, FP8_COMMUNICATION),
                 "extra_dp_size": (1, "the data-parallel group is the whole world, one level"),
             },
         )
@@ -126,6 +127,7 @@ class LowLevelZeroPlugin(Plugin):
             ("verbose", verbose),
             ("cast_inputs", cast_inputs),
             ("use_fp8", use_fp8),
+            ("overlap_communication", overlap_communication),
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"LowLevelZeroPlugin({name}={value!r}) must be a bool.")
@@ -172,6 +174,12 @@ class LowLevelZeroPlugin(Plugin):
         self.reduce_bucket_numel = max(1, int(reduce_bucket_size_in_m * 2**20))
         check_communication_dtype(communication_dtype, "LowLevelZeroPlugin")
         self.communication_dtype = communication_dtype
+        self.overlap_communication = overlap_communication
+        check_fp8_communication(fp8_communication, communication_dtype, "LowLevelZeroPlugin")
+        self.fp8_communication = fp8_communication
+        self._zero_of_model: weakref.WeakKeyDictionary[nn.Module, ZeroOptimizer] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def process_group(self):  # noqa: ANN201 - a torch ProcessGroup or None
@@ -203,12 +211,20 @@ class LowLevelZeroPlugin(Plugin):
             process_group=self.process_group,
             communication_dtype=self.communication_dtype,
             reduce_bucket_numel=self.reduce_bucket_numel,
+            overlap_communication=self.overlap_communication,
+            fp8_communication=self.fp8_communication,
         )
+        self._zero_of_model[boosted] = zero
         return boosted, zero
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """Gradients are reduced at step(), not in backward: accumulating needs nothing."""
-        return contextlib.nullcontext()
+        """Backward passes inside reduce no bucket. Without overlap_communication gradients are
+        reduced at step() anyway, so this changes nothing; with it, the buckets are reduced by
+        the first backward after it, on the accumulated sums (not once per backward)."""
+        zero = self._zero_of_model.get(model)
+        if zero is None:
+            return contextlib.nullcontext()
+        return zero.no_sync()
 
     # ----- checkpoints -----
     def model_state(self, model: nn.Module, optimizer: MixedPrecisionOptimizer | None) -> Any:

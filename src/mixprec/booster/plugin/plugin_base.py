@@ -32,12 +32,6 @@ from mixprec.core.scaling import ProcessGroup, rank_and_world
 from mixprec.mixed_precision import MixedPrecision
 from mixprec.parallel.data import EpochShuffledDistributedSampler
 
-FP8_COMMUNICATION = (
-    "fp8 compression of gradient communication (per-tensor scaled fp8 all-reduce / "
-    "reduce-scatter) is not implemented; gradients are reduced in their own dtype (or ZeRO's "
-    "communication_dtype)"
-)
-
 
 def refuse_non_defaults(plugin: str, given: dict[str, Any], refused: dict[str, tuple]) -> None:
     """Raise naming the first keyword of Colossal's signature that mixprec does not implement

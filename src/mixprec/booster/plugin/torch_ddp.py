@@ -8,18 +8,17 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mixprec.booster.plugin.plugin_base import (
-    FP8_COMMUNICATION,
-    Plugin,
-    is_distributed,
-    refuse_non_defaults,
-)
+from mixprec.booster.plugin.plugin_base import Plugin, is_distributed
 from mixprec.core.prepare import PrecisionModule
+from mixprec.parallel.comm import fp8_ddp_comm_hook, to_fp8_comm_dtype
 
 
 class TorchDDPPlugin(Plugin):
-    """Wrap the precision-wrapped model in DDP; the arguments are DDP's (Colossal's names;
-    fp8_communication must stay False: DDP's buckets are reduced in the gradients' dtype).
+    """Wrap the precision-wrapped model in DDP; the arguments are DDP's (Colossal's names).
+
+    fp8_communication: True (= 'e5m2') or 'e4m3': a DDP comm hook averages each gradient
+    bucket in fp8 with a per-bucket power-of-two scale (mixprec.parallel.comm.fp8_all_reduce,
+    as Colossal's fp8_compress_ddp_grad_comm_hook); every replica gets the same result.
 
     The model is cast before DDP wraps it, so DDP broadcasts (and all-reduces) the params in
     the dtype they train in; fp32 masters are made after that broadcast, so they agree too.
@@ -33,11 +32,9 @@ class TorchDDPPlugin(Plugin):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
-        fp8_communication: bool = False,
+        fp8_communication: bool | str = False,
     ) -> None:
-        refuse_non_defaults(
-            "TorchDDPPlugin", locals(), {"fp8_communication": (False, FP8_COMMUNICATION)}
-        )
+        self.fp8_communication = to_fp8_comm_dtype(fp8_communication, "TorchDDPPlugin")
         self.ddp_kwargs: dict[str, object] = {
             "bucket_cap_mb": bucket_cap_mb,
             "find_unused_parameters": find_unused_parameters,
@@ -55,7 +52,10 @@ class TorchDDPPlugin(Plugin):
                 "mixprec.launch.launch_from_torch() (or launch) before boosting."
             )
         device_ids = [device] if device.type == "cuda" else None  # CPU (gloo): no device ids
-        return DDP(model, device_ids=device_ids, **self.ddp_kwargs)
+        ddp = DDP(model, device_ids=device_ids, **self.ddp_kwargs)
+        if self.fp8_communication is not None:
+            ddp.register_comm_hook(None, fp8_ddp_comm_hook(self.fp8_communication))
+        return ddp
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         if not isinstance(model, DDP):

@@ -36,7 +36,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from mixprec.booster.checkpoint_io import find_index, load_state_file, swap_in_directory
 from mixprec.booster.plugin.plugin_base import (
-    FP8_COMMUNICATION,
     Plugin,
     barrier,
     is_distributed,
@@ -49,6 +48,7 @@ from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.prepare import set_verbosity
 from mixprec.core.scaling import ProcessGroup
 from mixprec.mixed_precision import MixedPrecision
+from mixprec.parallel.comm import Fp8ReduceScatter, to_fp8_comm_dtype
 
 ShardFilter = Callable[[str, nn.Module], bool]
 
@@ -69,9 +69,12 @@ class TorchFSDPPlugin(Plugin):
             reshard_after_forward True / False. NO_SHARD and the hybrid strategies are refused.
         sync_module_states: broadcast rank 0's params and buffers before sharding.
         cpu_offload, auto_wrap_policy, backward_prefetch, mixed_precision, ignored_modules,
-        param_init_fn, fp8_communication: must stay None / False (FSDP1 options FSDP2 spells
-            otherwise: shard_filter is the wrap policy, the Booster's mixed_precision and
-            reduce_dtype the precision).
+        param_init_fn: must stay None (FSDP1 options FSDP2 spells otherwise: shard_filter is
+            the wrap policy, the Booster's mixed_precision and reduce_dtype the precision).
+        fp8_communication: True (= 'e5m2') or 'e4m3': each FSDP unit's gradients are
+            reduce-scattered in fp8 (one power-of-two scale per rank, summed in fp32:
+            mixprec.parallel.comm.Fp8ReduceScatter via FSDP2's set_custom_reduce_scatter);
+            the params are still all-gathered in their own dtype.
     mixprec's (keyword-only):
         reduce_dtype: dtype gradients are reduce-scattered in (fp32: no precision lost in the
             sum over ranks, and an fp16 sum of scaled gradients cannot overflow there).
@@ -93,7 +96,7 @@ class TorchFSDPPlugin(Plugin):
         ignored_modules: Any = None,
         param_init_fn: Callable | None = None,
         sync_module_states: bool = False,
-        fp8_communication: bool = False,
+        fp8_communication: bool | str = False,
         *,
         reduce_dtype: torch.dtype = torch.float32,
         reshard_after_forward: bool | None = None,
@@ -116,9 +119,16 @@ class TorchFSDPPlugin(Plugin):
                 ),
                 "ignored_modules": (None, "every parameter is sharded"),
                 "param_init_fn": (None, "the model is built before boosting, not deferred"),
-                "fp8_communication": (False, FP8_COMMUNICATION),
             },
         )
+        self.fp8_communication = to_fp8_comm_dtype(fp8_communication, "TorchFSDPPlugin")
+        if self.fp8_communication is not None and not hasattr(
+            FSDPModule, "set_custom_reduce_scatter"
+        ):
+            raise NotImplementedError(
+                f"TorchFSDPPlugin(fp8_communication={fp8_communication!r}) needs FSDP2's "
+                f"set_custom_reduce_scatter, which torch {torch.__version__} lacks."
+            )
         if reduce_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(
                 f"reduce_dtype={reduce_dtype!r}; valid: torch.float32, torch.float16, "
@@ -187,6 +197,10 @@ class TorchFSDPPlugin(Plugin):
         fully_shard(
             model, mesh=self.mesh, mp_policy=lp_mp, reshard_after_forward=self.reshard_after_forward
         )
+        if self.fp8_communication is not None:
+            for module, _ in units:
+                module.set_custom_reduce_scatter(Fp8ReduceScatter(self.fp8_communication))
+            model.set_custom_reduce_scatter(Fp8ReduceScatter(self.fp8_communication))
 
     def configure(
         self,

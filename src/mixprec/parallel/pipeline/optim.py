@@ -20,6 +20,7 @@ import torch.distributed as dist
 from mixprec.core.optim import MixedPrecisionOptimizer, local_shards
 from mixprec.core.scaling import ProcessGroup
 from mixprec.core.step_math import clip_coefficient
+from mixprec.parallel.comm import fp8_all_reduce
 
 
 class PipelineOptimizer(MixedPrecisionOptimizer):
@@ -29,6 +30,9 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         pp_group: the ranks holding the other stages of this replica (global norm; a
             tensor-parallel stage's norm is first completed over its DTensor shards).
         dp_group: the ranks holding this stage's replicas (gradient average), or None.
+        fp8_communication: the fp8 dtype the data-parallel average moves the gradients in
+            (one flat buffer, one power-of-two scale per replica: mixprec.parallel.comm), or
+            None: each gradient all-reduced in fp32.
     """
 
     whole_step_refusal = "a pipeline's backward runs inside torch.distributed.pipelining's schedule"
@@ -39,10 +43,12 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         *,
         pp_group: ProcessGroup | None,
         dp_group: ProcessGroup | None = None,
+        fp8_communication: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
         self.pp_group = pp_group
         self.dp_group = dp_group
+        self.fp8_communication = fp8_communication
         self._dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
         if kwargs.get("max_norm", 0.0) > 0 or self._dp_size > 1:
             # The fused step reads grads before this class averages / globally clips them.
@@ -81,8 +87,17 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         if self._dp_size > 1 and not self._dp_averaged:
             grads = [p.grad for g in self.optim.param_groups for p in g["params"]]
             grads = local_shards([g for g in grads if g is not None])
-            for grad in grads:  # fp32 sums (masters or fp32 params): no lp rounding here
-                dist.all_reduce(grad, group=self.dp_group)
+            if self.fp8_communication is None:
+                for grad in grads:  # fp32 sums (masters or fp32 params): no lp rounding here
+                    dist.all_reduce(grad, group=self.dp_group)
+            elif grads:
+                # One flat buffer, one scale per replica (as a DDP bucket): a collective per
+                # tensor would send more headers than fp8 saves on small ones.
+                sizes = [g.numel() for g in grads]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                summed = fp8_all_reduce(flat, self.dp_group, self.fp8_communication).split(sizes)
+                views = [v.view_as(g) for v, g in zip(summed, grads, strict=True)]
+                torch._foreach_copy_(grads, views)
             torch._foreach_div_(grads, float(self._dp_size))
             self._dp_averaged = True
 

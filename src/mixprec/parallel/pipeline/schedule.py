@@ -304,6 +304,7 @@ def prepare_pipeline(
     max_norm: float = 0.0,
     convert: Convert = prepare_model,
     tp_plan: Mapping[str, Any] | None = None,
+    fp8_communication: torch.dtype | None = None,
 ) -> tuple[PipelinedModel, PipelineOptimizer | None]:
     """Cut model into stages, keep this rank's (cast per policy), and wrap optimizer over them.
 
@@ -360,6 +361,7 @@ def prepare_pipeline(
         optimizer_cls=PipelineOptimizer,
         pp_group=pp_group,
         dp_group=dp_group,
+        fp8_communication=fp8_communication,
     )
     for stage in wrapped:
         mp_optimizer.name_params(stage.module)
