@@ -6,6 +6,7 @@ neither the argument nor the fix; these do, before the value reaches any arithme
 
 from __future__ import annotations
 
+import math
 from numbers import Real
 from typing import Any
 
@@ -59,3 +60,33 @@ def check_callable(name: str, value: Any, *, what: str, optional: bool = False) 
         return
     valid = what + (" or None" if optional else "")
     raise TypeError(f"{name}={value!r} must be {valid}, got a {_type_name(value)}.")
+
+
+MAX_NORM_RULE = "must be a real number >= 0 (0 turns clipping off)"
+"""What every face says of a bad max_norm (clip_grad_norm, clip_grad_by_norm, max_norm=...)."""
+
+NORM_TYPE_RULE = "must be a real number > 0 or inf (the p of the gradients' p-norm: 2.0, 1.0, inf)"
+"""What every face says of a bad norm_type."""
+
+
+def check_max_norm(name: str, value: Any) -> float:
+    """A clipping norm: a real number >= 0 (0: off; nan refused: it would clip every gradient
+    to nan). inf is allowed, as torch's clip_grad_norm_ allows it (it never clips). Returns it
+    as a float."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name}={value!r} {MAX_NORM_RULE}, got a {_type_name(value)}.")
+    if not value >= 0:  # also refuses nan, for which every comparison is False
+        raise ValueError(f"{name}={value!r} {MAX_NORM_RULE}.")
+    return float(value)
+
+
+def check_norm_type(name: str, value: Any) -> float:
+    """The p of a gradient norm: a real number > 0, or inf (also torch's spelling 'inf').
+    Returns it as a float."""
+    if isinstance(value, str) and value.strip().lower() == "inf":
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name}={value!r} {NORM_TYPE_RULE}, got a {_type_name(value)}.")
+    if not value > 0:
+        raise ValueError(f"{name}={value!r} {NORM_TYPE_RULE}.")
+    return float(value)
