@@ -25,7 +25,7 @@ class AMPOptimizer(OptimizerWrapperAPI, MixedPrecisionOptimizer):
         if max_norm is None:  # also accept the core's clip_grad_norm(max_norm)
             if isinstance(model, nn.Module):
                 raise TypeError("clip_grad_norm(model, max_norm): max_norm is missing.")
-            max_norm = float(model)
+            max_norm = model  # validated by the core's clip: "1.0" is refused, not float()ed
         return super().clip_grad_norm(max_norm)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import json
-import numbers
 import os
 import runpy
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from mixprec.core.policy import AMP_TYPE, Policy, clip_norm_for, did_you_mean, to_policy
+from mixprec.core.validate import check_max_norm
 from mixprec.parallel.zero import to_zero_config
 
 CONFIG_SUFFIXES: tuple[str, ...] = (".py", ".json", ".toml")
@@ -252,12 +252,8 @@ def validate_config(config: Mapping[str, Any]) -> None:
         if key in config:
             raise ValueError(f"Config section {key!r} is not supported by mixprec: {why}")
     clip = config.get("clip_grad_norm")
-    if clip is not None and (
-        isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not clip >= 0
-    ):
-        raise ValueError(
-            f"clip_grad_norm={clip!r} must be a real number >= 0 (0 or None: no clipping)."
-        )
+    if clip is not None:  # None: no clipping, as 0
+        check_max_norm("clip_grad_norm", clip)
     clip_norm_for(policy, float(clip or 0.0))  # and agrees with fp16's own clip_grad_norm
     accum = config.get("gradient_accumulation")
     if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int) or accum < 1):

@@ -31,6 +31,7 @@ from mixprec.core.policy import (
 )
 from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model
 from mixprec.core.scaling import ProcessGroup
+from mixprec.core.validate import check_max_norm, check_norm_type
 
 # Modules whose optimizers hold the one clip of each parallelism (single process, ZeRO's
 # shards, the pipeline's stages); a face's override of clip_grad_norm is its legacy form.
@@ -104,9 +105,8 @@ class OptimizerWrapperAPI:
                 "clip_grad_norm_ options; mixprec's clip takes max_norm, norm_type and "
                 "error_if_nonfinite only."
             )
-        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or max_norm < 0:
-            raise ValueError(f"clip_grad_by_norm(max_norm={max_norm!r}) must be a number >= 0.")
-        norm_type = float(norm_type)
+        check_max_norm("max_norm", max_norm)
+        norm_type = check_norm_type("norm_type", norm_type)
         clip = None
         for cls in type(self).__mro__:  # the parallelism's clip, not a face's legacy form
             if cls.__module__ in _CORE_CLIP_MODULES and "clip_grad_norm" in cls.__dict__:

@@ -26,6 +26,7 @@ from mixprec.core.scaling import (
     default_group,
     group_to_hold,
 )
+from mixprec.core.validate import check_max_norm
 
 
 def _first_device(optimizer: torch.optim.Optimizer) -> torch.device:
@@ -49,8 +50,7 @@ class MultiLossOptimizer(AmpOptimizer):
         max_norm: float = 0.0,
         process_group: ProcessGroup | None = None,
     ) -> None:
-        if max_norm < 0:
-            raise ValueError(f"max_norm={max_norm!r} must be >= 0 (0 turns clipping off).")
+        check_max_norm("max_norm", max_norm)
         device = _first_device(optimizer)
         scalers = [LossScaler(policy.loss_scale, device) for _ in range(policy.num_losses)]
         super().__init__(
@@ -90,7 +90,7 @@ class MultiLossOptimizer(AmpOptimizer):
         if max_norm is None:
             if isinstance(model, nn.Module):
                 raise TypeError("clip_grad_norm(model, max_norm): max_norm is missing.")
-            max_norm = float(model)
+            max_norm = model  # validated by the core's clip: "1.0" is refused, not float()ed
         return super().clip_grad_norm(max_norm)
 
     @torch.no_grad()

@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from mixprec.core.validate import check_bool, check_real
+from mixprec.core.validate import check_bool, check_max_norm, check_real
 
 Mode = Literal["fp32", "fp16", "bf16", "fp16_naive", "fp16_apex", "fp8", "bf16_sr"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -203,9 +203,7 @@ class Policy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"Policy.{name}={value!r} must be an int >= {least}.")
-        check_real("Policy.max_norm", self.max_norm)
-        if not 0 <= self.max_norm < float("inf"):
-            raise ValueError(f"Policy.max_norm={self.max_norm!r} must be >= 0 (0: no clipping).")
+        check_max_norm("Policy.max_norm", self.max_norm)
         overlap = self.custom_white_list & self.custom_black_list
         if overlap:
             raise ValueError(f"Ops {sorted(overlap)} are in both the white and the black list.")
@@ -372,11 +370,7 @@ def naive_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
             check_bool(key, config[key])  # bool('no') would be True
             extra[key] = config.pop(key)
     if "clip_grad_norm" in config:  # Colossal: clip the fp32 master grads in step(); 0: off
-        max_norm = config.pop("clip_grad_norm")
-        check_real("clip_grad_norm", max_norm)
-        if not 0 <= max_norm < float("inf"):
-            raise ValueError(f"clip_grad_norm={max_norm!r} must be >= 0 (0: no clipping).")
-        extra["max_norm"] = float(max_norm)
+        extra["max_norm"] = check_max_norm("clip_grad_norm", config.pop("clip_grad_norm"))
     dynamic = config.pop("dynamic_grad_scale", True)
     check_bool("dynamic_grad_scale", dynamic)
     if "initial_scale" in config:

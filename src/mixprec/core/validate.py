@@ -62,7 +62,7 @@ def check_callable(name: str, value: Any, *, what: str, optional: bool = False) 
     raise TypeError(f"{name}={value!r} must be {valid}, got a {_type_name(value)}.")
 
 
-MAX_NORM_RULE = "must be a real number >= 0 (0 turns clipping off)"
+MAX_NORM_RULE = "must be a real number, finite and >= 0 (0 turns clipping off)"
 """What every face says of a bad max_norm (clip_grad_norm, clip_grad_by_norm, max_norm=...)."""
 
 NORM_TYPE_RULE = "must be a real number > 0 or inf (the p of the gradients' p-norm: 2.0, 1.0, inf)"
@@ -70,12 +70,12 @@ NORM_TYPE_RULE = "must be a real number > 0 or inf (the p of the gradients' p-no
 
 
 def check_max_norm(name: str, value: Any) -> float:
-    """A clipping norm: a real number >= 0 (0: off; nan refused: it would clip every gradient
-    to nan). inf is allowed, as torch's clip_grad_norm_ allows it (it never clips). Returns it
+    """A clipping norm: a finite real number >= 0 (0: off). nan would clip every gradient to
+    nan; inf, which torch takes, never clips and is more likely a mistake than a wish. Returns it
     as a float."""
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name}={value!r} {MAX_NORM_RULE}, got a {_type_name(value)}.")
-    if not value >= 0:  # also refuses nan, for which every comparison is False
+    if not 0 <= value < math.inf:  # also refuses nan, for which every comparison is False
         raise ValueError(f"{name}={value!r} {MAX_NORM_RULE}.")
     return float(value)
 

@@ -24,6 +24,7 @@ from mixprec.core.checkpoint import hp_model_state_dict
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy, ScalerConfig, preset
 from mixprec.core.scaling import default_group
+from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.mixed_precision import FP32Precision, MixedPrecision
 from mixprec.parallel.zero import (
     ZeroOptimizer,
@@ -129,8 +130,8 @@ class LowLevelZeroPlugin(Plugin):
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"LowLevelZeroPlugin({name}={value!r}) must be a bool.")
-        if not isinstance(max_norm, int | float) or max_norm < 0:
-            raise ValueError(f"LowLevelZeroPlugin(max_norm={max_norm!r}) must be >= 0 (0: off).")
+        check_max_norm("max_norm", max_norm)
+        norm_type = check_norm_type("norm_type", norm_type)
         if (
             isinstance(reduce_bucket_size_in_m, bool)
             or not isinstance(reduce_bucket_size_in_m, int | float)
