@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.amp_type import AMP_TYPE
 from mixprec.core.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
 from mixprec.core.optim import MixedPrecisionOptimizer
-from mixprec.core.policy import AMP_TYPE, Policy, to_policy
+from mixprec.core.policy import Policy, to_policy
 from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.mixed_precision import OptimizerWrapperAPI, with_optimizer_wrapper_api
 

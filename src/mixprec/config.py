@@ -22,7 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mixprec.core.policy import AMP_TYPE, Policy, clip_norm_for, did_you_mean, to_policy
+from mixprec.amp_type import AMP_TYPE
+from mixprec.core.policy import Policy, clip_norm_for, did_you_mean, to_policy
 from mixprec.core.validate import check_max_norm
 from mixprec.parallel.zero import to_zero_config
 

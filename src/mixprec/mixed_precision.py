@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.amp_type import naive_amp_policy, torch_amp_policy
 from mixprec.apex.policy import apex_policy
 from mixprec.core.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
 from mixprec.core.optim import MixedPrecisionOptimizer
@@ -25,9 +26,7 @@ from mixprec.core.policy import (
     TORCH_SCALER,
     Policy,
     did_you_mean,
-    naive_amp_policy,
     to_policy,
-    torch_amp_policy,
 )
 from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model
 from mixprec.core.scaling import ProcessGroup

@@ -1,7 +1,7 @@
 """Apex's num_losses for the Colossal faces: one loss scaler per loss_id, no global amp state.
 
-`FP16ApexMixedPrecision(num_losses=N)`, `fp16=dict(mode=AMP_TYPE.APEX, num_losses=N)` and
-`convert_to_amp(..., AMP_TYPE.APEX, {"num_losses": N})` build a `MultiLossOptimizer`: the
+The 'fp16_apex' mode with num_losses=N (Colossal's FP16ApexMixedPrecision, its fp16 config
+section and convert_to_amp spell it each their way) builds a `MultiLossOptimizer`: the
 optimizer `amp.initialize` returns (the per-backward unscale of mixprec.core.per_loss_optim), owning
 its N scalers instead of sharing amp's. `optimizer.backward(loss, loss_id=i)` (and
 `booster.backward(loss, optimizer, loss_id=i)`, `engine.backward(loss, loss_id=i)`) scales
@@ -137,7 +137,7 @@ def prepare_loss_optimizer(
 
     One loss went to the core optimizer, which unscales at step(): after
     optimizer.backward(loss) the grads were still multiplied by the loss scale under
-    AMP_TYPE.APEX with one loss, and unscaled with two.
+    the 'fp16_apex' mode with one loss, and unscaled with two.
 
     single: the class to build for one loss (a face's subclass of MixedPrecisionOptimizer).
     """
@@ -164,7 +164,7 @@ def backward(optimizer: Any, loss: torch.Tensor, loss_id: int = 0) -> None:
     if loss_id != 0:
         raise ValueError(
             f"loss_id={loss_id!r} but this optimizer has one loss scaler: pass num_losses=N to "
-            "FP16ApexMixedPrecision or fp16=dict(mode=AMP_TYPE.APEX, num_losses=N) for N scalers."
+            "the 'fp16_apex' mode (FP16ApexMixedPrecision, Colossal's APEX amp type) for N scalers."
         )
     optimizer.backward(loss)
 
