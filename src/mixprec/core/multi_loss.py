@@ -17,7 +17,7 @@ from torch import nn
 
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.per_loss_optim import AmpOptimizer, UnscaleEvent
-from mixprec.core.policy import OPT_LEVELS, Policy
+from mixprec.core.policy import OPT_LEVELS, Policy, clip_norm_for
 from mixprec.core.prepare import prepare_optimizer
 from mixprec.core.scaling import (
     LossScaler,
@@ -145,7 +145,10 @@ def prepare_loss_optimizer(
         if policy.log_num_zeros_in_grad:
             raise ValueError("log_num_zeros_in_grad=True is not supported with num_losses > 1.")
         return MultiLossOptimizer(
-            optimizer, policy=policy, max_norm=max_norm, process_group=process_group
+            optimizer,
+            policy=policy,
+            max_norm=clip_norm_for(policy, max_norm),  # the policy's own clip, as prepare_optimizer
+            process_group=process_group,
         )
     return prepare_optimizer(
         optimizer,

@@ -174,6 +174,19 @@ class LowLevelZeroPlugin(Plugin):
         check_communication_dtype(communication_dtype, "LowLevelZeroPlugin")
         self.communication_dtype = communication_dtype
 
+    @classmethod
+    def from_policy(
+        cls, policy: Policy, *, stage: int, cpu_offload: bool = False
+    ) -> LowLevelZeroPlugin:
+        """The plugin over a Policy parsed elsewhere (the config Engine's fp16 section, any
+        mode): stage and offload as given, precision, scaler and clip (policy.max_norm) from
+        the policy, where Colossal's keywords can name only fp16 / bf16 / fp32 ZeRO."""
+        plugin = cls(stage=stage, precision="fp32", max_norm=policy.max_norm)
+        plugin.policy = policy
+        plugin.precision = policy.name
+        plugin.cpu_offload = cpu_offload  # checked against the device in configure()
+        return plugin
+
     @property
     def process_group(self):  # noqa: ANN201 - a torch ProcessGroup or None
         return default_group()
