@@ -161,3 +161,55 @@ def test_norm_type_takes_torchs_inf_spelling() -> None:
     assert check_norm_type("norm_type", "inf") == math.inf
     assert check_norm_type("norm_type", math.inf) == math.inf
     assert check_norm_type("norm_type", 1) == 1.0
+
+
+# ----- loss-scaler settings: one rule per setting, each face naming its own spelling -----
+def _paddle_scaler(**kw: Any) -> None:
+    from mixprec.paddle import GradScaler
+
+    GradScaler(**kw)
+
+
+def _colossal_zero_scaler(**kw: Any) -> None:
+    from mixprec.booster.plugin import LowLevelZeroPlugin
+
+    LowLevelZeroPlugin(**kw)
+
+
+SCALER_CASES = [
+    # (door, keyword as the face spells it, bad value, error, message)
+    (mixprec.GradScaler, "growth_factor", 0.5, ValueError, "growth_factor=0.5 must be > 1"),
+    (_paddle_scaler, "incr_ratio", 0.5, ValueError, "incr_ratio=0.5 must be > 1"),
+    (_paddle_scaler, "growth_factor", 0.5, ValueError, "growth_factor=0.5 must be > 1"),
+    (_paddle_scaler, "decr_ratio", 2.0, ValueError, "decr_ratio=2.0 must be in (0, 1)"),
+    (_paddle_scaler, "incr_every_n_steps", 0, ValueError, "incr_every_n_steps=0 must be >= 1"),
+    (
+        _paddle_scaler,
+        "init_loss_scaling",
+        math.inf,
+        ValueError,
+        "init_loss_scaling=inf must be > 0 and finite",
+    ),
+    (
+        mixprec.FP16NaiveMixedPrecision,
+        "initial_scale",
+        math.nan,
+        ValueError,
+        "initial_scale=nan must be > 0 and finite",
+    ),
+    (_colossal_zero_scaler, "initial_scale", 0, ValueError, "initial_scale=0 must be > 0"),
+    (mixprec.GradScaler, "growth_interval", 1.5, TypeError, "growth_interval must be an int"),
+    (mixprec.GradScaler, "init_scale", "1", TypeError, "init_scale='1' must be a real number"),
+]
+
+
+@pytest.mark.parametrize(
+    "door, keyword, value, error, message",
+    SCALER_CASES,
+    ids=[f"{case[0].__name__}-{case[1]}={case[2]!r}" for case in SCALER_CASES],
+)
+def test_scaler_settings_are_refused_naming_the_faces_own_keyword(
+    door: Callable[..., Any], keyword: str, value: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        door(**{keyword: value})

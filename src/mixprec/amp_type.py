@@ -23,7 +23,7 @@ from mixprec.core.policy import (
     register_mode_alias,
     register_mode_parser,
 )
-from mixprec.core.validate import check_bool, check_max_norm, check_real
+from mixprec.core.validate import SCALER_FIELDS, check_bool, check_max_norm, check_scaler_values
 
 
 class AMP_TYPE(str, enum.Enum):  # noqa: N801 - the name Colossal-AI users already write
@@ -91,6 +91,7 @@ def torch_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
         raise TypeError(f"enabled must be a bool, got {enabled!r}.")
     if not enabled:
         return replace(policy, loss_scale=UNIT_SCALE)
+    check_scaler_values({k: v for k, v in config.items() if k in SCALER_FIELDS})
     if config:  # explicit scaler keys keep scaling on, even over bfloat16
         return replace(policy, loss_scale=replace(TORCH_SCALER, **config))
     return policy
@@ -113,9 +114,11 @@ def naive_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
         extra["max_norm"] = check_max_norm("clip_grad_norm", config.pop("clip_grad_norm"))
     dynamic = config.pop("dynamic_grad_scale", True)
     check_bool("dynamic_grad_scale", dynamic)
+    scaler_keys = {k: config[k] for k in NAIVE_DYNAMIC_KEYS if k in config}
     if "initial_scale" in config:
-        check_real("initial_scale", config["initial_scale"])  # named as the user wrote it
+        scaler_keys["init_scale"] = config["initial_scale"]
         config["init_scale"] = config.pop("initial_scale")
+    check_scaler_values(scaler_keys, {"init_scale": "initial_scale"})  # named as written
     if not dynamic:  # Colossal's ConstantGradScaler: a fixed scale (overflowing steps still skip)
         dynamic_keys = sorted(k for k in config if k in NAIVE_DYNAMIC_KEYS)
         if dynamic_keys:

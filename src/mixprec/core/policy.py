@@ -14,7 +14,12 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from mixprec.core.validate import check_bool, check_max_norm, check_real
+from mixprec.core.validate import (
+    SCALER_FIELDS,
+    check_bool,
+    check_max_norm,
+    check_scaler_values,
+)
 
 Mode = Literal["fp32", "fp16", "bf16", "fp16_naive", "fp16_apex", "fp8", "bf16_sr"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -91,24 +96,11 @@ class ScalerConfig:
     """DeepSpeed's variant: every clean step refills the hysteresis (not only growth)."""
 
     def __post_init__(self) -> None:
-        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
-            check_real(f"ScalerConfig.{name}", getattr(self, name))  # before any comparison
-        checks = [
-            ("init_scale", self.init_scale > 0, "> 0"),
-            ("growth_factor", self.growth_factor > 1, "> 1"),
-            ("backoff_factor", 0 < self.backoff_factor < 1, "in (0, 1)"),
-            ("growth_interval", self.growth_interval >= 1, ">= 1"),
-            ("hysteresis", self.hysteresis >= 1, ">= 1"),
-            ("min_scale", self.min_scale > 0, "> 0"),
-            ("max_scale", self.max_scale >= self.min_scale, ">= min_scale"),
-        ]
-        for name, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"ScalerConfig.{name}={getattr(self, name)!r} must be {rule}.")
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
-            raise TypeError(f"growth_interval must be an int, got {self.growth_interval!r}.")
-        if isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, int):
-            raise TypeError(f"hysteresis must be an int, got {self.hysteresis!r}.")
+        check_bool("ScalerConfig.dynamic", self.dynamic)
+        fields = [f.name for f in dataclasses.fields(self) if f.name in SCALER_FIELDS]
+        check_scaler_values(
+            {f: getattr(self, f) for f in fields}, {f: f"ScalerConfig.{f}" for f in fields}
+        )
 
 
 TORCH_SCALER = ScalerConfig()

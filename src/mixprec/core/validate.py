@@ -90,3 +90,47 @@ def check_norm_type(name: str, value: Any) -> float:
     if not value > 0:
         raise ValueError(f"{name}={value!r} {NORM_TYPE_RULE}.")
     return float(value)
+
+
+_SCALER_RULES: dict[str, tuple[str, Any]] = {
+    "init_scale": ("> 0 and finite", lambda v: 0 < v < math.inf),
+    "growth_factor": ("> 1 and finite", lambda v: 1 < v < math.inf),
+    "backoff_factor": ("in (0, 1)", lambda v: 0 < v < 1),
+    "growth_interval": (">= 1", lambda v: v >= 1),
+    "hysteresis": (">= 1", lambda v: v >= 1),
+    "min_scale": ("> 0 and finite", lambda v: 0 < v < math.inf),
+    "max_scale": ("> 0 (inf: no ceiling)", lambda v: v > 0),
+}
+"""A loss scaler's settings (mixprec.ScalerConfig's fields) and the rule each obeys."""
+
+SCALER_FIELDS = tuple(_SCALER_RULES)
+SCALER_INTS = ("growth_interval", "hysteresis")
+
+
+def check_scaler_value(field: str, value: Any, *, name: str | None = None) -> None:
+    """One loss-scaler setting (a ScalerConfig field) against its rule; `name` is the argument
+    as the face spells it (Paddle's incr_ratio for growth_factor, Colossal's initial_scale for
+    init_scale), so the message names what the user wrote."""
+    rule, ok = _SCALER_RULES[field]
+    name = name or field
+    if field in SCALER_INTS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}.")
+    else:
+        check_real(name, value)
+    if not ok(value):  # nan fails every rule: each compares
+        raise ValueError(f"{name}={value!r} must be {rule}.")
+
+
+def check_scaler_values(values: dict[str, Any], spelled: dict[str, str] | None = None) -> None:
+    """check_scaler_value for each given field (spelled: field -> the face's name for it), and
+    max_scale >= min_scale when both are given."""
+    spelled = spelled or {}
+    for field, value in values.items():
+        check_scaler_value(field, value, name=spelled.get(field, field))
+    low, high = values.get("min_scale"), values.get("max_scale")
+    if low is not None and high is not None and high < low:
+        raise ValueError(
+            f"{spelled.get('max_scale', 'max_scale')}={high!r} must be >= min_scale "
+            f"({spelled.get('min_scale', 'min_scale')}={low!r})."
+        )

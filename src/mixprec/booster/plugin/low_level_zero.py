@@ -24,7 +24,7 @@ from mixprec.core.checkpoint import hp_model_state_dict
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy, ScalerConfig, preset
 from mixprec.core.scaling import default_group
-from mixprec.core.validate import check_max_norm, check_norm_type
+from mixprec.core.validate import check_max_norm, check_norm_type, check_scaler_values
 from mixprec.mixed_precision import FP32Precision, MixedPrecision
 from mixprec.parallel.zero import (
     ZeroOptimizer,
@@ -265,7 +265,13 @@ def colossal_scaler(
     hysteresis: int,
     max_scale: float,
 ) -> ScalerConfig:
-    """Colossal's plugin scaler keywords as the core's ScalerConfig (which validates them)."""
+    """Colossal's plugin scaler keywords as the core's ScalerConfig, checked under their names."""
+    check_scaler_values(
+        {"init_scale": initial_scale, "min_scale": min_scale, "growth_factor": growth_factor}
+        | {"backoff_factor": backoff_factor, "growth_interval": growth_interval}
+        | {"hysteresis": hysteresis, "max_scale": max_scale},
+        {"init_scale": "initial_scale"},
+    )
     return ScalerConfig(
         init_scale=initial_scale,
         min_scale=min_scale,
