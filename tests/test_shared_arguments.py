@@ -176,6 +176,13 @@ def _colossal_zero_scaler(**kw: Any) -> None:
     LowLevelZeroPlugin(**kw)
 
 
+def _apex_dynamic_loss_args(**kw: Any) -> None:
+    from mixprec.apex.fp16_utils import FP16_Optimizer
+
+    model = tiny_mlp(8)
+    FP16_Optimizer(_sgd(model), dynamic_loss_scale=True, dynamic_loss_args=kw, verbose=False)
+
+
 SCALER_CASES = [
     # (door, keyword as the face spells it, bad value, error, message)
     (mixprec.GradScaler, "growth_factor", 0.5, ValueError, "growth_factor=0.5 must be > 1"),
@@ -199,6 +206,20 @@ SCALER_CASES = [
     ),
     (_colossal_zero_scaler, "initial_scale", 0, ValueError, "initial_scale=0 must be > 0"),
     (mixprec.GradScaler, "growth_interval", 1.5, TypeError, "growth_interval must be an int"),
+    (
+        _apex_dynamic_loss_args,
+        "scale_factor",
+        "2",
+        TypeError,
+        "dynamic_loss_args scale_factor='2' must be a real number",
+    ),
+    (
+        _apex_dynamic_loss_args,
+        "scale_factor",
+        1.0,
+        ValueError,
+        "dynamic_loss_args scale_factor=1.0 must be > 1",
+    ),
     (mixprec.GradScaler, "init_scale", "1", TypeError, "init_scale='1' must be a real number"),
 ]
 
