@@ -119,7 +119,7 @@ CASES = [
         "config without mode",
         lambda: mixprec.to_policy({"opt_level": "O2"}),
         ValueError,
-        r"needs a 'mode' key.*TORCH",
+        r"needs a 'mode' key.*'torch'",
     ),
     (
         "opt level",

@@ -127,7 +127,11 @@ def test_naive_dynamic_grad_scale_false_keeps_a_constant_scale_and_still_skips()
             r"dynamic_grad_scale=False with \['growth_interval'\]",
         ),
         ({"dynamic_grad_scale": "no"}, TypeError, "dynamic_grad_scale"),
-        ({"clip_grad_norm": -1.0}, ValueError, "clip_grad_norm=-1.0 must be >= 0"),
+        (
+            {"clip_grad_norm": -1.0},
+            ValueError,
+            "clip_grad_norm=-1.0 must be a real number, finite and >= 0",
+        ),
         ({"clip_grad_norm": "1"}, TypeError, "clip_grad_norm"),
     ],
 )

@@ -36,12 +36,14 @@ def _data(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, WIDTH, generator=g), torch.randn(n, 4, generator=g)
 
 
-def _reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: str) -> tuple:
+def _reference(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: str, norm_type: float = 2.0
+) -> tuple:
     """fp32 grads of the full batch, clipped as torch clips them; (norm, grads, stepped model)."""
     ref = copy.deepcopy(model).float()
     nn.functional.mse_loss(ref(x), y).backward()
     if clip == "norm":
-        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM, norm_type=norm_type)
     else:
         norm = None
         torch.nn.utils.clip_grad_value_(ref.parameters(), 1e-3)
@@ -154,7 +156,7 @@ def test_convert_to_amp_optimizer_has_the_api() -> None:
 
 
 # ----- across ranks: ZeRO shards, DDP, FSDP2 (DTensor) and pipeline stages -----
-def _plugin_case(rank: int, world: int, name: str) -> None:
+def _plugin_case(rank: int, world: int, name: str, norm_type: float = 2.0) -> None:
     from mixprec.booster.plugin import (
         HybridParallelPlugin,
         LowLevelZeroPlugin,
@@ -165,7 +167,7 @@ def _plugin_case(rank: int, world: int, name: str) -> None:
     torch.manual_seed(0)
     model = tiny_mlp(WIDTH)
     x, y = _data()
-    ref_norm, _, ref = _reference(model, x, y, "norm")
+    ref_norm, _, ref = _reference(model, x, y, "norm", norm_type)
     tol = FP32_REORDER
     mixed_precision = None
     if name == "zero_fp16":
@@ -188,9 +190,9 @@ def _plugin_case(rank: int, world: int, name: str) -> None:
     else:  # data parallel: each rank its half; the mean of the halves' means is the batch's
         half = slice(rank * 4, rank * 4 + 4)
         opt.backward(criterion(boosted(x[half]), y[half]))
-    norm = opt.clip_grad_by_norm(MAX_NORM)
+    norm = opt.clip_grad_by_norm(MAX_NORM, norm_type)
     torch.testing.assert_close(norm.reshape(()).float(), ref_norm, **tol, msg=name)
-    assert opt.get_grad_norm() == float(norm)
+    assert opt.get_grad_norm(norm_type) == float(norm)
     assert not opt.step().skipped
     ref_weights = dict(ref.named_parameters())
     if name == "pipeline":
@@ -212,6 +214,11 @@ def _plugin_case(rank: int, world: int, name: str) -> None:
 def _plugins_worker(rank: int, world: int) -> None:
     for name in ("zero", "zero_fp16", "ddp", "fsdp", "pipeline"):
         _plugin_case(rank, world, name)
+    # Every norm torch's clip_grad_norm_ takes, over ZeRO's shards, FSDP2's DTensors and the
+    # pipeline's stages (the max over ranks for inf, the sum of p-th powers otherwise).
+    for name in ("zero", "fsdp", "pipeline"):
+        for norm_type in (float("inf"), 1.0):
+            _plugin_case(rank, world, name, norm_type)
 
 
 def test_clip_grad_by_norm_spans_shards_and_stages() -> None:

@@ -459,7 +459,7 @@ def test_engine_train_step_equals_its_eager_loop_and_compile_key_switches_compil
 
 
 def test_engine_compile_key_bad_input():
-    with pytest.raises(TypeError, match="compile='yes' must be a bool"):
+    with pytest.raises(TypeError, match="compile='yes' must be True or False"):
         _engine_with({"compile": "yes"})
     with pytest.raises(ValueError, match="gradient_accumulation=2"):
         _engine_with({"compile": True, "gradient_accumulation": 2})

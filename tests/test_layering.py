@@ -24,6 +24,7 @@ SRC = Path(mixprec.__file__).resolve().parent
 # the Colossal-AI mirror: top-level modules and packages users import as colossalai.*
 COLOSSAL = (
     "amp",
+    "amp_type",
     "booster",
     "engine",
     "config",
@@ -185,3 +186,30 @@ def test_the_apex_face_registers_its_mode_parser_with_the_core() -> None:
 
     assert "fp16_apex" in MODE_PARSERS
     assert to_policy("fp16_apex", {"opt_level": "O2"}) == apex_policy(opt_level="O2")
+
+
+# Words that belong to one face; the core must not carry them (the face hands it data instead).
+FACE_WORDS = ("AMP_TYPE",)
+
+
+def test_the_core_source_carries_no_face_vocabulary() -> None:
+    found = {
+        str(path.relative_to(SRC)): word
+        for path in source_files()
+        if layer_of(module_top(path)) == "core"
+        for word in FACE_WORDS
+        if word in path.read_text()
+    }
+    assert found == {}, "move the face's words into the face (see mixprec/amp_type.py)"
+
+
+def test_the_colossal_face_hands_the_core_its_amp_types_as_aliases_and_parsers() -> None:
+    from mixprec.amp import AMP_TYPE
+    from mixprec.amp_type import naive_amp_policy, torch_amp_policy
+    from mixprec.core.policy import MODE_ALIASES, MODE_PARSERS, preset, to_policy
+
+    assert MODE_ALIASES == {"torch": "fp16", "apex": "fp16_apex", "naive": "fp16_naive"}
+    assert MODE_PARSERS["fp16"] is torch_amp_policy
+    assert MODE_PARSERS["fp16_naive"] is naive_amp_policy
+    assert to_policy(AMP_TYPE.NAIVE) == to_policy("naive") == to_policy("fp16_naive")
+    assert preset(AMP_TYPE.TORCH) == preset("fp16")

@@ -40,3 +40,16 @@ def test_an_old_path_that_is_also_a_public_name_keeps_the_name() -> None:
 def test_an_unknown_path_still_fails() -> None:
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("mixprec.no_such_module")
+
+
+def test_names_that_left_the_core_for_a_face_import_from_their_old_paths() -> None:
+    """AMP_TYPE and the Colossal key parsers moved from core/policy.py to mixprec/amp_type.py."""
+    from mixprec.policy import AMP_TYPE as old_path
+
+    from mixprec.amp_type import AMP_TYPE, naive_amp_policy, torch_amp_policy
+    from mixprec.core.policy import AMP_TYPE as core_path
+    from mixprec.core.policy import naive_amp_policy as old_naive
+    from mixprec.core.policy import torch_amp_policy as old_torch
+
+    assert core_path is old_path is AMP_TYPE is mixprec.AMP_TYPE is mixprec.amp.AMP_TYPE
+    assert old_naive is naive_amp_policy and old_torch is torch_amp_policy

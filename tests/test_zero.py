@@ -289,6 +289,7 @@ def _config_worker(rank: int, world: int) -> None:
                 engine.step()
                 assert torch.isfinite(loss), f"level {level} {name}"
             what = f"level {level} {name}"
+            assert engine.optimizer.max_norm == 1.0, what  # the config's clip, every plugin
             if level == 3:
                 assert isinstance(engine.model.module, FSDPModule), what
                 params = [p.full_tensor() for p in engine.model.parameters()]

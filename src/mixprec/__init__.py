@@ -11,6 +11,7 @@ import sys
 
 from mixprec import fp8  # `import mixprec` gives mixprec.fp8.convert_to_fp8
 from mixprec.amp import AMPOptimizer, convert_to_amp
+from mixprec.amp_type import AMP_TYPE
 from mixprec.booster import Booster
 from mixprec.config import Config, gpc, load_config
 from mixprec.core.autocast import (
@@ -27,7 +28,7 @@ from mixprec.core.checkpoint import load_checkpoint, save_checkpoint
 from mixprec.core.compiled_step import CompiledStep, compile_step
 from mixprec.core.grad_scaler import GradScaler
 from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
-from mixprec.core.policy import AMP_TYPE, MODES, Policy, ScalerConfig, preset, to_policy
+from mixprec.core.policy import MODES, Policy, ScalerConfig, preset, to_policy
 from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.core.scaling import LossScaler
 from mixprec.engine import Engine, initialize
@@ -150,6 +151,29 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.append(_MovedModuleFinder())
+
+# Names that left a module for a face (the core keeps no face's words): still readable at the
+# old module path (`from mixprec.core.policy import AMP_TYPE`, mixprec.policy alike), bound here
+# where the faces are already imported, so the core's source never names them.
+_MOVED_NAMES = {
+    "core.policy": (
+        "amp_type",
+        (
+            "AMP_TYPE",
+            "AMP_TYPE_TO_MODE",
+            "TORCH_KEYS",
+            "NAIVE_KEYS",
+            "NAIVE_DYNAMIC_KEYS",
+            "torch_amp_policy",
+            "naive_amp_policy",
+        ),
+    ),
+}
+for _old_module, (_new_module, _names) in _MOVED_NAMES.items():
+    _new = importlib.import_module(f"mixprec.{_new_module}")
+    _old_mod = importlib.import_module(f"mixprec.{_old_module}")
+    for _name in _names:
+        setattr(_old_mod, _name, getattr(_new, _name))
 # An old path that is also a public name here (mixprec.autocast: the class) is bound now: the
 # finder importing it later would set the package's attribute to the module, hiding the class.
 for _old in [name for name in _MOVED if name in globals()]:

@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.amp_type import AMP_TYPE
 from mixprec.core.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
 from mixprec.core.optim import MixedPrecisionOptimizer
-from mixprec.core.policy import AMP_TYPE, Policy, to_policy
+from mixprec.core.policy import Policy, to_policy
 from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.mixed_precision import OptimizerWrapperAPI, with_optimizer_wrapper_api
 
@@ -25,7 +26,7 @@ class AMPOptimizer(OptimizerWrapperAPI, MixedPrecisionOptimizer):
         if max_norm is None:  # also accept the core's clip_grad_norm(max_norm)
             if isinstance(model, nn.Module):
                 raise TypeError("clip_grad_norm(model, max_norm): max_norm is missing.")
-            max_norm = float(model)
+            max_norm = model  # validated by the core's clip: "1.0" is refused, not float()ed
         return super().clip_grad_norm(max_norm)
 
 

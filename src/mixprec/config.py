@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import ast
 import json
-import numbers
 import os
 import runpy
 import sys
 import types
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from mixprec.core.policy import AMP_TYPE, Policy, clip_norm_for, did_you_mean, to_policy
-from mixprec.parallel.zero import to_zero_config
+from mixprec.amp_type import AMP_TYPE
+from mixprec.core.policy import Policy, clip_norm_for, did_you_mean, to_policy
+from mixprec.core.validate import check_bool, check_max_norm
+from mixprec.parallel.zero import ZeroConfig, to_zero_config
 
 CONFIG_SUFFIXES: tuple[str, ...] = (".py", ".json", ".toml")
 """File types load_config reads: Python (runs the file), JSON and TOML (run nothing)."""
@@ -244,25 +246,69 @@ def config_to_pipeline(config: Mapping[str, Any]) -> tuple[int, int] | None:
     return pp_size, micro
 
 
-def validate_config(config: Mapping[str, Any]) -> None:
-    """Fail early on a bad fp16 section, clip_grad_norm or gradient_accumulation."""
+@dataclass(frozen=True, kw_only=True)
+class PipelineSection:
+    """A config's `parallel=dict(pipeline=N)` with its NUM_MICRO_BATCHES."""
+
+    pp_size: int
+    """Pipeline stages (ranks per replica); the data-parallel size is world // pp_size."""
+    num_microbatches: int
+    """Micro-batches each batch is split into (>= pp_size)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """What `initialize` reads from a config, parsed once (parse_config) and checked whole."""
+
+    policy: Policy
+    """The fp16 section's precision (fp32 when absent), its max_norm set to the clip below."""
+    max_norm: float = 0.0
+    """clip_grad_norm (top level, or NAIVE's own; both set must agree); 0: no clipping."""
+    gradient_accumulation: int = 1
+    """Micro-batches whose gradients are summed before one optimizer step."""
+    compile: bool = False
+    """engine.train_step runs mixprec.compile_step's compiled whole step."""
+    zero: ZeroConfig | None = None
+    """zero=dict(level=1|2|3, cpu_offload=...): sharded masters/state, + grads, + params."""
+    pipeline: PipelineSection | None = None
+    """parallel=dict(pipeline=N) with NUM_MICRO_BATCHES; None: no pipeline."""
+
+
+def parse_config(config: Mapping[str, Any]) -> EngineConfig:
+    """The training keys of a config (fp16, clip_grad_norm, gradient_accumulation, compile,
+    zero, parallel) as one typed object; a bad key fails here, naming it. Other keys are the
+    user's and are left alone."""
     policy = config_to_policy(config)
-    to_zero_config(config.get("zero"))
+    zero = to_zero_config(config.get("zero"))
     for key, why in UNSUPPORTED_SECTIONS.items():
         if key in config:
             raise ValueError(f"Config section {key!r} is not supported by mixprec: {why}")
     clip = config.get("clip_grad_norm")
-    if clip is not None and (
-        isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not clip >= 0
-    ):
-        raise ValueError(
-            f"clip_grad_norm={clip!r} must be a real number >= 0 (0 or None: no clipping)."
-        )
-    clip_norm_for(policy, float(clip or 0.0))  # and agrees with fp16's own clip_grad_norm
+    if clip is not None:  # None: no clipping, as 0
+        check_max_norm("clip_grad_norm", clip)
+    max_norm = clip_norm_for(policy, float(clip or 0.0))  # and agrees with fp16's own
     accum = config.get("gradient_accumulation")
     if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int) or accum < 1):
         raise ValueError(f"gradient_accumulation={accum!r} must be an int >= 1.")
-    config_to_pipeline(config)
+    compile_flag = config.get("compile", False)
+    check_bool("compile", compile_flag)
+    pipeline = config_to_pipeline(config)
+    return EngineConfig(
+        policy=replace(policy, max_norm=max_norm),
+        max_norm=max_norm,
+        gradient_accumulation=accum or 1,
+        compile=compile_flag,
+        zero=zero,
+        pipeline=None
+        if pipeline is None
+        else PipelineSection(pp_size=pipeline[0], num_microbatches=pipeline[1]),
+    )
+
+
+def validate_config(config: Mapping[str, Any]) -> None:
+    """Fail early on a bad fp16 section, clip_grad_norm, gradient_accumulation, compile, zero
+    or parallel section (parse_config, its result dropped)."""
+    parse_config(config)
 
 
 def load_config(config: ConfigLike, *, validate: bool = True) -> Config:

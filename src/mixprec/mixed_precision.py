@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.amp_type import naive_amp_policy, torch_amp_policy
 from mixprec.apex.policy import apex_policy
 from mixprec.core.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
 from mixprec.core.optim import MixedPrecisionOptimizer
@@ -25,12 +26,11 @@ from mixprec.core.policy import (
     TORCH_SCALER,
     Policy,
     did_you_mean,
-    naive_amp_policy,
     to_policy,
-    torch_amp_policy,
 )
 from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model
 from mixprec.core.scaling import ProcessGroup
+from mixprec.core.validate import check_max_norm, check_norm_type
 
 # Modules whose optimizers hold the one clip of each parallelism (single process, ZeRO's
 # shards, the pipeline's stages); a face's override of clip_grad_norm is its legacy form.
@@ -104,9 +104,8 @@ class OptimizerWrapperAPI:
                 "clip_grad_norm_ options; mixprec's clip takes max_norm, norm_type and "
                 "error_if_nonfinite only."
             )
-        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or max_norm < 0:
-            raise ValueError(f"clip_grad_by_norm(max_norm={max_norm!r}) must be a number >= 0.")
-        norm_type = float(norm_type)
+        check_max_norm("max_norm", max_norm)
+        norm_type = check_norm_type("norm_type", norm_type)
         clip = None
         for cls in type(self).__mro__:  # the parallelism's clip, not a face's legacy form
             if cls.__module__ in _CORE_CLIP_MODULES and "clip_grad_norm" in cls.__dict__:

@@ -29,6 +29,7 @@ from mixprec.core.per_loss_optim import (
     reduce_found_inf_,
 )
 from mixprec.core.policy import ScalerConfig, check_keys
+from mixprec.core.validate import check_scaler_values
 
 log = logging.getLogger("mixprec")
 DYNAMIC_LOSS_ARGS = ("init_scale", "scale_factor", "scale_window")
@@ -38,14 +39,20 @@ def dynamic_loss_args_to_config(args: Mapping[str, Any] | None) -> ScalerConfig:
     """Apex's DynamicLossScaler(init_scale=2**32, scale_factor=2., scale_window=1000), floor 1."""
     args = dict(args or {})
     check_keys("dynamic_loss_args", args, DYNAMIC_LOSS_ARGS)
-    factor = float(args.get("scale_factor", 2.0))
-    if not factor > 1:
-        raise ValueError(f"dynamic_loss_args scale_factor={factor!r} must be > 1.")
+    settings = {
+        "init_scale": args.get("init_scale", 2.0**32),
+        "growth_factor": args.get("scale_factor", 2.0),
+        "growth_interval": args.get("scale_window", 1000),
+    }
+    apex_names = {"init_scale": "init_scale", "growth_factor": "scale_factor"}
+    apex_names["growth_interval"] = "scale_window"
+    check_scaler_values(settings, {k: f"dynamic_loss_args {v}" for k, v in apex_names.items()})
+    factor = float(settings["growth_factor"])
     return ScalerConfig(
-        init_scale=float(args.get("init_scale", 2.0**32)),
+        init_scale=float(settings["init_scale"]),
         growth_factor=factor,
         backoff_factor=1.0 / factor,
-        growth_interval=args.get("scale_window", 1000),
+        growth_interval=settings["growth_interval"],
         min_scale=1.0,
     )
 

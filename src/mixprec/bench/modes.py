@@ -11,7 +11,8 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from mixprec.core.policy import AMP_TYPE, Policy, did_you_mean, to_low_dtype, to_policy
+from mixprec.amp_type import AMP_TYPE
+from mixprec.core.policy import Policy, did_you_mean, to_low_dtype, to_policy
 
 BenchMode = Literal["fp32", "fp16", "bf16", "fp16_naive", "O1", "O2", "O3", "fp8"]
 BENCH_MODES: tuple[str, ...] = get_args(BenchMode)

@@ -63,6 +63,7 @@ from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError, Step
 from mixprec.core.scaling import ProcessGroup, default_group, rank_and_world
 from mixprec.core.skip_monitor import SkipMonitor, SkipStats
 from mixprec.core.step_math import clip_coefficient
+from mixprec.core.validate import check_max_norm
 
 _LAST = object()  # step(x, y): no target keyword, so the last positional is the target
 _TRACE_AUTOGRAD_GRAD = torch._dynamo.config.patch(trace_autograd_ops=True)
@@ -225,8 +226,7 @@ class CompiledStep:
             )
         if max_norm is None:
             max_norm = optimizer.max_norm if wrapped else 0.0
-        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or max_norm < 0:
-            raise ValueError(f"max_norm={max_norm!r} must be a number >= 0 or None (0: no clip).")
+        check_max_norm("max_norm", max_norm)  # None: the optimizer's own, checked when set
         self.process_group: ProcessGroup | None = getattr(optimizer, "process_group", None)
         self.average_grads = isinstance(model, nn.parallel.DistributedDataParallel)
         if self.average_grads:

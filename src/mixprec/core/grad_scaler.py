@@ -24,7 +24,7 @@ from mixprec.core.scaling import (
     group_to_hold,
     update_scale_,
 )
-from mixprec.core.validate import check_bool
+from mixprec.core.validate import check_bool, check_scaler_values
 
 
 def default_device() -> str:
@@ -106,6 +106,10 @@ class GradScaler(torch.amp.GradScaler):
             raise unknown_keyword(unknown)
         check_bool("enabled", enabled)  # bool('no') would be True
         check_bool("dynamic", dynamic)
+        settings = {"init_scale": init_scale, "growth_factor": growth_factor}
+        settings |= {"backoff_factor": backoff_factor, "growth_interval": growth_interval}
+        settings |= {"hysteresis": hysteresis, "min_scale": min_scale, "max_scale": max_scale}
+        check_scaler_values(settings)  # named as torch names them, before ScalerConfig does
         # mixprec's own settings; the growth/backoff factors and interval live in torch's
         # attributes (setters and load_state_dict write there) and `cfg` reads them from there.
         self._base_cfg = ScalerConfig(

@@ -1,7 +1,7 @@
 """Apex's num_losses for the Colossal faces: one loss scaler per loss_id, no global amp state.
 
-`FP16ApexMixedPrecision(num_losses=N)`, `fp16=dict(mode=AMP_TYPE.APEX, num_losses=N)` and
-`convert_to_amp(..., AMP_TYPE.APEX, {"num_losses": N})` build a `MultiLossOptimizer`: the
+The 'fp16_apex' mode with num_losses=N (Colossal's FP16ApexMixedPrecision, its fp16 config
+section and convert_to_amp spell it each their way) builds a `MultiLossOptimizer`: the
 optimizer `amp.initialize` returns (the per-backward unscale of mixprec.core.per_loss_optim), owning
 its N scalers instead of sharing amp's. `optimizer.backward(loss, loss_id=i)` (and
 `booster.backward(loss, optimizer, loss_id=i)`, `engine.backward(loss, loss_id=i)`) scales
@@ -17,7 +17,7 @@ from torch import nn
 
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.per_loss_optim import AmpOptimizer, UnscaleEvent
-from mixprec.core.policy import OPT_LEVELS, Policy
+from mixprec.core.policy import OPT_LEVELS, Policy, clip_norm_for
 from mixprec.core.prepare import prepare_optimizer
 from mixprec.core.scaling import (
     LossScaler,
@@ -26,6 +26,7 @@ from mixprec.core.scaling import (
     default_group,
     group_to_hold,
 )
+from mixprec.core.validate import check_max_norm
 
 
 def _first_device(optimizer: torch.optim.Optimizer) -> torch.device:
@@ -49,8 +50,7 @@ class MultiLossOptimizer(AmpOptimizer):
         max_norm: float = 0.0,
         process_group: ProcessGroup | None = None,
     ) -> None:
-        if max_norm < 0:
-            raise ValueError(f"max_norm={max_norm!r} must be >= 0 (0 turns clipping off).")
+        check_max_norm("max_norm", max_norm)
         device = _first_device(optimizer)
         scalers = [LossScaler(policy.loss_scale, device) for _ in range(policy.num_losses)]
         super().__init__(
@@ -90,7 +90,7 @@ class MultiLossOptimizer(AmpOptimizer):
         if max_norm is None:
             if isinstance(model, nn.Module):
                 raise TypeError("clip_grad_norm(model, max_norm): max_norm is missing.")
-            max_norm = float(model)
+            max_norm = model  # validated by the core's clip: "1.0" is refused, not float()ed
         return super().clip_grad_norm(max_norm)
 
     @torch.no_grad()
@@ -137,7 +137,7 @@ def prepare_loss_optimizer(
 
     One loss went to the core optimizer, which unscales at step(): after
     optimizer.backward(loss) the grads were still multiplied by the loss scale under
-    AMP_TYPE.APEX with one loss, and unscaled with two.
+    the 'fp16_apex' mode with one loss, and unscaled with two.
 
     single: the class to build for one loss (a face's subclass of MixedPrecisionOptimizer).
     """
@@ -145,7 +145,10 @@ def prepare_loss_optimizer(
         if policy.log_num_zeros_in_grad:
             raise ValueError("log_num_zeros_in_grad=True is not supported with num_losses > 1.")
         return MultiLossOptimizer(
-            optimizer, policy=policy, max_norm=max_norm, process_group=process_group
+            optimizer,
+            policy=policy,
+            max_norm=clip_norm_for(policy, max_norm),  # the policy's own clip, as prepare_optimizer
+            process_group=process_group,
         )
     return prepare_optimizer(
         optimizer,
@@ -164,7 +167,7 @@ def backward(optimizer: Any, loss: torch.Tensor, loss_id: int = 0) -> None:
     if loss_id != 0:
         raise ValueError(
             f"loss_id={loss_id!r} but this optimizer has one loss scaler: pass num_losses=N to "
-            "FP16ApexMixedPrecision or fp16=dict(mode=AMP_TYPE.APEX, num_losses=N) for N scalers."
+            "the 'fp16_apex' mode (FP16ApexMixedPrecision, Colossal's APEX amp type) for N scalers."
         )
     optimizer.backward(loss)
 

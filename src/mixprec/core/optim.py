@@ -19,6 +19,7 @@ import torch
 
 from mixprec.core import fused_step as fused
 from mixprec.core import lean as lean_step
+from mixprec.core.clip import clip_grads_, local_shards
 from mixprec.core.optim_state import place_masters, saved_masters, upgrade_optimizer_checkpoint
 from mixprec.core.policy import UNIT_SCALE, ScalerConfig
 from mixprec.core.scaling import (
@@ -32,7 +33,7 @@ from mixprec.core.scaling import (
 )
 from mixprec.core.skip_monitor import SkipMonitor, SkipStats, scale_text
 from mixprec.core.step_math import clip_coefficient
-from mixprec.core.validate import check_bool, check_int, check_real
+from mixprec.core.validate import check_bool, check_int, check_max_norm, check_norm_type
 
 log = logging.getLogger("mixprec")
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -53,18 +54,6 @@ class StepResult:
     noop: bool = False
     """True when this rank's optimizer had no gradient at all: nothing moved, and the step is
     counted in noop_steps, not in steps."""
-
-
-def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each DTensor's local shard (same storage; foreach kernels take no DTensors), else itself.
-
-    A master is a clone of its param, so both have the same layout and shard alike.
-    """
-    # type() first: hasattr on a plain tensor is a failed attribute lookup (~0.3 us each).
-    return [
-        t if type(t) is torch.Tensor or not hasattr(t, "to_local") else t.to_local()
-        for t in tensors
-    ]
 
 
 @dataclass(frozen=True)
@@ -158,7 +147,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 "This optimizer is already wrapped by mixprec; wrap the inner one once."
             )
-        check_real("max_norm", max_norm)
+        check_max_norm("max_norm", max_norm)
         check_int("max_consecutive_skips", max_consecutive_skips, optional=True)
         check_bool("log_num_zeros_in_grad", log_num_zeros_in_grad)
         for name, flag in (
@@ -173,8 +162,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"max_consecutive_skips={max_consecutive_skips!r} must be >= 1 or None."
             )
-        if max_norm < 0:
-            raise ValueError(f"max_norm={max_norm!r} must be >= 0 (0 turns clipping off).")
         reason = fused.unsupported_reason(optimizer)
         if fused_step and reason:
             raise ValueError(f"fused_step=True cannot run this optimizer: {reason}.")
@@ -486,12 +473,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the unscaled gradients to max_norm; returns their total norm before clipping."""
+        check_max_norm("max_norm", max_norm)
+        norm_type = check_norm_type("norm_type", norm_type)
         self.unscale_grads()
-        params = [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-        if not params:
-            return torch.zeros((), device=self.scaler.scale_tensor.device)
-        # On a step that will be skipped the norm is inf/nan; clipping then is harmless.
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+        # Replicas hold equal grads (no group); DTensor grads complete their norm over their mesh.
+        return clip_grads_(grads, max_norm, norm_type, device=self.scaler.scale_tensor.device)
 
     def _count_zeros(self) -> int:
         grads = self._hp_grads()

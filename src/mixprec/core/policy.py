@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 import torch
 
-from mixprec.core.validate import check_bool, check_real
+from mixprec.core.validate import (
+    SCALER_FIELDS,
+    check_bool,
+    check_max_norm,
+    check_scaler_values,
+)
 
 Mode = Literal["fp32", "fp16", "bf16", "fp16_naive", "fp16_apex", "fp8", "bf16_sr"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -36,19 +40,9 @@ LOW_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class AMP_TYPE(str, enum.Enum):  # noqa: N801 - the name Colossal-AI users already write
-    """Colossal-AI's three AMP switches; each maps onto a mixprec mode."""
-
-    TORCH = "torch"
-    APEX = "apex"
-    NAIVE = "naive"
-
-
-AMP_TYPE_TO_MODE: dict[AMP_TYPE, str] = {
-    AMP_TYPE.TORCH: "fp16",
-    AMP_TYPE.APEX: "fp16_apex",
-    AMP_TYPE.NAIVE: "fp16_naive",
-}
+MODE_ALIASES: dict[str, str] = {}
+"""A face's own names for modes (lower case) -> mode; the face registers them (the Colossal
+face: 'torch', 'apex', 'naive'). The core knows no face's words."""
 
 
 def did_you_mean(value: object, valid: list[str] | tuple[str, ...]) -> str:
@@ -102,24 +96,11 @@ class ScalerConfig:
     """DeepSpeed's variant: every clean step refills the hysteresis (not only growth)."""
 
     def __post_init__(self) -> None:
-        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
-            check_real(f"ScalerConfig.{name}", getattr(self, name))  # before any comparison
-        checks = [
-            ("init_scale", self.init_scale > 0, "> 0"),
-            ("growth_factor", self.growth_factor > 1, "> 1"),
-            ("backoff_factor", 0 < self.backoff_factor < 1, "in (0, 1)"),
-            ("growth_interval", self.growth_interval >= 1, ">= 1"),
-            ("hysteresis", self.hysteresis >= 1, ">= 1"),
-            ("min_scale", self.min_scale > 0, "> 0"),
-            ("max_scale", self.max_scale >= self.min_scale, ">= min_scale"),
-        ]
-        for name, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"ScalerConfig.{name}={getattr(self, name)!r} must be {rule}.")
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
-            raise TypeError(f"growth_interval must be an int, got {self.growth_interval!r}.")
-        if isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, int):
-            raise TypeError(f"hysteresis must be an int, got {self.hysteresis!r}.")
+        check_bool("ScalerConfig.dynamic", self.dynamic)
+        fields = [f.name for f in dataclasses.fields(self) if f.name in SCALER_FIELDS]
+        check_scaler_values(
+            {f: getattr(self, f) for f in fields}, {f: f"ScalerConfig.{f}" for f in fields}
+        )
 
 
 TORCH_SCALER = ScalerConfig()
@@ -203,9 +184,7 @@ class Policy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"Policy.{name}={value!r} must be an int >= {least}.")
-        check_real("Policy.max_norm", self.max_norm)
-        if not 0 <= self.max_norm < float("inf"):
-            raise ValueError(f"Policy.max_norm={self.max_norm!r} must be >= 0 (0: no clipping).")
+        check_max_norm("Policy.max_norm", self.max_norm)
         overlap = self.custom_white_list & self.custom_black_list
         if overlap:
             raise ValueError(f"Ops {sorted(overlap)} are in both the white and the black list.")
@@ -291,113 +270,15 @@ PRESETS: dict[str, Policy] = {
 PRESETS["fp16_apex"] = replace(PRESETS["O1"], name="fp16_apex")
 
 
-def preset(mode: str | AMP_TYPE, *, dtype: str | torch.dtype | None = None) -> Policy:
-    """The Policy preset for a mode name ('fp16', 'bf16', ..., 'O0'..'O3') or an AMP_TYPE."""
-    if isinstance(mode, AMP_TYPE):
-        mode = AMP_TYPE_TO_MODE[mode]
+def preset(mode: str, *, dtype: str | torch.dtype | None = None) -> Policy:
+    """The Policy preset for a mode name ('fp16', 'bf16', ..., 'O0'..'O3') or a face's alias."""
+    mode = resolve_mode(mode)  # type: ignore[assignment]
     if not isinstance(mode, str) or mode not in PRESETS:
         raise ValueError(
             f"Unknown mixed-precision mode {mode!r}." + did_you_mean(mode, list(PRESETS))
         )
     policy = PRESETS[mode]
     return policy if dtype is None else policy.with_dtype(dtype)
-
-
-# Keys each Colossal-AI mode accepts in its amp_config / fp16=dict(...) (seed 000), plus
-# mixprec's additions (dtype, hysteresis, min_scale, max_scale on TORCH).
-TORCH_KEYS = (
-    "init_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "enabled",
-    "hysteresis",
-    "min_scale",
-    "max_scale",
-    "dtype",
-)
-NAIVE_KEYS = (
-    "log_num_zeros_in_grad",
-    "initial_scale",
-    "min_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "hysteresis",
-    "max_scale",
-    "verbose",
-    "dtype",
-    "keep_norm_fp32",
-    "clip_grad_norm",
-    "dynamic_grad_scale",
-)
-NAIVE_DYNAMIC_KEYS = (
-    "min_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "hysteresis",
-    "max_scale",
-)
-"""Colossal's DynamicGradScaler keys: with dynamic_grad_scale=False (its ConstantGradScaler,
-which takes initial_scale only) they are refused."""
-
-
-def torch_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
-    """AMP_TYPE.TORCH / 'fp16' from its seed-000 keys (GradScaler arguments, enabled)."""
-    config = dict(config or {})
-    check_keys("AMP_TYPE.TORCH config", config, TORCH_KEYS)
-    policy = preset("fp16", dtype=config.pop("dtype", None))
-    enabled = config.pop("enabled", True)
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {enabled!r}.")
-    if not enabled:
-        return replace(policy, loss_scale=UNIT_SCALE)
-    if config:  # explicit scaler keys keep scaling on, even over bfloat16
-        return replace(policy, loss_scale=replace(TORCH_SCALER, **config))
-    return policy
-
-
-def naive_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
-    """AMP_TYPE.NAIVE / 'fp16_naive' from its seed-000 keys (Megatron-style scaler)."""
-    config = dict(config or {})
-    check_keys("AMP_TYPE.NAIVE config", config, NAIVE_KEYS)
-    verbose = config.pop("verbose", None)
-    if verbose not in (None, True, False):
-        raise TypeError(f"verbose={verbose!r} must be True, False or None.")
-    policy = preset("fp16_naive", dtype=config.pop("dtype", None))
-    extra: dict[str, Any] = {"verbosity": 2} if verbose else {}  # seed 000: prints debug info
-    for key in ("log_num_zeros_in_grad", "keep_norm_fp32"):
-        if key in config:
-            check_bool(key, config[key])  # bool('no') would be True
-            extra[key] = config.pop(key)
-    if "clip_grad_norm" in config:  # Colossal: clip the fp32 master grads in step(); 0: off
-        max_norm = config.pop("clip_grad_norm")
-        check_real("clip_grad_norm", max_norm)
-        if not 0 <= max_norm < float("inf"):
-            raise ValueError(f"clip_grad_norm={max_norm!r} must be >= 0 (0: no clipping).")
-        extra["max_norm"] = float(max_norm)
-    dynamic = config.pop("dynamic_grad_scale", True)
-    check_bool("dynamic_grad_scale", dynamic)
-    if "initial_scale" in config:
-        check_real("initial_scale", config["initial_scale"])  # named as the user wrote it
-        config["init_scale"] = config.pop("initial_scale")
-    if not dynamic:  # Colossal's ConstantGradScaler: a fixed scale (overflowing steps still skip)
-        dynamic_keys = sorted(k for k in config if k in NAIVE_DYNAMIC_KEYS)
-        if dynamic_keys:
-            raise ValueError(
-                f"dynamic_grad_scale=False with {dynamic_keys}: those set a dynamic scaler's "
-                "rule; a constant scale takes initial_scale only."
-            )
-        if "init_scale" not in config:
-            raise ValueError(
-                "dynamic_grad_scale=False needs initial_scale=... (the constant loss scale), "
-                "as Colossal-AI's ConstantGradScaler does."
-            )
-        extra["loss_scale"] = ScalerConfig(dynamic=False, init_scale=config.pop("init_scale"))
-    elif config:
-        extra["loss_scale"] = replace(NAIVE_SCALER, **config)
-    return replace(policy, **extra)
 
 
 def clip_norm_for(policy: Policy, max_norm: float) -> float:
@@ -414,11 +295,9 @@ def clip_norm_for(policy: Policy, max_norm: float) -> float:
     return float(max_norm or policy.max_norm)
 
 
-MODE_PARSERS: dict[str, Callable[[Mapping[str, Any]], Policy]] = {
-    "fp16": torch_amp_policy,
-    "fp16_naive": naive_amp_policy,
-}
-"""Mode -> parser of its config keys; a face that owns a mode's keys registers it here."""
+MODE_PARSERS: dict[str, Callable[[Mapping[str, Any]], Policy]] = {}
+"""Mode -> parser of its config keys; a face that owns a mode's keys registers it here (the
+Colossal face: 'fp16', 'fp16_naive'; the Apex face: 'fp16_apex')."""
 
 
 def register_mode_parser(mode: str, parser: Callable[[Mapping[str, Any]], Policy]) -> None:
@@ -433,14 +312,30 @@ def register_mode_parser(mode: str, parser: Callable[[Mapping[str, Any]], Policy
     MODE_PARSERS[mode] = parser
 
 
+def register_mode_alias(alias: str, mode: str) -> None:
+    """A face hands the core its own name for a mode (matched in lower case)."""
+    if mode not in MODES:
+        raise ValueError(f"register_mode_alias: unknown mode {mode!r}." + did_you_mean(mode, MODES))
+    if alias.lower() in MODES:
+        raise ValueError(f"register_mode_alias: {alias!r} is a mode name already.")
+    MODE_ALIASES[alias.lower()] = mode
+
+
+def resolve_mode(mode: object) -> object:
+    """A face's alias (any str, a str enum too) -> its mode; anything else as it came."""
+    if isinstance(mode, str):
+        return MODE_ALIASES.get(mode.lower(), mode)
+    return mode
+
+
 def to_policy(
-    spec: str | AMP_TYPE | Mapping[str, Any] | Policy | None,
+    spec: str | Mapping[str, Any] | Policy | None,
     config: Mapping[str, Any] | None = None,
 ) -> Policy:
     """Any face's way of naming a mode -> Policy.
 
-    spec: a mode name, an AMP_TYPE, a Policy, None (fp32), or a Colossal config dict
-    `dict(mode=AMP_TYPE.X, **mode_keys)`. config: that mode's keys when spec is a name.
+    spec: a mode name or a face's alias of one (MODE_ALIASES), a Policy, None (fp32), or a
+    dict `dict(mode=..., **mode_keys)`. config: that mode's keys when spec is a name.
     """
     if isinstance(spec, Policy):
         if config:
@@ -452,19 +347,17 @@ def to_policy(
         config = dict(spec)
         if "mode" not in config:
             raise ValueError(
-                f"An fp16 config dict needs a 'mode' key (one of {[t.name for t in AMP_TYPE]} "
-                f"or {list(MODES)}); got keys {sorted(config)}."
+                f"A mode config dict needs a 'mode' key (one of {list(MODES)} or "
+                f"{sorted(MODE_ALIASES)}); got keys {sorted(config)}."
             )
         spec = config.pop("mode")
     if spec is None:
         spec = "fp32"
-    if isinstance(spec, AMP_TYPE):
-        spec = AMP_TYPE_TO_MODE[spec]
-    if isinstance(spec, str) and spec.lower() in {t.value for t in AMP_TYPE}:
-        spec = AMP_TYPE_TO_MODE[AMP_TYPE(spec.lower())]
+    spec = resolve_mode(spec)  # type: ignore[assignment]
     if not isinstance(spec, str):
         raise TypeError(
-            f"A mixed-precision mode must be a str, AMP_TYPE, dict or Policy, got {spec!r}."
+            f"A mixed-precision mode must be a str (a mode name or a face's alias of one), a "
+            f"dict or a Policy, got {spec!r}."
         )
     config = dict(config or {})
     state = config.pop("optimizer_state", None)  # accepted next to every mode's own keys

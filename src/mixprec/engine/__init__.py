@@ -10,11 +10,12 @@ Where each piece lives:
 
 `initialize` reads `fp16`, `clip_grad_norm`, `gradient_accumulation` and `compile` (bool:
 `engine.train_step(x, target=y)` runs mixprec.compile_step's compiled whole step) from a config (by
-default the one `mixprec.launch.*` put in `gpc.config`), turns `fp16` into a Policy with
-`mixprec.config.config_to_policy`, and applies it with the core's `prepare_model`,
-`prepare_optimizer` and `FP32Criterion`; it holds no precision logic of its own. With more
-than one process it wraps the prepared model in DistributedDataParallel and gives the
-dataloaders DistributedSamplers. The Engine is the loop-facing object of seed 000:
+default the one `mixprec.launch.*` put in `gpc.config`), parses it once into a typed
+`mixprec.config.EngineConfig` (`parse_config`) and builds the Booster plugin it means
+(`from_config.plugin_for`: LowLevelZeroPlugin for zero 1/2, TorchFSDPPlugin for zero 3,
+TorchDDPPlugin with more than one process, else the single-process Plugin), whose `configure`
+assembles policy -> (model, optimizer) as `Booster.boost` does; it holds no precision logic of
+its own. With more than one process the dataloaders get DistributedSamplers. The Engine is the loop-facing object of seed 000:
 
     engine, train_dataloader, _, _ = mixprec.engine.initialize(model, optimizer, criterion,
                                                                train_dataloader)

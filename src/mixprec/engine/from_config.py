@@ -1,8 +1,9 @@
 """Colossal-AI's `initialize(...)`: a config's precision, ZeRO, DDP and pipeline applied.
 
-Reads the config, turns `fp16` into a Policy and builds an Engine (or, for
-`parallel=dict(pipeline=N)`, a PipelineEngine) from the core's pieces; see the package
-docstring.
+Parses the config once (mixprec.config.parse_config: one typed EngineConfig), builds the Booster
+plugin it means (ZeRO 1/2, FSDP2, DDP or one process) and lets the plugin assemble policy ->
+(model, optimizer) as Booster.boost does, then wraps them in an Engine; `parallel=dict(pipeline=N)`
+builds a PipelineEngine through the pipeline's own assembly (mixprec.parallel.pipeline).
 """
 
 from __future__ import annotations
@@ -14,25 +15,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from mixprec.config import (
-    ConfigLike,
-    config_to_pipeline,
-    config_to_policy,
-    gpc,
-    load_config,
-    validate_config,
-)
-from mixprec.core.multi_loss import prepare_loss_optimizer
+from mixprec.booster.plugin import LowLevelZeroPlugin, Plugin, TorchDDPPlugin
+from mixprec.config import ConfigLike, EngineConfig, gpc, load_config, parse_config
 from mixprec.core.optim import MixedPrecisionOptimizer
-from mixprec.core.policy import Policy, clip_norm_for
-from mixprec.core.prepare import FP32Criterion, prepare_model
+from mixprec.core.prepare import FP32Criterion
 from mixprec.core.scaling import rank_and_world
 from mixprec.core.validate import check_bool
-from mixprec.engine.engine import Engine, _check_compile
+from mixprec.engine.engine import Engine
+from mixprec.mixed_precision import FP32Precision, MixedPrecision, with_optimizer_wrapper_api
 from mixprec.parallel.data import shard_loader
-from mixprec.parallel.zero import check_cpu_offload, prepare_zero_optimizer, to_zero_config
+from mixprec.parallel.zero import check_cpu_offload
 
 log = logging.getLogger("mixprec")
 
@@ -84,26 +77,17 @@ def initialize(
             f"{type(optimizer)!r}; initialize wraps it once."
         )
     check_bool("verbose", verbose)
-    if config is None:
-        config = gpc.config
-        validate_config(config)
-    else:
-        config = load_config(config)
-    policy = config_to_policy(config)
-    # fp16=dict(mode=NAIVE, clip_grad_norm=...) or the top-level clip_grad_norm: clipped once
-    max_norm = clip_norm_for(policy, float(config.get("clip_grad_norm") or 0.0))
-    accumulation = int(config.get("gradient_accumulation") or 1)
-    compile_flag = _check_compile(config.get("compile", False), accumulation, lr_scheduler)
-    pipeline = config_to_pipeline(config)
-    if pipeline is not None:  # parallel=dict(pipeline=N): stages, 1F1B, execute_schedule
-        if compile_flag:
+    # parsed once, into one typed object (load_config's own check would parse it twice)
+    spec = parse_config(gpc.config if config is None else load_config(config, validate=False))
+    policy = spec.policy  # carries the clip: every path reads max_norm from the policy
+    if spec.pipeline is not None:  # parallel=dict(pipeline=N): stages, 1F1B, execute_schedule
+        if spec.compile:
             raise ValueError(
                 "compile=True cannot run a pipeline (parallel=dict(pipeline=N)): its stages "
                 "step through torch.distributed.pipelining's schedules. Drop one of the two."
             )
         from mixprec.engine.pipeline_engine import initialize_pipeline
 
-        pp_size, num_microbatches = pipeline
         return initialize_pipeline(
             model,
             optimizer,
@@ -111,31 +95,35 @@ def initialize(
             (train_dataloader, test_dataloader),
             lr_scheduler,
             policy=policy,
-            pp_size=pp_size,
-            num_microbatches=num_microbatches,
-            max_norm=max_norm,
-            accumulation=accumulation,
+            pp_size=spec.pipeline.pp_size,
+            num_microbatches=spec.pipeline.num_microbatches,
+            max_norm=spec.max_norm,
+            accumulation=spec.gradient_accumulation,
             device=_current_device(),
         )
-
-    zero = to_zero_config(config.get("zero"))
 
     device = _current_device()
     if device is not None:
         model.to(device)  # moves parameter data in place: the optimizer keeps the same tensors
-    if zero is not None:
-        check_cpu_offload(zero.cpu_offload, device or torch.device("cpu"))
-    if zero is not None and zero.level == 3:
-        precision_model, mp_optimizer = _fsdp_prepare(model, optimizer, policy, max_norm, device)
-    else:
-        precision_model = prepare_model(model, policy)
     rank, world_size = rank_and_world()
-    wrapped: nn.Module = precision_model
+    plugin = plugin_for(spec, world_size)
+    fsdp = spec.zero is not None and spec.zero.level == 3
+    if fsdp:  # FSDP2 keeps params on the model's device: offloading is refused or a no-op
+        check_cpu_offload(spec.zero.cpu_offload, device or torch.device("cpu"))
+    if fsdp and dist.is_available() and dist.is_initialized():
+        with torch.no_grad():  # fully_shard keeps each rank's own init: start from rank 0's
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.detach(), src=0)
+    # the Booster's assembly: policy -> (model, optimizer), wrapped as the plugin wraps
+    precision = (
+        FP32Precision() if isinstance(plugin, LowLevelZeroPlugin) else MixedPrecision(policy)
+    )
+    wrapped, mp_optimizer = plugin.configure(
+        model, optimizer, precision, device or next(model.parameters(), torch.empty(0)).device
+    )
+    assert mp_optimizer is not None
+    mp_optimizer = with_optimizer_wrapper_api(mp_optimizer)  # Colossal's methods, as boost()
     if world_size > 1:
-        if zero is None:  # ZeRO reduces gradients itself (levels 1-2 at step, 3 in FSDP2)
-            # DDP broadcasts rank 0's (already cast) weights; masters are copied after that
-            device_ids = None if device is None else [device.index]
-            wrapped = DistributedDataParallel(precision_model, device_ids=device_ids)
         train_dataloader, test_dataloader = (
             shard_loader(loader, rank, world_size, f"mixprec.engine.initialize({which})")
             for loader, which in (
@@ -143,53 +131,39 @@ def initialize(
                 (test_dataloader, "test_dataloader"),
             )
         )
-    if zero is None:
-        mp_optimizer = prepare_loss_optimizer(optimizer, policy, max_norm=max_norm)  # num_losses
-    elif zero.level < 3:
-        mp_optimizer = prepare_zero_optimizer(
-            optimizer, policy, stage=zero.level, max_norm=max_norm
-        )
     mp_optimizer.name_params(model)  # so a collapsing scale names the overflowing parameters
     engine = Engine(
         wrapped,
         mp_optimizer,
         None if criterion is None else FP32Criterion(criterion),
         lr_scheduler=lr_scheduler,
-        gradient_accumulation=accumulation,
+        gradient_accumulation=spec.gradient_accumulation,
         policy=policy,
-        compile_step=compile_flag,
+        compile_step=spec.compile,
     )
     if verbose and rank == 0:
         log.info(
             "mixprec.engine.initialize: mode=%s, world_size=%d, clip_grad_norm=%g, "
-            "gradient_accumulation=%d",
+            "gradient_accumulation=%d, plugin=%s",
             policy.name,
             world_size,
-            max_norm,
-            accumulation,
+            spec.max_norm,
+            spec.gradient_accumulation,
+            type(plugin).__name__,
         )
     return engine, train_dataloader, test_dataloader, lr_scheduler
 
 
-def _fsdp_prepare(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    policy: Policy,
-    max_norm: float,
-    device: torch.device | None,
-) -> tuple[nn.Module, MixedPrecisionOptimizer]:
-    """zero level 3: the Booster's FSDP2 path (params, grads and state sharded), clipped."""
-    from mixprec.booster.plugin.torch_fsdp import TorchFSDPPlugin  # FSDP imports take ~0.5 s
-    from mixprec.mixed_precision import MixedPrecision
+def plugin_for(spec: EngineConfig, world_size: int) -> Plugin:
+    """The Booster plugin a parsed config means (no pipeline): ZeRO 1/2 -> LowLevelZeroPlugin,
+    ZeRO 3 -> TorchFSDPPlugin, else DDP over more than one process, else the single process."""
+    zero = spec.zero
+    if zero is not None and zero.level == 3:
+        from mixprec.booster.plugin.torch_fsdp import TorchFSDPPlugin  # ~0.5 s: when asked for
 
-    device = device or next(model.parameters()).device
-    if dist.is_available() and dist.is_initialized():  # else configure() says what to do
-        with torch.no_grad():  # fully_shard keeps each rank's own init: start from rank 0's
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.detach(), src=0)
-    model, mp_optimizer = TorchFSDPPlugin().configure(
-        model, optimizer, MixedPrecision(policy), device
-    )
-    assert mp_optimizer is not None
-    mp_optimizer.max_norm = max_norm
-    return model, mp_optimizer
+        return TorchFSDPPlugin()
+    if zero is not None:
+        return LowLevelZeroPlugin.from_policy(
+            spec.policy, stage=zero.level, cpu_offload=zero.cpu_offload
+        )
+    return TorchDDPPlugin() if world_size > 1 else Plugin()

@@ -22,19 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.booster.plugin.hybrid_parallel import HybridParallelPlugin
 from mixprec.core.optim import StepResult
 from mixprec.core.policy import Policy
 from mixprec.core.prepare import FP32Criterion
 from mixprec.engine.base import EngineBase
+from mixprec.mixed_precision import FP32Precision, MixedPrecision, with_optimizer_wrapper_api
 from mixprec.parallel.data import shard_loader
 from mixprec.parallel.pipeline.optim import PipelineOptimizer
-from mixprec.parallel.pipeline.schedule import (
-    PipelineConfig,
-    PipelinedModel,
-    data_shard,
-    next_batch,
-    prepare_pipeline,
-)
+from mixprec.parallel.pipeline.schedule import PipelinedModel, data_shard, next_batch
 
 
 class PipelineEngine(EngineBase):
@@ -129,11 +125,18 @@ def initialize_pipeline(
             f"gradient_accumulation={accumulation} with parallel.pipeline: the pipeline "
             "already accumulates NUM_MICRO_BATCHES micro-batches; set it to 1 or drop it."
         )
-    config = PipelineConfig(pp_size=pp_size, num_microbatches=num_microbatches)
-    piped, mp_optimizer = prepare_pipeline(
-        model, optimizer, policy, config, device=device or torch.device("cpu"), max_norm=max_norm
+    # the Booster's pipeline plugin, over the config's whole policy (any mode, its clip)
+    plugin = HybridParallelPlugin(
+        pp_size=pp_size,
+        num_microbatches=num_microbatches,
+        precision=MixedPrecision(policy),
+        max_norm=max_norm,
     )
-    assert mp_optimizer is not None
+    piped, mp_optimizer = plugin.configure(
+        model, optimizer, FP32Precision(), device or torch.device("cpu")
+    )
+    assert isinstance(piped, PipelinedModel) and mp_optimizer is not None
+    mp_optimizer = with_optimizer_wrapper_api(mp_optimizer)  # Colossal's methods, as boost()
     # A replica's stages must read the same batches in the same order: shard over dp only.
     dp_rank, dp_size = data_shard(pp_size)
     train, test = (

@@ -190,7 +190,7 @@ class MixprecPrecision(Precision):
         self._wrap(optimizer).unscale_grads()  # grads reach the masters, unscaled and checked
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        self._wrap(optimizer).clip_grad_norm(float(clip_val))
+        self._wrap(optimizer).clip_grad_norm(clip_val)  # the core's clip validates it
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
         self.unscale_gradients(optimizer)

@@ -25,6 +25,7 @@ from mixprec.core.grad_scaler import GradScaler as _CoreGradScaler
 from mixprec.core.grad_scaler import default_device
 from mixprec.core.policy import did_you_mean
 from mixprec.core.scaling import ProcessGroup
+from mixprec.core.validate import check_scaler_values
 from mixprec.paddle.dygraph import MasterWeightOptimizer, amp_global_state, holds_pure_lp_params
 
 TORCH_ALIASES: dict[str, str] = {
@@ -145,6 +146,13 @@ class GradScaler(_CoreGradScaler):
             device = str(device)
         elif device is not None:
             raise TypeError(f"device={device!r} must be a str, a torch.device or None.")
+        # each setting named as the user wrote it: Paddle's name, or torch's alias of it
+        field_of = {paddle: torch for torch, paddle in TORCH_ALIASES.items() if torch != "enabled"}
+        written = {TORCH_ALIASES[alias]: alias for alias in torch_names}
+        check_scaler_values(
+            {field_of[p]: values[p] for p in field_of},
+            {field_of[p]: written.get(p, p) for p in field_of},
+        )
         super().__init__(
             device or default_device(),
             init_scale=values["init_loss_scaling"],

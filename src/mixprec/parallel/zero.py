@@ -24,7 +24,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, cast
@@ -32,12 +31,13 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from mixprec.core.clip import clip_grads_
 from mixprec.core.lean import LeanConfig, state_bytes
 from mixprec.core.optim import LOW_DTYPES, MixedPrecisionOptimizer
 from mixprec.core.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
 from mixprec.core.prepare import prepare_optimizer
 from mixprec.core.scaling import ProcessGroup, default_group
-from mixprec.core.step_math import clip_coefficient
+from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.parallel.comm import PendingFp8ReduceScatter, to_fp8_comm_dtype
 
 log = logging.getLogger("mixprec")
@@ -195,8 +195,6 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                 f"stage={stage!r}; valid: 1 (sharded optimizer state and fp32 masters), 2 (and "
                 "sharded gradients). Stage 3 (sharded params) is FSDP2: TorchFSDPPlugin."
             )
-        if not isinstance(norm_type, int | float) or isinstance(norm_type, bool) or norm_type <= 0:
-            raise ValueError(f"norm_type={norm_type!r} must be a positive number or inf.")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
         if optimizer.state:
@@ -225,7 +223,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         self._sync_grads = True  # False inside no_sync()
         group = process_group or default_group()
         self.stage = stage
-        self.norm_type = float(norm_type)
+        self.norm_type = check_norm_type("norm_type", norm_type)
         self.rank, self.world = group_rank_and_world(group)
         gloo = group is not None and dist.get_backend(group) == "gloo"
         if reduce_scatter is None:
@@ -492,25 +490,12 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
     def clip_grad_norm(self, max_norm: float, norm_type: float | None = None) -> torch.Tensor:
         """Clip every rank's gradients by the norm over the whole model (all shards)."""
+        check_max_norm("max_norm", max_norm)
+        p = self.norm_type if norm_type is None else check_norm_type("norm_type", norm_type)
         self.unscale_grads()
-        p = self.norm_type if norm_type is None else float(norm_type)
-        grads = self._hp_grads()
+        group = self.process_group or default_group()  # each rank holds its own shard
         device = self.scaler.scale_tensor.device
-        if math.isinf(p):
-            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device))
-            op = dist.ReduceOp.MAX
-        else:
-            norms = [torch.linalg.vector_norm(g, p) for g in grads]
-            local = torch.stack(norms).pow(p).sum() if norms else torch.zeros((), device=device)
-            op = dist.ReduceOp.SUM
-        total = local.float().reshape(1)
-        if self.world > 1:
-            dist.all_reduce(total, op=op, group=self.process_group)
-        total = total[0] if math.isinf(p) else total[0].pow(1.0 / p)
-        coef = clip_coefficient(max_norm, total)
-        if grads:
-            torch._foreach_mul_(grads, coef)
-        return total
+        return clip_grads_(self._hp_grads(), max_norm, p, group=group, device=device)
 
     # ----- the step: this rank's shard, then the updated lp params to every rank -----
     @torch.no_grad()

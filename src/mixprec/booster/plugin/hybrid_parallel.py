@@ -38,6 +38,7 @@ from mixprec.booster.plugin.plugin_base import (
     rank_and_world,
     refuse_non_defaults,
 )
+from mixprec.core.validate import check_max_norm
 from mixprec.mixed_precision import FP32Precision, MixedPrecision, to_mixed_precision
 from mixprec.parallel.comm import to_fp8_comm_dtype
 from mixprec.parallel.pipeline.checkpoint import (
@@ -222,8 +223,7 @@ class HybridParallelPlugin(Plugin):
                 f"num_microbatches=None: pp_size={pp_size} needs it set (>= pp_size, "
                 "dividing the batch size)."
             )
-        if max_norm < 0:
-            raise ValueError(f"max_norm={max_norm!r} must be >= 0 (0 turns clipping off).")
+        check_max_norm("max_norm", max_norm)
         self.config = PipelineConfig(
             pp_size=pp_size,
             num_microbatches=num_microbatches,

@@ -24,6 +24,7 @@ from mixprec.core.checkpoint import hp_model_state_dict
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy, ScalerConfig, preset
 from mixprec.core.scaling import default_group
+from mixprec.core.validate import check_max_norm, check_norm_type, check_scaler_values
 from mixprec.mixed_precision import FP32Precision, MixedPrecision
 from mixprec.parallel.zero import (
     ZeroOptimizer,
@@ -131,8 +132,8 @@ class LowLevelZeroPlugin(Plugin):
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"LowLevelZeroPlugin({name}={value!r}) must be a bool.")
-        if not isinstance(max_norm, int | float) or max_norm < 0:
-            raise ValueError(f"LowLevelZeroPlugin(max_norm={max_norm!r}) must be >= 0 (0: off).")
+        check_max_norm("max_norm", max_norm)
+        norm_type = check_norm_type("norm_type", norm_type)
         if (
             isinstance(reduce_bucket_size_in_m, bool)
             or not isinstance(reduce_bucket_size_in_m, int | float)
@@ -180,6 +181,19 @@ class LowLevelZeroPlugin(Plugin):
         self._zero_of_model: weakref.WeakKeyDictionary[nn.Module, ZeroOptimizer] = (
             weakref.WeakKeyDictionary()
         )
+
+    @classmethod
+    def from_policy(
+        cls, policy: Policy, *, stage: int, cpu_offload: bool = False
+    ) -> LowLevelZeroPlugin:
+        """The plugin over a Policy parsed elsewhere (the config Engine's fp16 section, any
+        mode): stage and offload as given, precision, scaler and clip (policy.max_norm) from
+        the policy, where Colossal's keywords can name only fp16 / bf16 / fp32 ZeRO."""
+        plugin = cls(stage=stage, precision="fp32", max_norm=policy.max_norm)
+        plugin.policy = policy
+        plugin.precision = policy.name
+        plugin.cpu_offload = cpu_offload  # checked against the device in configure()
+        return plugin
 
     @property
     def process_group(self):  # noqa: ANN201 - a torch ProcessGroup or None
@@ -267,7 +281,13 @@ def colossal_scaler(
     hysteresis: int,
     max_scale: float,
 ) -> ScalerConfig:
-    """Colossal's plugin scaler keywords as the core's ScalerConfig (which validates them)."""
+    """Colossal's plugin scaler keywords as the core's ScalerConfig, checked under their names."""
+    check_scaler_values(
+        {"init_scale": initial_scale, "min_scale": min_scale, "growth_factor": growth_factor}
+        | {"backoff_factor": backoff_factor, "growth_interval": growth_interval}
+        | {"hysteresis": hysteresis, "max_scale": max_scale},
+        {"init_scale": "initial_scale"},
+    )
     return ScalerConfig(
         init_scale=initial_scale,
         min_scale=min_scale,

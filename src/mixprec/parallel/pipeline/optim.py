@@ -17,9 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixprec.core.clip import clip_grads_
 from mixprec.core.optim import MixedPrecisionOptimizer, local_shards
 from mixprec.core.scaling import ProcessGroup
-from mixprec.core.step_math import clip_coefficient
+from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.parallel.comm import fp8_all_reduce
 
 
@@ -102,25 +103,14 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
             self._dp_averaged = True
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip every stage's unscaled gradients by one coefficient from their joint 2-norm."""
-        if norm_type != 2.0:
-            raise ValueError(f"norm_type={norm_type!r}: pipeline clipping supports 2.0 only.")
+        """Clip every stage's unscaled gradients by one coefficient from their joint norm."""
+        check_max_norm("max_norm", max_norm)
+        norm_type = check_norm_type("norm_type", norm_type)
         self.unscale_grads()
         grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-        sq = torch.zeros(1, dtype=torch.float32, device=self.scaler.scale_tensor.device)
-        plain = [g.float() for g in grads if not hasattr(g, "full_tensor")]
-        if plain:
-            sq += torch.stack(torch._foreach_norm(plain)).square().sum()
-        for g in grads:
-            if hasattr(g, "full_tensor"):  # a tensor-parallel DTensor: its norm over all shards
-                sq += torch.linalg.vector_norm(g.float()).full_tensor().square()
-        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
-            dist.all_reduce(sq, group=self.pp_group)  # dp replicas hold equal grads: pp only
-        total = sq.sqrt().reshape(())
-        coef = clip_coefficient(max_norm, total)
-        if grads:
-            torch._foreach_mul_(local_shards(grads), coef)
-        return total
+        # Stages hold disjoint params (pp group); dp replicas hold equal grads (not summed).
+        device = self.scaler.scale_tensor.device
+        return clip_grads_(grads, max_norm, norm_type, group=self.pp_group, device=device)
 
     def _reset_step(self) -> None:
         self._fresh.clear()
