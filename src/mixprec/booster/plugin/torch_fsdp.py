@@ -7,6 +7,13 @@ in `reduce_dtype` (fp32 by default). Loss scaling runs on the sharded gradients;
 only its shard, so the overflow flag is MAX-reduced over the shard group and every rank skips
 together. (Colossal-AI forbids fp16 with ZeRO/FSDP; this makes the combination work.)
 Checkpoints go through torch.distributed.checkpoint: a directory, each rank writing its shards.
+
+Lean policies (mixprec.core.lean: bf16 params without masters, e.g. 'bf16_sr', and/or
+`optimizer_state`): the sharded params are the bf16 params themselves (no fp32 shard), FSDP
+gathers them as they are and casts the reduce-scattered gradient back to bf16; the optimizer
+steps each rank's local shard through the lean write-back (stochastic rounding from a stream
+seeded per rank, low-bit state of the local shard's shape). Kept-fp32 modules (norms, @fp32)
+are their own units: FSDP needs one dtype per unit.
 """
 
 from __future__ import annotations
@@ -45,7 +52,9 @@ from mixprec.booster.plugin.plugin_base import (
     unwrap_model,
 )
 from mixprec.core.casting import NORM_TYPES, keep_module_fp32
+from mixprec.core.lean import LeanConfig, lean_config
 from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import Policy
 from mixprec.core.prepare import set_verbosity
 from mixprec.core.scaling import ProcessGroup
 from mixprec.mixed_precision import MixedPrecision
@@ -155,6 +164,8 @@ class TorchFSDPPlugin(Plugin):
         return None if self.mesh is None else self.mesh.get_group()
 
     def _shard(self, model: nn.Module, lp_dtype: torch.dtype | None, keep_norm_fp32: bool) -> None:
+        """fully_shard model's units. lp_dtype: the dtype FSDP casts gathered params to (None:
+        as stored); modules prepare_model kept fp32 inside low-precision params are own units."""
         assert self.mesh is not None
         lp_mp = MixedPrecisionPolicy(param_dtype=lp_dtype, reduce_dtype=self.reduce_dtype)
         hp_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=self.reduce_dtype)
@@ -168,6 +179,8 @@ class TorchFSDPPlugin(Plugin):
             if lp_dtype is not None and keep_norm_fp32 and isinstance(module, NORM_TYPES):
                 # Own unit gathered in fp32; the core's hooks upcast its input, recast output.
                 keep_module_fp32(module, lp_dtype)
+                units.append((module, hp_mp))
+            elif getattr(module, "_mixprec_kept_fp32", False):  # fp32 amid bf16 params (lean)
                 units.append((module, hp_mp))
             elif self.shard_filter(name, module) or (
                 name.rpartition(".")[0] in containers and any(True for _ in module.parameters())
@@ -206,12 +219,17 @@ class TorchFSDPPlugin(Plugin):
                 f"num_losses={policy.num_losses} is not supported with TorchFSDPPlugin; use "
                 "TorchDDPPlugin (or one loss scaler) for several losses."
             )
-        lp_dtype = policy.param_dtype if policy.casts_params else None
-        # FSDP casts the gathered params; the fp32 shards are the masters (no second copy).
-        hp_policy = replace(policy, param_dtype=torch.float32, master_weights=False)
+        lean = lean_config(policy)
+        if _shards_low_precision_params(policy, lean):
+            # Lean: the bf16 params are what is sharded and stepped; FSDP casts nothing.
+            lp_dtype, shard_policy = None, policy
+        else:
+            lp_dtype = policy.param_dtype if policy.casts_params else None
+            # FSDP casts the gathered params; the fp32 shards are the masters (no second copy).
+            shard_policy = replace(policy, param_dtype=torch.float32, master_weights=False)
         model = model.to(device)
         names_before = {id(p): name for name, p in model.named_parameters()}
-        boosted = mixed_precision.convert_module(model, hp_policy)
+        boosted = mixed_precision.convert_module(model, shard_policy)
         if self.shard_group is None:
             self.mesh = init_device_mesh(device.type, (rank_and_world()[1],))
         else:
@@ -226,10 +244,11 @@ class TorchFSDPPlugin(Plugin):
         _point_optimizer_at_shards(optimizer, names_before, boosted.module)
         mp_optimizer = MixedPrecisionOptimizer(
             optimizer,
-            loss_scale=hp_policy.loss_scale,
+            loss_scale=shard_policy.loss_scale,
             master_weights=False,
             process_group=self.process_group,
-            log_num_zeros_in_grad=hp_policy.log_num_zeros_in_grad,
+            log_num_zeros_in_grad=shard_policy.log_num_zeros_in_grad,
+            lean=lean,
         )
         set_verbosity(mp_optimizer, policy.verbosity)  # Apex verbosity / NAIVE verbose
         return boosted, mp_optimizer
@@ -256,6 +275,7 @@ class TorchFSDPPlugin(Plugin):
         set_model_state_dict(unwrap_model(model), state, options=options)
 
     def optimizer_state(self, optimizer: MixedPrecisionOptimizer, model: nn.Module | None) -> Any:
+        _refuse_lean_checkpoint(optimizer)
         if model is None:
             raise ValueError("An FSDP optimizer checkpoint needs the model it was boosted with.")
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -271,6 +291,7 @@ class TorchFSDPPlugin(Plugin):
     def load_optimizer_state(
         self, optimizer: MixedPrecisionOptimizer, state: dict[str, Any], model: nn.Module | None
     ) -> None:
+        _refuse_lean_checkpoint(optimizer)
         if model is None:
             raise ValueError("An FSDP optimizer checkpoint needs the model it was boosted with.")
         options = StateDictOptions(full_state_dict=True)
@@ -302,6 +323,7 @@ class TorchFSDPPlugin(Plugin):
     def _optimizer_state(
         self, optimizer: MixedPrecisionOptimizer, model: nn.Module | None
     ) -> dict[str, Any]:
+        _refuse_lean_checkpoint(optimizer)
         if model is None:
             raise ValueError("An FSDP optimizer checkpoint needs the model it was boosted with.")
         return {
@@ -319,6 +341,7 @@ class TorchFSDPPlugin(Plugin):
     def load_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
+        _refuse_lean_checkpoint(optimizer)
         if Path(path).is_file() or find_index(path):  # a gathered full state
             self.load_optimizer_state(optimizer, load_state_file(path), model)
             return
@@ -326,6 +349,26 @@ class TorchFSDPPlugin(Plugin):
         dcp.load(state, checkpoint_id=os.fspath(path))
         set_optimizer_state_dict(unwrap_model(model), optimizer.optim, state["optimizer"])
         _load_counters(optimizer, state)
+
+
+def _shards_low_precision_params(policy: Policy, lean: LeanConfig | None) -> bool:
+    """The lean write-back steps the low-precision params themselves: no fp32 shard to keep."""
+    return lean is not None and policy.casts_params and not policy.master_weights
+
+
+def _refuse_lean_checkpoint(optimizer: MixedPrecisionOptimizer) -> None:
+    """torch.distributed.checkpoint's optimizer state dicts expect DTensor state shaped like
+    the params; the lean write-back keeps plain per-rank tensors (torchao codes + scales for
+    low bit) of each local shard, which they would gather wrong."""
+    if optimizer.lean is not None:
+        cfg = optimizer.lean.cfg
+        raise NotImplementedError(
+            "TorchFSDPPlugin cannot checkpoint a lean optimizer yet (optimizer_state="
+            f"{cfg.state!r}, update_rounding={cfg.rounding!r}): its state is per-rank local "
+            "shards that torch.distributed.checkpoint cannot gather. Save the model only, or "
+            "use LowLevelZeroPlugin(master_weights=False, optimizer_state=...), whose "
+            "checkpoints hold lean state."
+        )
 
 
 def _load_counters(optimizer: MixedPrecisionOptimizer, state: dict[str, Any]) -> None:
