@@ -323,7 +323,6 @@ class TorchFSDPPlugin(Plugin):
     def _optimizer_state(
         self, optimizer: MixedPrecisionOptimizer, model: nn.Module | None
     ) -> dict[str, Any]:
-        _refuse_lean_checkpoint(optimizer)
         if model is None:
             raise ValueError("An FSDP optimizer checkpoint needs the model it was boosted with.")
         return {
@@ -336,12 +335,19 @@ class TorchFSDPPlugin(Plugin):
     def save_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
+        if optimizer.lean is not None:  # each rank's own state: its shard's, its random stream
+            state = optimizer.state_dict()
+            _save_atomic(lambda tmp: torch.save(state, tmp / _lean_file()), path)
+            return
         _dcp_save_atomic(self._optimizer_state(optimizer, model), path)
 
     def load_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
-        _refuse_lean_checkpoint(optimizer)
+        saved_lean = sorted(p.name for p in Path(path).glob("lean_rank*_of_*.pt"))
+        if optimizer.lean is not None or saved_lean:
+            _load_lean_state(optimizer, Path(path), saved_lean)
+            return
         if Path(path).is_file() or find_index(path):  # a gathered full state
             self.load_optimizer_state(optimizer, load_state_file(path), model)
             return
@@ -363,12 +369,36 @@ def _refuse_lean_checkpoint(optimizer: MixedPrecisionOptimizer) -> None:
     if optimizer.lean is not None:
         cfg = optimizer.lean.cfg
         raise NotImplementedError(
-            "TorchFSDPPlugin cannot checkpoint a lean optimizer yet (optimizer_state="
-            f"{cfg.state!r}, update_rounding={cfg.rounding!r}): its state is per-rank local "
-            "shards that torch.distributed.checkpoint cannot gather. Save the model only, or "
-            "use LowLevelZeroPlugin(master_weights=False, optimizer_state=...), whose "
-            "checkpoints hold lean state."
+            "TorchFSDPPlugin cannot gather a lean optimizer's state into one file "
+            f"(optimizer_state={cfg.state!r}, update_rounding={cfg.rounding!r}): its state is "
+            "per-rank local shards. Save it unsharded with the default gather_dtensor (one "
+            "file per rank, loaded on the same number of ranks)."
         )
+
+
+def _lean_file() -> str:
+    """This rank's file in a lean optimizer checkpoint directory."""
+    rank, world = rank_and_world()
+    return f"lean_rank{rank}_of_{world}.pt"
+
+
+def _load_lean_state(optimizer: MixedPrecisionOptimizer, path: Path, saved: list[str]) -> None:
+    """Each rank loads the file its rank wrote: the shard layout and the random streams are
+    the saving run's, so the same number of ranks must load it."""
+    cfg = None if optimizer.lean is None else optimizer.lean.cfg
+    if cfg is None:
+        raise ValueError(
+            f"{path} holds a lean optimizer's per-rank state ({', '.join(saved)}); this "
+            "optimizer is not lean: boost it with the lean policy it was saved with."
+        )
+    mine = path / _lean_file()
+    if not mine.is_file():
+        raise ValueError(
+            f"{path} is no lean optimizer checkpoint for {rank_and_world()[1]} ranks (it holds "
+            f"{saved or 'no lean_rank*_of_*.pt file'}); a lean FSDP optimizer loads the "
+            "per-rank files it saved, on as many ranks as saved them."
+        )
+    optimizer.load_state_dict(torch.load(mine, map_location="cpu", weights_only=True))
 
 
 def _load_counters(optimizer: MixedPrecisionOptimizer, state: dict[str, Any]) -> None:
@@ -412,7 +442,12 @@ def _no_gradient_sync(model: nn.Module):
 
 
 def _dcp_save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:
-    """dcp.save into a temp directory, then rank 0 swaps it in for path.
+    """dcp.save of state, swapped in atomically (see _save_atomic)."""
+    _save_atomic(lambda tmp: dcp.save(state, checkpoint_id=os.fspath(tmp)), path)
+
+
+def _save_atomic(write: Callable[[Path], None], path: str | os.PathLike) -> None:
+    """write(temp directory) on every rank, then rank 0 swaps it in for path.
 
     The previous checkpoint stays whole until the new one is complete; a crash between the two
     renames leaves it at '.<name>.old' beside path.
@@ -422,8 +457,9 @@ def _dcp_save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:
     if rank_and_world()[0] == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save
+        tmp.mkdir()
     barrier()
-    dcp.save(state, checkpoint_id=os.fspath(tmp))
+    write(tmp)
     barrier()  # every rank's shards are written
     if rank_and_world()[0] == 0:
         swap_in_directory(tmp, path)
