@@ -429,7 +429,8 @@ def run_size(args: argparse.Namespace) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     memory: dict[str, dict] = {}
     for mode in size_policies():
-        for allocator, extra in ALLOCATORS.items():
+        for allocator in args.allocators:
+            extra = ALLOCATORS[allocator]
             print(f"{args.size}: {mode}, {allocator} ...", file=sys.stderr, flush=True)
             cmd = [sys.executable, __file__, "--size-worker", mode, args.size]
             done = subprocess.run(
@@ -469,7 +470,8 @@ def render_size(folder: Path) -> None:
 
 def size_markdown(record: dict) -> str:
     mem, shape = record["memory"], record["shape"]
-    first = next(iter(ALLOCATORS))
+    allocators = list(mem["fp32"])
+    first = allocators[0]
     n = mem["fp32"][first]["params"]
     lines = [
         f"# Lean precision at {n / 1e6:.1f}M parameters, {record['machine']}",
@@ -507,7 +509,7 @@ def size_markdown(record: dict) -> str:
         "| mode | allocator | " + " | ".join(PHASES) + " | held | peak | / fp32 | / NAIVE |",
         "|---|---|" + "---:|" * (len(PHASES) + 5),
     ]
-    for allocator in ALLOCATORS:
+    for allocator in allocators:
         fp32_peak = mem["fp32"][allocator]["peak_rss_mib"]
         naive_peak = mem["NAIVE (fp16)"][allocator]["peak_rss_mib"]
         for name, runs in mem.items():
@@ -533,8 +535,9 @@ def size_chart(record: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     mem = record["memory"]
-    first = next(iter(ALLOCATORS))
-    fig, axes = plt.subplots(1, 1 + len(ALLOCATORS), figsize=(17, 4.8))
+    allocators = list(mem["fp32"])
+    first = allocators[0]
+    fig, axes = plt.subplots(1, 1 + len(allocators), figsize=(6 + 5.5 * len(allocators), 4.8))
     ax_b = axes[0]
     names = list(mem)
     bottom = [0.0] * len(names)
@@ -546,7 +549,7 @@ def size_chart(record: dict, path: Path) -> None:
     ax_b.set_ylabel("bytes per parameter (AdamW)")
     ax_b.tick_params(axis="x", rotation=30, labelsize=8)
     ax_b.legend(fontsize=8)
-    for ax, allocator in zip(axes[1:], ALLOCATORS, strict=True):
+    for ax, allocator in zip(axes[1:], allocators, strict=True):
         for name in names:
             t, mib = zip(*mem[name][allocator]["trace"], strict=True)
             ax.plot(t, mib, label=name, linewidth=1)
@@ -712,8 +715,17 @@ def main(argv: list[str] | None = None) -> int:
         help="only the memory run at this model size: bytes per parameter and peak RSS per "
         "phase of each mode (100m: the issue's ~100M-parameter transformer)",
     )
-    parser.add_argument("--size-steps", type=int, default=3, help="steps per mode of --size")
+    parser.add_argument("--size-steps", type=int, default=2, help="steps per mode of --size")
+    parser.add_argument(
+        "--allocators",
+        type=lambda text: [a.strip() for a in text.split(",")],
+        default=list(ALLOCATORS),
+        help=f"comma-separated, of: {', '.join(ALLOCATORS)} (default: both)",
+    )
     args = parser.parse_args(argv)
+    unknown = [a for a in args.allocators if a not in ALLOCATORS]
+    if unknown:
+        parser.error(f"--allocators {unknown}: valid: {', '.join(ALLOCATORS)}")
     if args.size is not None:
         return run_size(args)
     out = args.out or fresh_out_dir("bench_lean")

@@ -14,7 +14,7 @@ from tolerances import EXACT
 import mixprec
 from mixprec.booster.plugin import TorchFSDPPlugin
 from mixprec.core.lean import state_bytes
-from mixprec.core.policy import preset
+from mixprec.core.policy import preset, to_policy, with_optimizer_state
 from mixprec.core.prepare import prepare_model, prepare_optimizer
 from mixprec.mixed_precision import MixedPrecision
 
@@ -162,6 +162,38 @@ def _fsdp_lean_worker(rank: int, world: int) -> None:
     # the lean state is per-rank local shards: it is not gathered into one file
     with pytest.raises(NotImplementedError, match="optimizer_state='fp32'"):
         booster.save_optimizer(opt, "unused", shard=True)
+    _masters_with_int8_state(rank, x, y)
+
+
+def _masters_with_int8_state(rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A policy with fp32 masters and int8 state: FSDP's fp32 shards are the masters, and
+    their state is quantized per shard."""
+    from dist_utils import local_shard
+
+    policy = with_optimizer_state(to_policy("fp16_naive", {"dtype": "bfloat16"}), "int8")
+    mine = slice(rank * 8, (rank + 1) * 8)
+    model = _model()
+    ref_model = copy.deepcopy(model)
+    booster = mixprec.Booster(mixed_precision=MixedPrecision(policy), plugin=TorchFSDPPlugin())
+    model, opt, *_ = booster.boost(model, _optimizer("sgd", model.parameters()))
+    held = [p for g in opt.optim.param_groups for p in g["params"]]
+    assert {p.dtype for p in held} == {torch.float32} and opt.lean.cfg.state == "int8"
+    ref = prepare_model(ref_model, policy)
+    ref_opt = prepare_optimizer(_optimizer("sgd", ref_model.parameters()), policy)
+    for _ in range(STEPS):
+        booster.backward(torch.nn.functional.mse_loss(model(x[mine]), y[mine]), opt)
+        ref_opt.backward(torch.nn.functional.mse_loss(ref(x), y))
+        assert not opt.step().skipped and not ref_opt.step().skipped
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    buf = opt.optim.state[held[0]]["momentum_buffer"]
+    assert type(buf).__name__ == "OptimState8bit" and buf.shape == local_shard(held[0]).shape
+    ref_held = [p for g in ref_opt.optim.param_groups for p in g["params"]]  # fp32 masters
+    assert {p.dtype for p in ref_held} == {torch.float32}
+    for p, m in zip(held, ref_held, strict=True):
+        # fp32 weights on both sides: only the grads differ (half-batch bf16 grads reduced in
+        # fp32 vs one full-batch bf16 grad, ~2**-8 relative), times lr, through momentum
+        torch.testing.assert_close(p.full_tensor(), m, rtol=2**-8, atol=1e-3)
 
 
 def _resume_bitwise(booster, model, opt, x, y, held) -> None:
