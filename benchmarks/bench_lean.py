@@ -507,7 +507,7 @@ def size_markdown(record: dict) -> str:
         "are freed), so freed tensors leave the RSS: it shows the live memory.",
         "",
         "| mode | allocator | " + " | ".join(PHASES) + " | held | peak | / fp32 | / NAIVE |",
-        "|---|---|" + "---:|" * (len(PHASES) + 5),
+        "|---|---|" + "---:|" * (len(PHASES) + 4),
     ]
     for allocator in allocators:
         fp32_peak = mem["fp32"][allocator]["peak_rss_mib"]
