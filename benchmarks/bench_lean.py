@@ -19,12 +19,14 @@ and lean.png.
 
     python benchmarks/bench_lean.py                                 # ~15 min on 2 busy cores
     python benchmarks/bench_lean.py --mem-width 768 --mem-depth 12  # the ~100M-param step
+    python benchmarks/bench_lean.py --size 100m   # only memory: bytes and RSS per phase, 99.7M
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -268,6 +270,301 @@ def run_memory(mode: str, args: argparse.Namespace) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# ----- --size: one model size, its bytes per parameter and where its peak RSS comes from -----
+SIZES: dict[str, dict[str, int]] = {
+    "100m": {"width": 768, "depth": 14, "heads": 12, "context": 64, "batch": 1},
+    "10m": {"width": 320, "depth": 8, "heads": 5, "context": 64, "batch": 2},
+}
+"""--size presets: GPT shapes (nanoGPT's layout; 100m: 99.7M parameters, 12 heads of 64)."""
+PHASES = ("build", "forward", "backward", "step", "zero_grad")
+"""Where a training process can peak: the model's fp32 init and cast, the forward's
+activations, the backward's grads, the optimizer's temporaries, freeing the grads."""
+
+
+def size_policies() -> dict[str, Policy]:
+    """The modes of the --size run: the issue's list (NAIVE with fp16 params, as Colossal's)."""
+    sr, naive = preset("bf16_sr"), to_policy("fp16_naive")
+    return {
+        "fp32": to_policy("fp32"),
+        # Starting at 2**16, not Colossal's 2**32, spares ~30 overflow skips (hysteresis 2) of
+        # a 100M model: those skipped steps would form no state to count; bytes do not depend
+        # on the scale.
+        "NAIVE (fp16)": dataclasses.replace(
+            naive, loss_scale=dataclasses.replace(naive.loss_scale, init_scale=2.0**16)
+        ),
+        "bf16_sr": sr,
+        "bf16_sr+int8": with_optimizer_state(sr, "int8"),
+        "bf16_sr+int4": with_optimizer_state(sr, "int4"),
+        "bf16_sr+fp8": with_optimizer_state(sr, "fp8"),
+    }
+
+
+def held_bytes(model: nn.Module, opt: Any) -> dict[str, int]:
+    """Bytes the step holds, counted from the tensors: weights, their grads, fp32 masters and
+    master grads, optimizer state (low-bit: codes + scales). Call it between backward and step
+    for the grads (NAIVE frees its lp grads once its masters have them), after for the rest."""
+    params = list(model.parameters())
+    masters = list(getattr(opt, "hp_masters", []))
+
+    def nbytes(ts: list) -> int:
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    return {
+        "params": sum(p.numel() for p in params),
+        "weights": nbytes(params),
+        "grads": nbytes([p.grad for p in params]),
+        "masters": nbytes(masters),
+        "master_grads": nbytes([m.grad for m in masters]),
+        "state": sum(
+            state_bytes(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+        ),
+    }
+
+
+class RssTrace:
+    """Resident memory of this process: the exact peak of each phase (the kernel's VmHWM, reset
+    at the phase's start through /proc/self/clear_refs) and a sampled trace for the chart (a
+    thread reading /proc/self/statm every ms; torch's kernels release the GIL, so it runs
+    while they do)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.page_kib = os.sysconf("SC_PAGE_SIZE") // 1024
+        self.samples: list[tuple[float, int]] = []  # (seconds, KiB)
+        self.phases: list[tuple[str, float, int, int]] = []  # (name, start s, start KiB, peak)
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def rss_kib(self) -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * self.page_kib
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter() - self.t0, self.rss_kib()))
+            time.sleep(0.001)
+
+    def phase(self, name: str, fn: Any) -> Any:
+        """fn() as phase `name`, its peak RSS recorded."""
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
+        start, rss = time.perf_counter() - self.t0, self.rss_kib()
+        out = fn()
+        self.phases.append((name, start, rss, _rss_kib("VmHWM")))
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def size_worker(mode: str, size: str, steps: int) -> dict:
+    """Build the mode's GPT of --size, run `steps` steps, count its bytes with grads alive
+    (after the last step, before zero_grad) and trace its RSS per phase, in KiB above the RSS
+    before the build (every library imported: torchao's import is no part of a mode)."""
+    import torchao.optim  # noqa: F401 - the low-bit modes import it; every mode pays it first
+
+    torch.set_num_threads(1)
+    shape = SIZES[size]
+    width, depth, heads, context = (shape[k] for k in ("width", "depth", "heads", "context"))
+    policy = size_policies()[mode]
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (shape["batch"], context + 1), generator=g)
+    x, y = data[:, :-1], data[:, 1:]
+    trace = RssTrace()
+    base = trace.rss_kib()
+    model, opt = trace.phase(
+        "build",
+        lambda: build(policy, lambda: GPT(width, depth, heads, context), 0, 1e-4, 0.1),
+    )
+    counts: dict[str, int] = {}
+    step_s, skipped = [], 0
+    for step in range(steps):
+        t = time.perf_counter()
+        loss = trace.phase("forward", lambda: gpt_loss(model, x, y))
+        trace.phase("backward", functools.partial(opt.backward, loss))
+        del loss  # the graph's activations go now, not at the next forward
+        grads = held_bytes(model, opt)["grads"]
+        skipped += bool(trace.phase("step", opt.step).skipped)
+        if step == steps - 1:
+            counts = held_bytes(model, opt) | {"grads": grads}
+        trace.phase("zero_grad", opt.zero_grad)
+        step_s.append(time.perf_counter() - t)
+    trace.stop()
+    if skipped == steps:
+        raise RuntimeError(f"{mode}: every step was skipped; its optimizer state never formed.")
+    peaks = {
+        name: max(p - base for n, _, _, p in trace.phases if n == name) / 1024 for name in PHASES
+    }
+    final = [(n, s, r) for n, s, r, _ in trace.phases if n == "forward"][-1]  # last step start
+    return counts | {
+        "skipped_steps": skipped,
+        "step_s": step_s,
+        "peak_mib": peaks,
+        "peak_rss_mib": max(peaks.values()),
+        "steady_rss_mib": (final[2] - base) / 1024,
+        "trace": [  # at most ~600 points for the chart
+            (round(t, 3), round((k - base) / 1024, 1))
+            for t, k in trace.samples[:: max(1, len(trace.samples) // 600)]
+        ],
+        "phases": [(n, round(s, 3)) for n, s, _, _ in trace.phases],
+    }
+
+
+MMAP_THRESHOLD = 128 * 1024
+"""glibc's default mmap threshold (128 KiB) made fixed: blocks above it are mmap'd and go back
+to the system when freed. By default glibc raises the threshold to the largest block freed so
+far (up to 32 MiB), so after a model's first big tensors are freed every later tensor of that
+size comes from the heap, which keeps freed memory resident."""
+ALLOCATORS = {"glibc default": {}, "fixed mmap threshold": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
+"""The worker's environment per allocator setting the --size run measures RSS under."""
+
+
+def run_size(args: argparse.Namespace) -> int:
+    """The --size run: each mode in a fresh process (nothing of one mode's memory in another's)."""
+    out = args.out or fresh_out_dir(f"bench_lean_{args.size}")
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"--out {out} exists and is not empty: name a new folder")
+    start, load0 = time.perf_counter(), os.getloadavg()[0]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    memory: dict[str, dict] = {}
+    for mode in size_policies():
+        for allocator in args.allocators:
+            extra = ALLOCATORS[allocator]
+            print(f"{args.size}: {mode}, {allocator} ...", file=sys.stderr, flush=True)
+            cmd = [sys.executable, __file__, "--size-worker", mode, args.size]
+            done = subprocess.run(
+                [*cmd, str(args.size_steps)],
+                capture_output=True, text=True, env=env | extra, check=False,
+            )  # fmt: skip
+            if done.returncode != 0:
+                raise RuntimeError(f"size worker for {mode} failed:\n{done.stderr[-3000:]}")
+            memory.setdefault(mode, {})[allocator] = json.loads(
+                done.stdout.strip().splitlines()[-1]
+            )
+    record = {
+        "argv": sys.argv[1:],
+        "size": args.size,
+        "shape": SIZES[args.size],
+        "steps": args.size_steps,
+        "machine": machine_name(torch.device("cpu")),
+        "seconds": time.perf_counter() - start,
+        "load": [load0, os.getloadavg()[0]],
+        "memory": memory,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lean_memory.json").write_text(json.dumps(record, indent=2) + "\n")
+    render_size(out)
+    return 0
+
+
+def render_size(folder: Path) -> None:
+    """lean_memory.md and .png of a --size run from its lean_memory.json."""
+    record = json.loads((folder / "lean_memory.json").read_text())
+    table = size_markdown(record)
+    print(table)
+    (folder / "lean_memory.md").write_text(table)
+    size_chart(record, folder / "lean_memory.png")
+    print(f"wrote {folder}/lean_memory.md, .json, .png", file=sys.stderr)
+
+
+def size_markdown(record: dict) -> str:
+    mem, shape = record["memory"], record["shape"]
+    allocators = list(mem["fp32"])
+    first = allocators[0]
+    n = mem["fp32"][first]["params"]
+    lines = [
+        f"# Lean precision at {n / 1e6:.1f}M parameters, {record['machine']}",
+        "",
+        f"`python benchmarks/bench_lean.py {' '.join(record['argv'])}` ({record['seconds']:.0f} s"
+        f", load average {record['load'][0]:.1f} -> {record['load'][1]:.1f} on "
+        f"{os.cpu_count()} cores). GPT width {shape['width']}, depth {shape['depth']}, "
+        f"{shape['heads']} heads, batch {shape['batch']} x {shape['context']} tokens, AdamW, "
+        f"{record['steps']} steps per mode, each mode and allocator setting in a fresh process.",
+        "",
+        "Bytes per parameter, counted from the tensors (grads after backward, the rest after "
+        "the last step). Tensors under 4096 elements (biases, norms) keep fp32 state and "
+        "LayerNorm weights stay fp32, as the modes define; NAIVE's fp32 master grads are a "
+        "transient of its step (its lp grads are freed once the masters have them).",
+        "",
+        "| mode | weights | grads | fp32 masters | state | **total** | + master grads |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, runs in mem.items():
+        m = runs[first]
+        parts = [m[k] / m["params"] for k in ("weights", "grads", "masters", "state")]
+        lines.append(
+            f"| {name} | " + " | ".join(f"{v:.2f}" for v in parts) + f" | **{sum(parts):.2f}** | "
+            f"{m['master_grads'] / m['params']:.2f} |"
+        )
+    lines += [
+        "",
+        "Resident memory, MiB above the process before the build (imports done): the exact "
+        "peak of each phase (the kernel's high-water mark, reset at each phase's start), the "
+        "largest over the steps; 'held' is the RSS entering the last step. The peak's phase is "
+        "in bold. 'glibc default' is how a Python process runs; 'fixed mmap threshold' sets "
+        "MALLOC_MMAP_THRESHOLD_=131072 (glibc's own default, no longer raised as big blocks "
+        "are freed), so freed tensors leave the RSS: it shows the live memory.",
+        "",
+        "| mode | allocator | " + " | ".join(PHASES) + " | held | peak | / fp32 | / NAIVE |",
+        "|---|---|" + "---:|" * (len(PHASES) + 4),
+    ]
+    for allocator in allocators:
+        fp32_peak = mem["fp32"][allocator]["peak_rss_mib"]
+        naive_peak = mem["NAIVE (fp16)"][allocator]["peak_rss_mib"]
+        for name, runs in mem.items():
+            m = runs[allocator]
+            peak = m["peak_rss_mib"]
+            cells = [
+                f"**{m['peak_mib'][p]:.0f}**"
+                if m["peak_mib"][p] == peak
+                else f"{m['peak_mib'][p]:.0f}"
+                for p in PHASES
+            ]
+            lines.append(
+                f"| {name} | {allocator} | " + " | ".join(cells) + f" | {m['steady_rss_mib']:.0f}"
+                f" | {peak:.0f} | {peak / fp32_peak:.2f} | {peak / naive_peak:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def size_chart(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mem = record["memory"]
+    allocators = list(mem["fp32"])
+    first = allocators[0]
+    fig, axes = plt.subplots(1, 1 + len(allocators), figsize=(6 + 5.5 * len(allocators), 4.8))
+    ax_b = axes[0]
+    names = list(mem)
+    bottom = [0.0] * len(names)
+    for part in ("weights", "grads", "masters", "state"):
+        vals = [mem[n][first][part] / mem[n][first]["params"] for n in names]
+        ax_b.bar(names, vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax_b.axhline(6, color="black", linestyle="--", linewidth=0.8, label="goal: 6 bytes")
+    ax_b.set_ylabel("bytes per parameter (AdamW)")
+    ax_b.tick_params(axis="x", rotation=30, labelsize=8)
+    ax_b.legend(fontsize=8)
+    for ax, allocator in zip(axes[1:], allocators, strict=True):
+        for name in names:
+            t, mib = zip(*mem[name][allocator]["trace"], strict=True)
+            ax.plot(t, mib, label=name, linewidth=1)
+        ax.set_title(f"RSS, {allocator}", fontsize=9)
+        ax.set_xlabel("seconds since the build began")
+        ax.set_ylabel("MiB above the start")
+        ax.legend(fontsize=7)
+    n = mem["fp32"][first]["params"]
+    fig.suptitle(f"Lean precision, {n / 1e6:.1f}M-parameter GPT, {record['machine']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ----- report -----
 def spread(values: list[float]) -> tuple[float, float]:
     return min(values), max(values)
@@ -376,6 +673,13 @@ def main(argv: list[str] | None = None) -> int:
         mode, *nums = argv[1:]
         print(json.dumps(memory_worker(mode, *map(int, nums))))
         return 0
+    if argv and argv[0] == "--size-worker":
+        mode, size, steps = argv[1:]
+        print(json.dumps(size_worker(mode, size, int(steps))))
+        return 0
+    if argv and argv[0] == "--render-size":  # md and png again from a --size run's json
+        render_size(Path(argv[1]))
+        return 0
     if argv and argv[0] == "--render":  # md and png again from a run's lean.json
         folder = Path(argv[1])
         record = json.loads((folder / "lean.json").read_text())
@@ -405,7 +709,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--time-rounds", type=int, default=10)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default=None,
+        help="only the memory run at this model size: bytes per parameter and peak RSS per "
+        "phase of each mode (100m: the issue's ~100M-parameter transformer)",
+    )
+    parser.add_argument("--size-steps", type=int, default=2, help="steps per mode of --size")
+    parser.add_argument(
+        "--allocators",
+        type=lambda text: [a.strip() for a in text.split(",")],
+        default=list(ALLOCATORS),
+        help=f"comma-separated, of: {', '.join(ALLOCATORS)} (default: both)",
+    )
     args = parser.parse_args(argv)
+    unknown = [a for a in args.allocators if a not in ALLOCATORS]
+    if unknown:
+        parser.error(f"--allocators {unknown}: valid: {', '.join(ALLOCATORS)}")
+    if args.size is not None:
+        return run_size(args)
     out = args.out or fresh_out_dir("bench_lean")
     if out.exists() and any(out.iterdir()):
         parser.error(f"--out {out} exists and is not empty: name a new folder")

@@ -7,6 +7,13 @@ in `reduce_dtype` (fp32 by default). Loss scaling runs on the sharded gradients;
 only its shard, so the overflow flag is MAX-reduced over the shard group and every rank skips
 together. (Colossal-AI forbids fp16 with ZeRO/FSDP; this makes the combination work.)
 Checkpoints go through torch.distributed.checkpoint: a directory, each rank writing its shards.
+
+Lean policies (mixprec.core.lean: bf16 params without masters, e.g. 'bf16_sr', and/or
+`optimizer_state`): the sharded params are the bf16 params themselves (no fp32 shard), FSDP
+gathers them as they are and casts the reduce-scattered gradient back to bf16; the optimizer
+steps each rank's local shard through the lean write-back (stochastic rounding from a stream
+seeded per rank, low-bit state of the local shard's shape). Kept-fp32 modules (norms, @fp32)
+are their own units: FSDP needs one dtype per unit.
 """
 
 from __future__ import annotations
@@ -44,7 +51,9 @@ from mixprec.booster.plugin.plugin_base import (
     unwrap_model,
 )
 from mixprec.core.casting import NORM_TYPES, keep_module_fp32
+from mixprec.core.lean import LeanConfig, lean_config
 from mixprec.core.optim import MixedPrecisionOptimizer
+from mixprec.core.policy import Policy
 from mixprec.core.prepare import set_verbosity
 from mixprec.core.scaling import ProcessGroup
 from mixprec.mixed_precision import MixedPrecision
@@ -165,6 +174,8 @@ class TorchFSDPPlugin(Plugin):
         return None if self.mesh is None else self.mesh.get_group()
 
     def _shard(self, model: nn.Module, lp_dtype: torch.dtype | None, keep_norm_fp32: bool) -> None:
+        """fully_shard model's units. lp_dtype: the dtype FSDP casts gathered params to (None:
+        as stored); modules prepare_model kept fp32 inside low-precision params are own units."""
         assert self.mesh is not None
         lp_mp = MixedPrecisionPolicy(param_dtype=lp_dtype, reduce_dtype=self.reduce_dtype)
         hp_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=self.reduce_dtype)
@@ -178,6 +189,8 @@ class TorchFSDPPlugin(Plugin):
             if lp_dtype is not None and keep_norm_fp32 and isinstance(module, NORM_TYPES):
                 # Own unit gathered in fp32; the core's hooks upcast its input, recast output.
                 keep_module_fp32(module, lp_dtype)
+                units.append((module, hp_mp))
+            elif getattr(module, "_mixprec_kept_fp32", False):  # fp32 amid bf16 params (lean)
                 units.append((module, hp_mp))
             elif self.shard_filter(name, module) or (
                 name.rpartition(".")[0] in containers and any(True for _ in module.parameters())
@@ -220,12 +233,17 @@ class TorchFSDPPlugin(Plugin):
                 f"num_losses={policy.num_losses} is not supported with TorchFSDPPlugin; use "
                 "TorchDDPPlugin (or one loss scaler) for several losses."
             )
-        lp_dtype = policy.param_dtype if policy.casts_params else None
-        # FSDP casts the gathered params; the fp32 shards are the masters (no second copy).
-        hp_policy = replace(policy, param_dtype=torch.float32, master_weights=False)
+        lean = lean_config(policy)
+        if _shards_low_precision_params(policy, lean):
+            # Lean: the bf16 params are what is sharded and stepped; FSDP casts nothing.
+            lp_dtype, shard_policy = None, policy
+        else:
+            lp_dtype = policy.param_dtype if policy.casts_params else None
+            # FSDP casts the gathered params; the fp32 shards are the masters (no second copy).
+            shard_policy = replace(policy, param_dtype=torch.float32, master_weights=False)
         model = model.to(device)
         names_before = {id(p): name for name, p in model.named_parameters()}
-        boosted = mixed_precision.convert_module(model, hp_policy)
+        boosted = mixed_precision.convert_module(model, shard_policy)
         if self.shard_group is None:
             self.mesh = init_device_mesh(device.type, (rank_and_world()[1],))
         else:
@@ -240,11 +258,12 @@ class TorchFSDPPlugin(Plugin):
         _point_optimizer_at_shards(optimizer, names_before, boosted.module)
         mp_optimizer = MixedPrecisionOptimizer(
             optimizer,
-            loss_scale=hp_policy.loss_scale,
+            loss_scale=shard_policy.loss_scale,
             master_weights=False,
             max_norm=hp_policy.max_norm,  # a mode's own clip (NAIVE's clip_grad_norm, a config's)
             process_group=self.process_group,
-            log_num_zeros_in_grad=hp_policy.log_num_zeros_in_grad,
+            log_num_zeros_in_grad=shard_policy.log_num_zeros_in_grad,
+            lean=lean,
         )
         set_verbosity(mp_optimizer, policy.verbosity)  # Apex verbosity / NAIVE verbose
         return boosted, mp_optimizer
@@ -271,6 +290,7 @@ class TorchFSDPPlugin(Plugin):
         set_model_state_dict(unwrap_model(model), state, options=options)
 
     def optimizer_state(self, optimizer: MixedPrecisionOptimizer, model: nn.Module | None) -> Any:
+        _refuse_lean_checkpoint(optimizer)
         if model is None:
             raise ValueError("An FSDP optimizer checkpoint needs the model it was boosted with.")
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -286,6 +306,7 @@ class TorchFSDPPlugin(Plugin):
     def load_optimizer_state(
         self, optimizer: MixedPrecisionOptimizer, state: dict[str, Any], model: nn.Module | None
     ) -> None:
+        _refuse_lean_checkpoint(optimizer)
         if model is None:
             raise ValueError("An FSDP optimizer checkpoint needs the model it was boosted with.")
         options = StateDictOptions(full_state_dict=True)
@@ -329,11 +350,19 @@ class TorchFSDPPlugin(Plugin):
     def save_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
+        if optimizer.lean is not None:  # each rank's own state: its shard's, its random stream
+            state = optimizer.state_dict()
+            _save_atomic(lambda tmp: torch.save(state, tmp / _lean_file()), path)
+            return
         _dcp_save_atomic(self._optimizer_state(optimizer, model), path)
 
     def load_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
+        saved_lean = sorted(p.name for p in Path(path).glob("lean_rank*_of_*.pt"))
+        if optimizer.lean is not None or saved_lean:
+            _load_lean_state(optimizer, Path(path), saved_lean)
+            return
         if Path(path).is_file() or find_index(path):  # a gathered full state
             self.load_optimizer_state(optimizer, load_state_file(path), model)
             return
@@ -341,6 +370,50 @@ class TorchFSDPPlugin(Plugin):
         dcp.load(state, checkpoint_id=os.fspath(path))
         set_optimizer_state_dict(unwrap_model(model), optimizer.optim, state["optimizer"])
         _load_counters(optimizer, state)
+
+
+def _shards_low_precision_params(policy: Policy, lean: LeanConfig | None) -> bool:
+    """The lean write-back steps the low-precision params themselves: no fp32 shard to keep."""
+    return lean is not None and policy.casts_params and not policy.master_weights
+
+
+def _refuse_lean_checkpoint(optimizer: MixedPrecisionOptimizer) -> None:
+    """torch.distributed.checkpoint's optimizer state dicts expect DTensor state shaped like
+    the params; the lean write-back keeps plain per-rank tensors (torchao codes + scales for
+    low bit) of each local shard, which they would gather wrong."""
+    if optimizer.lean is not None:
+        cfg = optimizer.lean.cfg
+        raise NotImplementedError(
+            "TorchFSDPPlugin cannot gather a lean optimizer's state into one file "
+            f"(optimizer_state={cfg.state!r}, update_rounding={cfg.rounding!r}): its state is "
+            "per-rank local shards. Save it unsharded with the default gather_dtensor (one "
+            "file per rank, loaded on the same number of ranks)."
+        )
+
+
+def _lean_file() -> str:
+    """This rank's file in a lean optimizer checkpoint directory."""
+    rank, world = rank_and_world()
+    return f"lean_rank{rank}_of_{world}.pt"
+
+
+def _load_lean_state(optimizer: MixedPrecisionOptimizer, path: Path, saved: list[str]) -> None:
+    """Each rank loads the file its rank wrote: the shard layout and the random streams are
+    the saving run's, so the same number of ranks must load it."""
+    cfg = None if optimizer.lean is None else optimizer.lean.cfg
+    if cfg is None:
+        raise ValueError(
+            f"{path} holds a lean optimizer's per-rank state ({', '.join(saved)}); this "
+            "optimizer is not lean: boost it with the lean policy it was saved with."
+        )
+    mine = path / _lean_file()
+    if not mine.is_file():
+        raise ValueError(
+            f"{path} is no lean optimizer checkpoint for {rank_and_world()[1]} ranks (it holds "
+            f"{saved or 'no lean_rank*_of_*.pt file'}); a lean FSDP optimizer loads the "
+            "per-rank files it saved, on as many ranks as saved them."
+        )
+    optimizer.load_state_dict(torch.load(mine, map_location="cpu", weights_only=True))
 
 
 def _load_counters(optimizer: MixedPrecisionOptimizer, state: dict[str, Any]) -> None:
@@ -384,7 +457,12 @@ def _no_gradient_sync(model: nn.Module):
 
 
 def _dcp_save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:
-    """dcp.save into a temp directory, then rank 0 swaps it in for path.
+    """dcp.save of state, swapped in atomically (see _save_atomic)."""
+    _save_atomic(lambda tmp: dcp.save(state, checkpoint_id=os.fspath(tmp)), path)
+
+
+def _save_atomic(write: Callable[[Path], None], path: str | os.PathLike) -> None:
+    """write(temp directory) on every rank, then rank 0 swaps it in for path.
 
     The previous checkpoint stays whole until the new one is complete; a crash between the two
     renames leaves it at '.<name>.old' beside path.
@@ -394,8 +472,9 @@ def _dcp_save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:
     if rank_and_world()[0] == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save
+        tmp.mkdir()
     barrier()
-    dcp.save(state, checkpoint_id=os.fspath(tmp))
+    write(tmp)
     barrier()  # every rank's shards are written
     if rank_and_world()[0] == 0:
         swap_in_directory(tmp, path)
