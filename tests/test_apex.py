@@ -20,7 +20,7 @@ from torch import nn
 from mixprec import AMP_TYPE, convert_to_amp, to_policy
 from mixprec.apex import FP16_Optimizer, amp
 from mixprec.core.optim import ScaleCollapseError
-from mixprec.core.per_loss_optim import AmpOptimizer
+from mixprec.core.per_loss_optim import PerLossOptimizer
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")
@@ -203,7 +203,7 @@ def test_each_opt_level_casts_as_apex(
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     same_model = model
     model, opt = amp.initialize(model, opt, opt_level=opt_level, **overrides)
-    assert model is same_model and isinstance(opt, AmpOptimizer)
+    assert model is same_model and isinstance(opt, PerLossOptimizer)
     assert (model[0].weight.dtype, model[3].weight.dtype) == (linear_dtype, linear_dtype)
     assert (model[1].weight.dtype, model[2].weight.dtype) == (norm_dtype, norm_dtype)
     assert len(opt.hp_masters) == n_masters
@@ -279,7 +279,7 @@ def test_initialize_returns_what_it_was_given():
     assert amp.initialize(m, opt_level="O2") is m
     m, o = fresh()
     m2, o2 = amp.initialize(m, o, opt_level="O2")
-    assert m2 is m and isinstance(o2, AmpOptimizer) and o2.optim is o
+    assert m2 is m and isinstance(o2, PerLossOptimizer) and o2.optim is o
     (m, o), (n, p) = fresh(), fresh()
     models, opts = amp.initialize([m, n], [o, p], opt_level="O2")
     assert models == [m, n] and [x.optim for x in opts] == [o, p]
@@ -569,3 +569,15 @@ def test_an_overflow_on_one_rank_skips_every_rank_and_is_logged_on_rank_0_only()
     from dist_utils import spawn
 
     spawn(_one_rank_overflows, 2)
+
+
+def test_old_name_of_the_per_loss_optimizer_still_imports_with_a_warning() -> None:
+    """AmpOptimizer differed from Colossal's AMPOptimizer only by case: renamed, still imports."""
+    import mixprec.apex
+    from mixprec.amp import AMPOptimizer
+
+    with pytest.warns(DeprecationWarning, match=r"mixprec\.apex\.PerLossOptimizer"):
+        old = mixprec.apex.AmpOptimizer
+    assert old is PerLossOptimizer and AMPOptimizer is not PerLossOptimizer
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        mixprec.apex.NoSuchName  # noqa: B018

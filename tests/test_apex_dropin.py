@@ -150,7 +150,7 @@ def test_second_initialize_with_fresh_objects_and_the_first_pair_keeps_working()
     # the objects the first call consumed cannot be wrapped again, with the reason said
     with pytest.raises(ValueError, match="wrapped by an earlier amp.initialize call"):
         amp.initialize(linear(), first_raw, opt_level="O2")
-    with pytest.raises(ValueError, match="AmpOptimizer that amp.initialize returned"):
+    with pytest.raises(ValueError, match="PerLossOptimizer that amp.initialize returned"):
         amp.initialize(linear(), first, opt_level="O2")
 
 

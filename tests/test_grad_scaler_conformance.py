@@ -295,7 +295,7 @@ def test_torch_state_dict_into_hysteresis_scaler_starts_full(device: str) -> Non
 
 
 def test_static_scale_survives_a_round_trip(device: str) -> None:
-    scaler = GradScaler(device, init_scale=8.0, use_dynamic_loss_scaling=False)
+    scaler = GradScaler(device, init_scale=8.0, dynamic=False)
     other = GradScaler(device)
     other.load_state_dict(scaler.state_dict())
     assert scales_after(other, "x.x") == [8.0, 8.0, 8.0]

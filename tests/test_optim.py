@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from conftest import CountHostSyncs, tiny_mlp
+from tolerances import EXACT, fp32_rounding
 
 from mixprec.core.casting import cast_module
 from mixprec.core.optim import MixedPrecisionOptimizer
@@ -404,3 +405,179 @@ def test_the_host_copy_of_the_scale_is_dropped_by_any_write(device: str) -> None
     scaler.remember_host_state(128.0, 0.0)
     scaler.to(device)  # same device: the same tensors, still known
     assert scaler.host_state() == (128.0, 0.0)
+
+
+ROUNDS_SCALES = {
+    "unit": None,  # bf16's and fp32's mode: no loss scaling
+    "static": SCALE,
+    # the scale doubles after every clean step: the carried gradient meets a new scale
+    "growing": ScalerConfig(init_scale=2.0**8, growth_interval=1),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("scaling", sorted(ROUNDS_SCALES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rounds_without_zero_grad_step_on_the_sum(dtype, scaling: str, fused: bool) -> None:
+    """torch's contract: a step leaves its gradients in .grad, so backward + step twice with no
+    zero_grad() steps on g1 + g2 the second time (DDP and Colossal alike). The optimizer dropped
+    the lp grads at step(), so the second round stepped on g2 alone. Reference: the plain torch
+    loop, with fp32 masters written out by hand for lp params (their grads accumulate in the lp
+    model's .grad, as micro-batches do, at the scale of each backward); power-of-two scales
+    unscale exactly, so: bitwise, except the fused kernel's own rounding."""
+    cfg = ROUNDS_SCALES[scaling]
+    if cfg is not None and dtype == torch.bfloat16:
+        cfg = ScalerConfig(dynamic=False, init_scale=2.0**10)  # bf16 with a scale still sums
+    scale_kw = {} if cfg is None else {"loss_scale": cfg}
+    model = cast_module(tiny_mlp(norm=False), dtype)
+    ref_model = copy.deepcopy(model)
+    sgd = {"lr": 0.05, "momentum": 0.9}
+    opt = MixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), **sgd), fused_step=fused, **scale_kw
+    )
+    lp = dtype != torch.float32
+    masters = (
+        [p.detach().float().requires_grad_() for p in ref_model.parameters()]
+        if lp
+        else list(ref_model.parameters())
+    )
+    ref_opt = torch.optim.SGD(masters, **sgd)
+    scale = 1.0
+    for _ in range(3):  # no zero_grad anywhere: round k steps on g1 + ... + gk
+        x, y = batch(dtype=dtype)
+        last_scale, scale = scale, opt.loss_scale
+        opt.backward(loss_fn(model, x, y))
+        assert not opt.step().skipped
+        if lp:  # the lp grads kept from the last round meet this round's scale, then add
+            for p in ref_model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale / last_scale)
+            (loss_fn(ref_model, x, y) * scale).backward()
+            for p, m in zip(ref_model.parameters(), masters, strict=True):
+                m.grad = p.grad.float() * (1.0 / scale)
+        else:
+            loss_fn(ref_model, x, y).backward()
+        ref_opt.step()
+        with torch.no_grad():
+            for p, m in zip(ref_model.parameters(), masters, strict=True):
+                p.copy_(m)
+    # the fused step's own kernel rounds as the compiled one does: within FP32_ROUNDING
+    tol = fp32_rounding() if fused else EXACT
+    held = [p for g in opt.param_groups for p in g["params"]]
+    for a, b in zip(held, masters, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    opt.zero_grad()  # drops the carried gradient: the next round steps on its own again
+    x, y = batch(dtype=dtype)
+    scale = opt.loss_scale if lp else 1.0
+    opt.backward(loss_fn(model, x, y))
+    opt.step()
+    ref_opt.zero_grad()
+    for p in ref_model.parameters():
+        p.grad = None
+    (loss_fn(ref_model, x, y) * scale).backward()
+    if lp:
+        for p, m in zip(ref_model.parameters(), masters, strict=True):
+            m.grad = p.grad.float() * (1.0 / scale)
+    ref_opt.step()
+    for a, b in zip(held, masters, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+
+
+FUSED_INNER = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+}
+
+
+def sync_free_run(make, *, sync_free: bool, overflows: list[bool], max_norm: float = 0.0):
+    """An fp16 model with fp32 masters, stepped through overflows (inf written into one lp
+    grad after backward); the same seed and batches whichever path runs."""
+    torch.manual_seed(0)
+    model = cast_module(tiny_mlp(norm=False), torch.float16)
+    cfg = ScalerConfig(init_scale=2.0**8, growth_interval=2, hysteresis=1)
+    opt = MixedPrecisionOptimizer(make(model.parameters()), loss_scale=cfg, max_norm=max_norm)
+    opt._sync_free = sync_free
+    results = []
+    for bad in overflows:
+        opt.zero_grad()
+        opt.backward(loss_fn(model, *batch(dtype=torch.float16)))
+        if bad:
+            model[0].weight.grad[0, 0] = float("inf")
+        results.append(opt.step())
+    return model, opt, results
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 0.5])
+@pytest.mark.parametrize("name", sorted(FUSED_INNER))
+def test_sync_free_step_equals_the_syncing_one_bitwise(name: str, max_norm: float) -> None:
+    """The same kernel, told found_inf instead of being skipped on the host: params, masters,
+    optimizer state (Adam's step count too), scale and counters come out bit for bit alike
+    over bad, clean, bad, bad, bad and clean steps with growth."""
+    pattern = [False, True, False, True, True, True, False, False, False]
+    runs = [
+        sync_free_run(FUSED_INNER[name], sync_free=flag, overflows=pattern, max_norm=max_norm)
+        for flag in (False, True)
+    ]
+    (ref_model, ref, ref_results), (model, opt, results) = runs
+    for a, b in zip(
+        [*model.parameters(), *opt.hp_masters],
+        [*ref_model.parameters(), *ref.hp_masters],
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, **EXACT)
+    for got, want in zip(opt.optim.state.values(), ref.optim.state.values(), strict=True):
+        assert got.keys() == want.keys()
+        for key in got:
+            torch.testing.assert_close(got[key], want[key], **EXACT)
+    assert [r.skipped for r in results] == [r.skipped for r in ref_results] == pattern
+    assert [r.scale for r in results] == [r.scale for r in ref_results]
+    assert [r.grad_norm for r in results] == [r.grad_norm for r in ref_results]
+    assert opt.loss_scale == ref.loss_scale
+    assert opt.skip_stats == ref.skip_stats and opt.skipped_steps == 4
+    assert opt.last_result.skipped is False and opt.consecutive_skips == 0
+
+
+@pytest.mark.parametrize("name", sorted(FUSED_INNER))
+def test_sync_free_clean_step_reads_nothing_on_the_host(monkeypatch, name: str) -> None:
+    """Forced on CPU (it runs by itself on CUDA): a clean step, backward to step, makes no
+    .item()/tolist()/bool() call; the counters read the device record when they are read."""
+    model, opt, _ = sync_free_run(FUSED_INNER[name], sync_free=True, overflows=[False, True])
+    assert opt.skipped_steps == 1  # read (and the skip logged) before counting
+    syncs = CountHostSyncs(monkeypatch)
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(loss_fn(model, *batch(dtype=torch.float16)))
+        opt.step()
+    assert syncs.calls == []
+    assert opt.skipped_steps == 1 and opt.steps == 5  # the read: one sync for the record
+    assert syncs.calls == ["tolist"]
+
+
+def test_sync_free_refuses_an_optimizer_without_found_inf() -> None:
+    with pytest.raises(RuntimeError, match=r"_sync_free=True with SGD .*use fused=True"):
+        sync_free_run(lambda ps: torch.optim.SGD(ps, lr=0.1), sync_free=True, overflows=[False])
+
+
+@pytest.mark.cuda
+def test_sync_free_step_on_cuda_makes_no_host_sync() -> None:
+    """On CUDA the path is the default: torch's sync debug mode turns any sync into an error."""
+    torch.manual_seed(0)
+    model = cast_module(tiny_mlp(norm=False), torch.float16).cuda()
+    opt = MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        loss_scale=ScalerConfig(init_scale=2.0**8),
+    )
+    x, y = torch.randn(16, 8, device="cuda"), torch.randint(0, 4, (16,), device="cuda")
+    for _ in range(2):  # the first step creates the optimizer state
+        opt.zero_grad()
+        opt.backward(loss_fn(model, x.half(), y))
+        opt.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.zero_grad()
+        opt.backward(loss_fn(model, x.half(), y))
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert opt.skipped_steps == 0 and opt.steps == 3

@@ -137,17 +137,14 @@ class FP16_Optimizer(StashingOptimizer):  # noqa: N801 - Apex's name, which scri
             return -1.0
         return float(self.clip_grad_norm(max_norm, norm_type))
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> StepResult:  # type: ignore[override]
-        """Step on the master grads, or skip on inf/nan and reduce the scale."""
-        if closure is not None:
-            raise RuntimeError("Closures are not supported with loss scaling (as in torch.amp).")
+    # The core's step, configured: grads deferred by update_master_grads=False are unscaled
+    # first; the own scaler decides and advances as the core's.
+    def unscale_grads(self) -> torch.Tensor:
         self.update_master_grads()
-        found_inf = self.unscale_grads()
-        self._check_no_unscaled_lp_grads()
-        self.overflow, scale = self._decide(found_inf)
-        self.scaler.update(found_inf, clean_growth=self._clean_growth)
-        return self._commit(self.overflow, scale)
+        return super().unscale_grads()
+
+    def _after_update(self, result: StepResult) -> None:
+        self.overflow = result.skipped  # Apex's attribute
 
     def _report_skip(self, scale: float) -> None:
         if self.verbose and is_rank_zero():

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mixprec.core.optim import MixedPrecisionOptimizer
-from mixprec.core.per_loss_optim import AmpOptimizer, UnscaleEvent
+from mixprec.core.per_loss_optim import PerLossOptimizer, UnscaleEvent
 from mixprec.core.policy import OPT_LEVELS, Policy, clip_norm_for
 from mixprec.core.prepare import prepare_optimizer
 from mixprec.core.scaling import (
@@ -36,8 +36,8 @@ def _first_device(optimizer: torch.optim.Optimizer) -> torch.device:
     return torch.device("cpu")
 
 
-class MultiLossOptimizer(AmpOptimizer):
-    """An AmpOptimizer with its own `num_losses` scalers; `backward(loss, loss_id)` does the rest.
+class MultiLossOptimizer(PerLossOptimizer):
+    """An PerLossOptimizer with its own `num_losses` scalers; `backward(loss, loss_id)` does the rest.
 
     state_dict() adds every scaler under 'loss_scalers' (the core's 'scaler' is scaler 0).
     """
@@ -92,12 +92,6 @@ class MultiLossOptimizer(AmpOptimizer):
                 raise TypeError("clip_grad_norm(model, max_norm): max_norm is missing.")
             max_norm = model  # validated by the core's clip: "1.0" is refused, not float()ed
         return super().clip_grad_norm(max_norm)
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        if self.max_norm > 0 and closure is None:
-            self.clip_grad_norm(self.max_norm)
-        return super().step(closure)
 
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,59 @@ class Layout:
             and all(p.device == probe.device and p.dtype == probe.dtype for p in params),
             sharded=any(hasattr(p, "to_local") for p in params),
         )
+
+
+@dataclass(frozen=True)
+class _Carry:
+    """The gradients a step leaves in .grad, for a backward that comes before zero_grad().
+
+    torch's contract (DDP's, Colossal's): a step leaves its gradients in .grad, so backward +
+    step twice with no zero_grad() steps on g1 + g2 the second time. The model's lp grads stay
+    as backward left them (scaled, in lp), own params' grads as the step used them (unscaled,
+    clipped, in fp32, or as read by the fused step); before the next backward adds to them, each
+    is multiplied by its factor and by that backward's scale, so the next unscale gives g1 + g2
+    (exact for power-of-two scales; the lp sum rounds as micro-batch accumulation does).
+    model.zero_grad() or the optimizer's drops them as in torch; a grad set by hand in their
+    place is taken as it is (each kept grad is known by a weak reference).
+    """
+
+    lp_grads: list[weakref.ref[torch.Tensor]]
+    """The lp grads kept."""
+    own_grads: list[weakref.ref[torch.Tensor]]
+    """The own params' grads kept."""
+    lp_factor: torch.Tensor | None
+    """What unscales the kept lp grads (the inverse scale they carry, times a fused clip; None:
+    they are unscaled already)."""
+    own_factor: torch.Tensor | None
+    """The same for own params' grads (None: unscaled and clipped in place already)."""
+
+
+SYNC_FREE_CHECK_EVERY = 32
+"""The sync-free step reads its device record every this many steps (the compiled step's
+check_every default): a skip is logged, and a collapse raised, up to 31 steps late."""
+
+
+class _PendingStepResult(StepResult):
+    """A sync-free step's result: its fields read the device record when first read (a sync)."""
+
+    def __init__(self, owner: Any, row: torch.Tensor, norm: torch.Tensor | None) -> None:
+        object.__setattr__(self, "_owner", owner)
+        object.__setattr__(self, "_values", None)
+        object.__setattr__(self, "_row", row.clone())
+        object.__setattr__(self, "_norm", norm)
+
+    def _read(self) -> tuple[bool, float, float | None]:
+        if self._values is None:
+            flag, scale = self._row.tolist()  # a host sync, when this result is read
+            norm = None if self._norm is None else float(self._norm)
+            object.__setattr__(self, "_values", (flag > 0, scale, norm))
+        return self._values
+
+    skipped = property(lambda self: self._read()[0])  # type: ignore[assignment]
+    scale = property(lambda self: self._read()[1])  # type: ignore[assignment]
+    grad_norm = property(lambda self: self._read()[2])  # type: ignore[assignment]
+    num_zeros = None
+    noop = False
 
 
 class ScaleCollapseError(RuntimeError):
@@ -188,17 +242,29 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.scaler = LossScaler(loss_scale, device)
         self._found_inf: torch.Tensor | None = None  # set once grads are unscaled this step
         self._grads_on_masters = False  # set once this step's lp grads reached the masters
+        self._carry: _Carry | None = None  # the last step's gradients, left in .grad: see _Carry
+        self._unscaled_version = -1  # a master grad's version once unscaled: see _keep_grads
+        self._inv_used: torch.Tensor | None = None  # the inverse scale the last unscale used
         self._backward_scaled = False  # set by backward()/scale_loss(), cleared by the step
         self._step_had_grads = True  # cleared when this step's unscale found no gradient
         # (a grad, its version) as backward() left it: see _warn_if_grads_changed_while_scaled
         self._grad_seen: tuple[torch.Tensor, int] | None = None
         self._warned_scaled_edit = False
-        self.skipped_steps = 0
+        # The sync-free step's device record of (overflow flag, scale) rows (see _step_sync_free),
+        # read into the counters below every SYNC_FREE_CHECK_EVERY steps or when they are read.
+        self._sync_free: bool | None = None
+        """Private switch: None runs the step with no host sync where it costs one (CUDA) and
+        the inner optimizer takes torch's found_inf (fused Adam/AdamW/SGD); True forces it
+        (tests on CPU); False keeps the one read of the overflow flag per step."""
+        self._record: torch.Tensor | None = None
+        self._recorded = 0
+        self._pending_norms: list[torch.Tensor | None] = []
+        self._skipped_steps = 0
         self.steps = 0
         self.noop_steps = 0
         """step() calls that found no gradient (not counted in steps)."""
-        self.consecutive_skips = 0
-        self.last_result: StepResult | None = None
+        self._consecutive_skips = 0
+        self._last_result: StepResult | None = None
         self._warned_no_grads = False
         self._clean_growth: float | None = None  # see _decide
         self.lean = None if lean is None else lean_step.LeanUpdate(lean, optimizer)
@@ -308,6 +374,37 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.optim.add_param_group(group)
         self._check_eps(self.optim.param_groups[-1])
 
+    # ----- counters: host values, or read from the sync-free step's device record -----
+    @property
+    def skipped_steps(self) -> int:
+        self._read_record()
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._read_record()
+        self._skipped_steps = value
+
+    @property
+    def consecutive_skips(self) -> int:
+        self._read_record()
+        return self._consecutive_skips
+
+    @consecutive_skips.setter
+    def consecutive_skips(self, value: int) -> None:
+        self._read_record()
+        self._consecutive_skips = value
+
+    @property
+    def last_result(self) -> StepResult | None:
+        self._read_record()
+        return self._last_result
+
+    @last_result.setter
+    def last_result(self, value: StepResult | None) -> None:
+        self._read_record()
+        self._last_result = value
+
     # ----- scaling, unscaling, checking -----
     @property
     def loss_scale(self) -> float:
@@ -329,6 +426,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss (as fp32) times the current scale; call .backward() on the result."""
         self._backward_scaled = True
+        self._rescale_carried()
         return loss.float() * self.scaler.scale_tensor
 
     def note_scaled_backward(self) -> None:
@@ -382,6 +480,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         # scaled loss's shape (1,) it was given for
         if self.scaler.is_unit and "gradient" not in kwargs:
             self._backward_scaled = True
+            self._rescale_carried()
             loss.float().backward(**kwargs)
         else:
             self.scale_loss(loss).backward(**kwargs)
@@ -431,6 +530,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return local_shards(tensors) if self._layout().sharded else tensors
 
     def _lp_grads_to_masters(self) -> None:
+        """The transfer at step: each lp grad, as backward left it, into its master's fp32 grad.
+
+        The lp grad stays in .grad after the step (torch's contract: see _Carry); an optimizer
+        that does not carry gradients (carries_grads False) frees it here, as before."""
         lp_grads, hp_grads = [], []
         for lp, hp in zip(self.lp_params, self.hp_masters, strict=True):
             if lp.grad is None:
@@ -440,7 +543,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 hp.grad = torch.empty_like(hp)
             lp_grads.append(lp.grad)
             hp_grads.append(hp.grad)
-            lp.grad = None  # the lp gradient lives only from backward to step
+            if not self.carries_grads:
+                lp.grad = None  # the lp gradient lives only from backward to step
         if hp_grads:
             torch._foreach_copy_(self._local(hp_grads), self._local(lp_grads))
 
@@ -452,24 +556,40 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self._grads_on_masters = True
 
     def unscale_grads(self) -> torch.Tensor:
-        """Move grads to the masters, unscale them and check them, once per step.
+        """The step's first stages, once per step: transfer the grads to the masters (and reduce
+        them: the pipeline's dp average, ZeRO's buckets), unscale and check them.
 
         Returns the overflow flag (a device tensor, reduced over the process group).
         """
         if self._found_inf is not None:
             return self._found_inf
         self._check_scaled_backward()
-        self.grads_to_masters()  # subclasses reduce here too (the pipeline's dp all-reduce)
+        self._rescale_carried()  # a second step() with no backward through this optimizer
+        self.grads_to_masters()  # transfer + reduce (subclasses reduce here)
+        found_inf = self._unscale_and_check()
+        self._found_inf = all_reduce_found_inf_(found_inf, self.process_group or default_group())
+        self._unscaled_version = self._held_grad_version()
+        return self._found_inf
+
+    def _unscale_and_check(self) -> torch.Tensor:
+        """Unscale the held grads in place and check them: this rank's overflow flag."""
         found_inf = self.scaler.scale_tensor.new_zeros(1)  # fp32, on the scale's device
+        self._inv_used = self.scaler.inv_scale()  # a new tensor once the scale moves: kept
         grads = self._hp_grads()
         self._step_had_grads = bool(grads) or self._shares_steps()
         if grads:
             layout = self._layout()
             one_bucket = layout.uniform and layout.probe.device == found_inf.device
-            unscale_and_check_(grads, self.scaler.inv_scale(), found_inf, one_bucket=one_bucket)
-        all_reduce_found_inf_(found_inf, self.process_group or default_group())
-        self._found_inf = found_inf
+            unscale_and_check_(grads, self._inv_used, found_inf, one_bucket=one_bucket)
         return found_inf
+
+    def _held_grad_version(self) -> int:
+        """The version counter of the first held grad (a host int: no sync), -1 without one.
+        An in-place write (a clip) after the unscale bumps it: see _keep_grads."""
+        for hp in self.hp_masters:
+            if hp.grad is not None:
+                return hp.grad._version
+        return -1
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the unscaled gradients to max_norm; returns their total norm before clipping."""
@@ -484,29 +604,141 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         grads = self._hp_grads()
         return int(sum(int((g == 0).sum()) for g in grads))  # host sync per tensor: debug counter
 
-    # ----- the step -----
+    # ----- the step: one fixed sequence, configured by the stages below -----
     @torch.no_grad()
     def step(self, closure: Any = None) -> StepResult:  # type: ignore[override]
-        """Unscale + check (if not done yet), then step or skip; copy masters back; update scale."""
+        """transfer -> reduce -> unscale+check -> clip -> decide -> update -> commit.
+
+        Every subclass runs this sequence; it configures the stages, never re-sequences them:
+        - transfer + reduce: grads_to_masters (_lp_grads_to_masters: at step here; as each
+          backward accumulates for Paddle's and the pipeline's hooks; ZeRO's reduce buckets);
+        - unscale+check: _unscale_and_check (Apex's per-backward stash: done at each backward);
+        - clip: clip_grad_norm (each parallelism's norm), when max_norm > 0;
+        - decide: _decide on _scale_used() (the scale the grads carry), then _update_scale;
+        - update + commit: _commit (the inner step or the fused pass, masters back to the
+          params, the counters), _after_update (ZeRO's all-gather); _end_step always.
+        The fused step runs the same stages in one pass per tensor.
+        """
         if closure is not None:
-            raise RuntimeError("Closures are not supported with loss scaling (as in torch.amp).")
+            raise RuntimeError(
+                f"Closures are not supported with loss scaling ({type(self).__name__}.step)."
+            )
+        try:
+            result = self._run_step()
+            self._after_update(result)
+            return result
+        finally:
+            self._end_step()
+
+    def _run_step(self) -> StepResult:
+        self._rescale_carried()  # a step() again with no backward through this optimizer
         self._reuse_outside_check()
         self._warn_once_if_no_grads()
         if self._grad_seen is not None:
             self._warn_if_grads_changed_while_scaled()
-        if self._found_inf is None:
-            self._check_scaled_backward()
         fused_grads = self._grads_if_fused()
         if fused_grads is not None:
+            self._check_scaled_backward()  # unscale_grads' first check, on the fused path
             return self._fused_step(fused_grads)
-        grad_norm = None
-        found_inf = self.unscale_grads()
-        if self.max_norm > 0:
-            grad_norm = float(self.clip_grad_norm(self.max_norm))
+        found_inf = self.unscale_grads()  # checks, transfer -> reduce -> unscale+check
+        norm = self.clip_grad_norm(self.max_norm) if self.max_norm > 0 else None
+        if self._runs_sync_free():
+            return self._step_sync_free(found_inf, norm)
+        grad_norm = None if norm is None else float(norm)
         num_zeros = self._count_zeros() if self.log_num_zeros_in_grad else None
-        skipped, scale = self._decide(found_inf)
-        self.scaler.update(found_inf, clean_growth=self._clean_growth)
+        skipped, scale = self._decide(found_inf, self._scale_used())
+        self._update_scale(found_inf)
+        self._keep_grads()
         return self._commit(skipped, scale, grad_norm=grad_norm, num_zeros=num_zeros)
+
+    # Stages a subclass configures (the defaults are the core's own).
+    def _scale_used(self) -> torch.Tensor | None:
+        """The scale this step's grads were computed with, when not this optimizer's own scaler's
+        (Apex's per-loss scalers); None: the own scaler's, read with the overflow flag."""
+        return None
+
+    def _update_scale(self, found_inf: torch.Tensor) -> None:
+        """Advance the own scaler by this step's overflow flag (Apex's amp advances each loss's
+        scaler at its backward instead)."""
+        self.scaler.update(found_inf, clean_growth=self._clean_growth)
+
+    def _after_update(self, result: StepResult) -> None:
+        """After the commit (ZeRO gathers the owners' updated params here)."""
+
+    def _end_step(self) -> None:
+        """Per-step state a subclass keeps is reset here, whatever the step did or raised."""
+
+    # ----- gradients left in .grad after a step (torch's contract) -----
+    carries_grads = True
+    """False where the subclass keeps torch's contract its own way (ZeRO, across ranks) or
+    follows its peer's rule instead (Apex clears the master grads after every step; the
+    pipeline's schedule zeroes each step)."""
+
+    def _own_params(self) -> list[torch.Tensor]:
+        """Params the inner optimizer steps directly (fp32, or low precision without masters)."""
+        master_ids = {id(m) for m in self.hp_masters}
+        return [p for g in self.optim.param_groups for p in g["params"] if id(p) not in master_ids]
+
+    def _keep_grads(self, *, fused: bool = False, factor: torch.Tensor | None = None) -> None:
+        """Leave this step's gradients where a backward before zero_grad() adds to them (see
+        _Carry). fused: the lp and own grads were read, not unscaled: factor (None: 1) unscales
+        and clips them. Unfused, the lp grads are kept as backward left them, unless the
+        masters' grads were written after the unscale (a clip): then the lp grads take the
+        masters' values (times the next scale: fp16 keeps its range), one pass."""
+        if not self.carries_grads:
+            return
+        unit = self.scaler.is_unit
+        if fused:
+            lp_factor, own_factor = factor, factor
+        elif self._held_grad_version() == self._unscaled_version:
+            lp_factor, own_factor = None if unit else self._inv_used, None
+        else:
+            pairs = [
+                (lp.grad, hp.grad)
+                for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)
+                if lp.grad is not None and hp.grad is not None
+            ]
+            if pairs:
+                lp_grads = self._local([lp for lp, _ in pairs])
+                hp_grads = self._local([hp for _, hp in pairs])
+                if not unit:
+                    hp_grads = torch._foreach_mul(hp_grads, self.scaler.scale_tensor.reshape(()))
+                torch._foreach_copy_(lp_grads, hp_grads)
+            lp_factor, own_factor = None if unit else self.scaler.inv_scale(), None
+        if unit and lp_factor is None and own_factor is None:
+            return  # kept as they are: nothing to bring to any scale
+        self._carry = _Carry(
+            lp_grads=[weakref.ref(lp.grad) for lp in self.lp_params if lp.grad is not None],
+            own_grads=[weakref.ref(p.grad) for p in self._own_params() if p.grad is not None],
+            lp_factor=lp_factor,
+            own_factor=own_factor,
+        )
+        if unit:  # no scaled backward need come first (plain loss.backward()): apply it now
+            self._rescale_carried()
+
+    def _rescale_carried(self) -> None:
+        """Bring the gradients the last step left to the current loss scale, before a backward
+        adds to them or a step reads them (device ops, no sync), once."""
+        carry, self._carry = self._carry, None
+        if carry is None:
+            return
+        scale = None if self.scaler.is_unit else self.scaler.scale_tensor.reshape(())
+        for kept, params, factor in (
+            (carry.lp_grads, self.lp_params, carry.lp_factor),
+            (carry.own_grads, self._own_params(), carry.own_factor),
+        ):
+            if factor is None and scale is None:
+                continue
+            held = {id(p.grad) for p in params if p.grad is not None}
+            grads = [g for ref in kept if (g := ref()) is not None and id(g) in held]
+            if not grads:
+                continue
+            if factor is None:
+                times = scale
+            else:
+                factor = factor.reshape(())
+                times = factor if scale is None else scale * factor
+            torch._foreach_mul_(self._local(grads), times)
 
     def _reuse_outside_check(self) -> None:
         """An outside GradScaler's overflow flag taken as this step's: one check, one host sync
@@ -526,6 +758,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         flag = found_inf.reshape(1).float().to(self.scaler.scale_tensor.device)
         # mixprec's GradScaler reduced it already; torch's did not (MAX twice changes nothing)
         self._found_inf = all_reduce_found_inf_(flag, self.process_group or default_group())
+        self._inv_used = self.scaler.inv_scale()
+        self._unscaled_version = -2  # the lp grads hold the outside scale: never kept as they are
 
     def _shares_steps(self) -> bool:
         """True when other ranks take this step too: a rank without grads then counts it as a
@@ -620,6 +854,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         flag, scale_value, norm_value, growth_value = values
         self.scaler.update(found_inf, clean_growth=None if flag > 0 else growth_value)
         master_to_lp = self._master_to_lp()
+        unit = self.scaler.is_unit
+        factor = None if unit and clip is None else inv_scale if clip is None else inv_scale * clip
+        self._keep_grads(fused=True, factor=factor)
 
         def apply() -> None:
             fused.fused_step(self.optim, master_to_lp, inv_scale, clip)
@@ -630,8 +867,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             grad_norm=norm_value if clipping else None,
             apply=apply,
         )
-        for lp in self.lp_params:
-            lp.grad = None  # as in the unfused step: the lp gradient lives from backward to step
+        if not self.carries_grads:
+            for lp in self.lp_params:
+                lp.grad = None  # as in the unfused step: the lp gradient lives to the step
         return result
 
     def _decide(
@@ -683,16 +921,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             apply()
         elif not skipped:
             self.lean.step(self.optim) if self.lean is not None else self.optim.step()
-            if self.hp_masters:
-                torch._foreach_copy_(self._local(self.lp_params), self._local(self.hp_masters))
-        keep = self.keep_master_grads
-        if self.hp_masters and not (self._device().type == "cpu" if keep is None else keep):
-            for hp in self.hp_masters:
-                hp.grad = None
-        self._found_inf = None
-        self._grads_on_masters = False
-        self._backward_scaled = False
-        self._grad_seen = None
+            self._masters_to_params()
+        self._finish_step()
         if not self._step_had_grads and not skipped:  # nothing to step: counted apart
             self._step_had_grads = True
             self.noop_steps += 1
@@ -702,19 +932,40 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             return self.last_result
         self._step_had_grads = True
         self.steps += 1
-        self.skipped_steps += skipped
-        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
-        self.last_result = StepResult(
-            skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=num_zeros
+        return self._count(
+            StepResult(skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=num_zeros)
         )
+
+    def _masters_to_params(self) -> None:
+        if self.hp_masters:
+            torch._foreach_copy_(self._local(self.lp_params), self._local(self.hp_masters))
+
+    def _finish_step(self) -> None:
+        """Free the master grads (unless kept) and clear this step's flags."""
+        keep = self.keep_master_grads
+        if self.hp_masters and not (self._device().type == "cpu" if keep is None else keep):
+            for hp in self.hp_masters:
+                hp.grad = None
+        self._found_inf = None
+        self._grads_on_masters = False
+        self._backward_scaled = False
+        self._grad_seen = None
+
+    def _count(self, result: StepResult) -> StepResult:
+        """Count a step (steps itself is counted by the caller), report skips, guard against a
+        collapse. Raises ScaleCollapseError after max_consecutive_skips skipped steps in a row."""
+        skipped, scale = result.skipped, result.scale
+        self._skipped_steps += skipped
+        self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
+        self._last_result = result
         message = self.skip_monitor.record(skipped, scale)  # host values: no extra sync
         if message:
             self._report_skip_pattern(message)
         limit = self.max_consecutive_skips
-        if limit is not None and self.consecutive_skips >= limit:
+        if limit is not None and self._consecutive_skips >= limit:
             bad = self.nonfinite_params()
             raise ScaleCollapseError(
-                f"{self.consecutive_skips} steps in a row were skipped for non-finite gradients "
+                f"{self._consecutive_skips} steps in a row were skipped for non-finite gradients "
                 f"(loss scale now {self.scaler.scale:g}, floor {self.scaler.cfg.min_scale:g}). "
                 f"Non-finite gradients this step in: {bad[:10] or 'another rank'}"
                 f"{' ...' if len(bad) > 10 else ''}. The run overflows at any scale: look for a "
@@ -725,7 +976,81 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self._report_skip(scale)
         if self.verbosity >= 2:
             self._report_scale_change(scale, skipped)
-        return self.last_result
+        return self._last_result
+
+    # ----- the step with no host sync (#27) -----
+    def _runs_sync_free(self) -> bool:
+        """Whether this step runs _step_sync_free (see _sync_free)."""
+        forced = self._sync_free
+        if forced is False:
+            return False
+        takes_found_inf = bool(getattr(self.optim, "_step_supports_amp_scaling", False))
+        plain = (
+            self.lean is None
+            and self.carries_grads  # ZeRO, the pipeline, Apex count and report their own way
+            and not self.log_num_zeros_in_grad
+            and self.verbosity < 2  # the scale-change log reads the scale each step
+        )
+        if forced is None:
+            return plain and takes_found_inf and self._device().type == "cuda"
+        if not (plain and takes_found_inf):
+            raise RuntimeError(
+                f"_sync_free=True with {type(self.optim).__name__}"
+                f"{'' if takes_found_inf else ' (which takes no found_inf: use fused=True)'}"
+                f"{'' if plain else ' in a mode that reads the step on the host'}: only "
+                "torch's fused Adam/AdamW/SGD in the core's plain step skip on the device."
+            )
+        return True
+
+    def _step_sync_free(self, found_inf: torch.Tensor, norm: torch.Tensor | None) -> StepResult:
+        """decide -> update -> commit with no host sync: the inner optimizer gets found_inf
+        (torch's contract for fused optimizers: the kernel writes nothing on an overflow and
+        Adam's step count is put back), the scaler advances by its device-side rule, and the
+        (flag, scale) row goes to a device record that the counters read every
+        SYNC_FREE_CHECK_EVERY steps or when read (skipped_steps, skip_stats, last_result, the
+        returned StepResult's fields): skip reports and ScaleCollapseError come then."""
+        scale = self.scaler.scale_tensor.clone()  # the scale these grads ran under
+        self._update_scale(found_inf)  # no clean_growth: the device-side rule, no read
+        self._keep_grads()
+        optim = self.optim
+        optim.found_inf = found_inf.reshape(())  # type: ignore[attr-defined]
+        try:
+            optim.step()
+        finally:
+            del optim.found_inf  # type: ignore[attr-defined]
+        self._masters_to_params()  # after a skip the masters are unchanged: the same lp values
+        self._finish_step()
+        if not self._step_had_grads:  # host-known: counted apart, as the syncing step does
+            self._step_had_grads = True
+            self.noop_steps += 1
+            return StepResult(
+                skipped=False, scale=float("nan"), grad_norm=None, num_zeros=None, noop=True
+            )
+        self.steps += 1
+        if self._record is None:
+            self._record = found_inf.new_zeros(SYNC_FREE_CHECK_EVERY, 2)
+        row = self._record[self._recorded]
+        row[:1].copy_(found_inf)
+        row[1:].copy_(scale)
+        self._pending_norms.append(norm)
+        self._recorded += 1
+        result = _PendingStepResult(self, row, norm)
+        if self._recorded == SYNC_FREE_CHECK_EVERY:
+            self._read_record()
+        return result
+
+    def _read_record(self) -> None:
+        """Count the steps on the device record (one host sync for all of them)."""
+        if not self._recorded:
+            return
+        rows = self._record[: self._recorded].tolist()  # the host sync, once per record
+        norms = self._pending_norms
+        self._recorded, self._pending_norms = 0, []
+        for (flag, scale), norm in zip(rows, norms, strict=True):
+            grad_norm = None if norm is None else float(norm)
+            self._count(
+                StepResult(skipped=flag > 0, scale=scale, grad_norm=grad_norm, num_zeros=None)
+            )
 
     def _report_scale_change(self, scale: float, skipped: bool) -> None:
         """verbosity 2 (Colossal's NAIVE verbose=True): say when the scale moved and why."""
@@ -771,6 +1096,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._grads_on_masters = False
         self._backward_scaled = False
         self._grad_seen = None
+        self._carry = None  # the last step's gradients are dropped with the rest
 
     # ----- checkpoints -----
     def state_dict(self) -> dict[str, Any]:

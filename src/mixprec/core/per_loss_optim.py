@@ -5,7 +5,7 @@ unscales after each backward instead, with that loss's own scaler: gradients alr
 (unscaled, from earlier losses) are stashed before the backward, the new ones are unscaled and
 checked on their own, then the stash is added back. That lets each loss keep its own scale and
 lets an overflow be traced to the loss that caused it. `StashingOptimizer` implements that over
-the core's (lp param, fp32 master) pairs; `AmpOptimizer` is what `amp.initialize` returns.
+the core's (lp param, fp32 master) pairs; `PerLossOptimizer` is what `amp.initialize` returns.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mixprec.core.optim import MixedPrecisionOptimizer, StepResult
+from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.scaling import (
     LossScaler,
     all_reduce_found_inf_,
@@ -63,6 +63,7 @@ class StashingOptimizer(MixedPrecisionOptimizer):
         "`with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()` or "
         "optimizer.backward(loss)"
     )
+    carries_grads = False  # Apex: the master grads hold only what was unscaled since the step
 
     def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
@@ -72,11 +73,6 @@ class StashingOptimizer(MixedPrecisionOptimizer):
         self._stashed = False
         # loss_id whose scaled grads are accumulating (delay_unscale), None when none are.
         self.scaled_grads_from: int | None = None
-
-    def _own_params(self) -> list[torch.Tensor]:
-        """Params the inner optimizer steps directly (fp32, or low precision without masters)."""
-        master_ids = {id(m) for m in self.hp_masters}
-        return [p for g in self.optim.param_groups for p in g["params"] if id(p) not in master_ids]
 
     def begin_backward(self) -> None:
         """Set aside the unscaled grads so the coming backward's grads can be unscaled alone."""
@@ -125,6 +121,7 @@ class StashingOptimizer(MixedPrecisionOptimizer):
                 "delay_unscale=False) before step() or clipping."
             )
         self._check_scaled_backward()
+        self._check_no_unscaled_lp_grads()
         device = self.scaler.scale_tensor.device
         if not self.events:
             return torch.zeros(1, dtype=torch.float32, device=device)
@@ -141,11 +138,8 @@ class StashingOptimizer(MixedPrecisionOptimizer):
                 "s.backward()` (or optimizer.backward(loss)), not on the loss directly."
             )
 
-    def _commit(self, skipped: bool, scale: float, **counters: Any) -> StepResult:
-        try:
-            return super()._commit(skipped, scale, **counters)  # reports skips from events
-        finally:
-            self.events = []  # this step's unscale events are consumed
+    def _end_step(self) -> None:
+        self.events = []  # this step's unscale events are consumed (skips were reported)
 
     def _forget_iteration(self) -> None:
         self.events = []
@@ -164,7 +158,7 @@ class StashingOptimizer(MixedPrecisionOptimizer):
         self._forget_iteration()
 
 
-class AmpOptimizer(StashingOptimizer):
+class PerLossOptimizer(StashingOptimizer):
     """What `amp.initialize` returns for each optimizer (a torch.optim.Optimizer subclass).
 
     Loss scalers belong to `amp` (one per loss_id); `scaler` is loss scaler 0, so
@@ -203,7 +197,7 @@ class AmpOptimizer(StashingOptimizer):
         """Same as `with amp.scale_loss(loss, self, loss_id) as s: s.backward(**kwargs)`."""
         if self.amp_scale_loss is None:
             raise RuntimeError(
-                "AmpOptimizer.backward needs the scale_loss of the amp that built it: "
+                "PerLossOptimizer.backward needs the scale_loss of the amp that built it: "
                 "get this optimizer from amp.initialize."
             )
         with self.amp_scale_loss(loss, self, loss_id=loss_id) as scaled_loss:
@@ -229,24 +223,22 @@ class AmpOptimizer(StashingOptimizer):
                     float(event.scale_after.item()),
                 )
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> StepResult:  # type: ignore[override]
-        """Step on the unscaled master grads, or skip if a contributing loss overflowed."""
-        if closure is not None:
-            raise RuntimeError("Closures are not supported with loss scaling (as in Apex).")
-        found_inf = self.unscale_grads()
-        self._check_no_unscaled_lp_grads()
-        # the scale the last contributing loss's grads were computed with
-        last = self.events[-1].scale_used if self.events else self.scaler.scale_tensor
-        skipped, scale = self._decide(found_inf, last)
-        try:
-            return self._commit(skipped, scale)
-        finally:
-            for hp in self.hp_masters:  # Apex: master grads are cleared after every step
-                hp.grad = None
+    # The core's step, configured: the grads were unscaled at each backward; skip if any
+    # contributing loss overflowed.
+    def _scale_used(self) -> torch.Tensor:
+        """The scale the last contributing loss's grads were computed with."""
+        return self.events[-1].scale_used if self.events else self.scaler.scale_tensor
+
+    def _update_scale(self, found_inf: torch.Tensor) -> None:
+        """Nothing: amp.scale_loss advanced each loss's scaler after its backward."""
+
+    def _end_step(self) -> None:
+        super()._end_step()
+        for hp in self.hp_masters:  # Apex: master grads are cleared after every step
+            hp.grad = None
 
     def __repr__(self) -> str:
-        return f"AmpOptimizer({self.optim!r}, num_losses={len(self.scalers)})"
+        return f"PerLossOptimizer({self.optim!r}, num_losses={len(self.scalers)})"
 
 
 def reduce_found_inf_(found_inf: torch.Tensor) -> torch.Tensor:

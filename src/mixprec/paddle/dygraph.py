@@ -346,7 +346,11 @@ class MasterWeightOptimizer(MixedPrecisionOptimizer):
         *,
         hp_values: dict[int, torch.Tensor] | None = None,
     ) -> None:
-        super().__init__(optimizer, loss_scale=UNIT_SCALE, master_weights=True)
+        # The masters' grads stay until clear_grad() (torch's contract: a backward before it
+        # adds to them through the hooks), on every device.
+        super().__init__(
+            optimizer, loss_scale=UNIT_SCALE, master_weights=True, keep_master_grads=True
+        )
         self._hp_values = hp_values or {}
         self._hooks: list[Any] = []
         self._hook_pairs(0)
@@ -363,11 +367,8 @@ class MasterWeightOptimizer(MixedPrecisionOptimizer):
             return self._checked_found_inf
         return super().unscale_grads()
 
-    def step(self, closure: Any = None) -> Any:
-        try:
-            return super().step(closure)
-        finally:
-            self._checked_found_inf = None
+    def _end_step(self) -> None:
+        self._checked_found_inf = None
 
     def _report_skip(self, scale: float) -> None:
         # Own scale is a constant 1: the loss scale lives in the GradScaler, so no host read here.

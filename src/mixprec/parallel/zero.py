@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from mixprec.core.clip import clip_grads_
 from mixprec.core.lean import LeanConfig, state_bytes
-from mixprec.core.optim import LOW_DTYPES, MixedPrecisionOptimizer
+from mixprec.core.optim import LOW_DTYPES, MixedPrecisionOptimizer, StepResult
 from mixprec.core.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
 from mixprec.core.prepare import prepare_optimizer
 from mixprec.core.scaling import ProcessGroup, default_group
@@ -170,6 +170,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     """
 
     whole_step_refusal = "ZeRO reduces gradients and gathers the owners' params inside step()"
+    carries_grads = False  # kept by _carry_grads, on the model's params, across ranks
 
     def __init__(
         self,
@@ -498,13 +499,10 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         return clip_grads_(self._hp_grads(), max_norm, p, group=group, device=device)
 
     # ----- the step: this rank's shard, then the updated lp params to every rank -----
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        result = super().step(closure)
+    def _after_update(self, result: StepResult) -> None:
         self._carry_grads()
         if not result.skipped and self.world > 1:
             self._all_gather_params()
-        return result
 
     def _carry_grads(self) -> None:
         """torch's contract (DDP's, Colossal's): a step leaves its gradients in .grad, so a

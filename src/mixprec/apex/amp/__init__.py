@@ -34,7 +34,7 @@ What initialize does, as Apex does: models are cast in place (O2/O3: low-precisi
 norm layers fp32 unless keep_batchnorm_fp32=False) and keep their identity; their instance
 `forward` is patched (inputs cast to the model dtype, O1's forward run under autocast, outputs
 cast to cast_model_outputs, fp32 by default for a cast model). Where Apex patched the user's
-optimizer object, mixprec returns an `AmpOptimizer` wrapping it (a torch.optim.Optimizer
+optimizer object, mixprec returns an `PerLossOptimizer` wrapping it (a torch.optim.Optimizer
 subclass sharing its param_groups, so LR schedulers built on either keep working).
 
 Scaling: one LossScaler per loss_id (num_losses). On leaving `scale_loss` (unless
@@ -87,7 +87,12 @@ from mixprec.apex.policy import _as_bool, apex_policy, apex_properties, uncast_m
 from mixprec.core.amp_warning import warn_if_amp_cannot_help
 from mixprec.core.autocast import fp32_region
 from mixprec.core.casting import cast_call_args, cast_floating, cast_module
-from mixprec.core.per_loss_optim import AmpOptimizer, UnscaleEvent, is_rank_zero, reduce_found_inf_
+from mixprec.core.per_loss_optim import (
+    PerLossOptimizer,
+    UnscaleEvent,
+    is_rank_zero,
+    reduce_found_inf_,
+)
 from mixprec.core.policy import Policy, describe
 from mixprec.core.prepare import autocast_context, param_probe, probe_device_type
 from mixprec.core.scaling import LossScaler
@@ -184,9 +189,9 @@ def _optimizer_list(optimizers: Any) -> tuple[list[Any], bool]:
     for index, opt in enumerate(items):
         where = f"optimizers[{index}]" if was_list else "optimizers"
         kind = f"{type(opt).__module__}.{type(opt).__qualname__}"
-        if isinstance(opt, AmpOptimizer):
+        if isinstance(opt, PerLossOptimizer):
             raise ValueError(
-                f"{where} is an AmpOptimizer that amp.initialize returned; pass it once. For a "
+                f"{where} is an PerLossOptimizer that amp.initialize returned; pass it once. For a "
                 "fresh model/optimizer pair, build a new torch optimizer over the new model."
             )
         if opt in _wrapped_optimizers:
@@ -207,9 +212,9 @@ def _optimizer_list(optimizers: Any) -> tuple[list[Any], bool]:
 
 def _wrap_optimizer(
     opt: Any, master_weights: bool | None, scalers: list[LossScaler], verbosity: int
-) -> AmpOptimizer:
+) -> PerLossOptimizer:
     inner = opt if isinstance(opt, torch.optim.Optimizer) else OptimizerLike(opt)
-    amp_opt = AmpOptimizer(
+    amp_opt = PerLossOptimizer(
         inner,
         scalers=scalers,
         verbosity=verbosity,
@@ -241,7 +246,7 @@ def _cast_and_patch(model: nn.Module, policy: Policy, handle: AmpHandle) -> None
     model.forward = types.MethodType(_amp_forward, model)
 
 
-def _held_by(opt: AmpOptimizer, named: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _held_by(opt: PerLossOptimizer, named: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, the tensor opt steps for it: its fp32 master, or the param itself)."""
     lp_to_master = {id(lp): hp for lp, hp in zip(opt.lp_params, opt.hp_masters, strict=True)}
     for name, p in named:
@@ -358,10 +363,10 @@ def initialize(
 
 
 # ----- losses -----
-def _amp_optimizers(opts: list[Any]) -> tuple[list[AmpOptimizer], _AmpState]:
+def _amp_optimizers(opts: list[Any]) -> tuple[list[PerLossOptimizer], _AmpState]:
     """The optimizers and the amp state (loss scalers) of the initialize call they came from."""
     for opt in opts:
-        if not isinstance(opt, AmpOptimizer):
+        if not isinstance(opt, PerLossOptimizer):
             raise TypeError(
                 f"scale_loss needs the optimizer(s) amp.initialize returned, got {opt!r}."
             )
@@ -378,7 +383,7 @@ def _amp_optimizers(opts: list[Any]) -> tuple[list[AmpOptimizer], _AmpState]:
 @contextlib.contextmanager
 def scale_loss(
     loss: torch.Tensor,
-    optimizers: AmpOptimizer | list[AmpOptimizer],
+    optimizers: PerLossOptimizer | list[PerLossOptimizer],
     loss_id: int = 0,
     model: nn.Module | None = None,
     delay_unscale: bool = False,
@@ -392,7 +397,7 @@ def scale_loss(
     """
     state = _require_state()
     given = list(optimizers) if isinstance(optimizers, list | tuple) else [optimizers]
-    if not state.enabled and not all(isinstance(opt, AmpOptimizer) for opt in given):
+    if not state.enabled and not all(isinstance(opt, PerLossOptimizer) for opt in given):
         yield loss
         return
     opts, state = _amp_optimizers(given)

@@ -37,6 +37,7 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
     """
 
     whole_step_refusal = "a pipeline's backward runs inside torch.distributed.pipelining's schedule"
+    carries_grads = False  # each step's micro-batch sums start afresh (the schedule's step)
 
     def __init__(
         self,
@@ -116,12 +117,8 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         self._fresh.clear()
         self._dp_averaged = False
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        try:
-            return super().step(closure)
-        finally:
-            self._reset_step()
+    def _end_step(self) -> None:
+        self._reset_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
