@@ -260,7 +260,7 @@ class TorchFSDPPlugin(Plugin):
             optimizer,
             loss_scale=shard_policy.loss_scale,
             master_weights=False,
-            max_norm=hp_policy.max_norm,  # a mode's own clip (NAIVE's clip_grad_norm, a config's)
+            max_norm=policy.max_norm,  # a mode's own clip (NAIVE's clip_grad_norm, a config's)
             process_group=self.process_group,
             log_num_zeros_in_grad=shard_policy.log_num_zeros_in_grad,
             lean=lean,
