@@ -58,11 +58,11 @@ import torch
 from torch import nn
 
 from mixprec.core import fused_step as fused
+from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
 from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
 from mixprec.core.scaling import ProcessGroup, default_group, rank_and_world
 from mixprec.core.skip_monitor import SkipMonitor, SkipStats
-from mixprec.core.step_math import clip_coefficient
 
 _LAST = object()  # step(x, y): no target keyword, so the last positional is the target
 _TRACE_AUTOGRAD_GRAD = torch._dynamo.config.patch(trace_autograd_ops=True)
@@ -155,18 +155,15 @@ def _advance_scale(owner: Any, found_inf: torch.Tensor) -> None:
 def _init_state(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], hp: torch.Tensor
 ) -> list[torch.Tensor]:
-    """torch's initial state for hp, created now (a compiled step cannot create it lazily)."""
+    """torch's initial state for hp (step_math's), created now: a compiled step cannot create it
+    lazily, and a skipped first step may not. SGD's buffer starts at zero and decays from its
+    first step (with dampening 0, buf = 0 * momentum + grad = grad, torch's first buffer)."""
     state = optimizer.state[hp]
     if isinstance(optimizer, torch.optim.SGD):
         if not group["momentum"]:
             return []
-        if state.get("momentum_buffer") is None:
-            state["momentum_buffer"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
-        return [state["momentum_buffer"]]
-    if not state:
-        state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-        state["exp_avg"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
+        return [sm.momentum_buffer(state, hp)[0]]
+    sm.adam_state(state, hp)
     # On the param's device (torch keeps a non-capturable step on the CPU): the graph counts it
     # there, where a CPU step would cost a device -> host copy each step. torch's eager Adam
     # reads either (it takes the value with .item()).
@@ -376,7 +373,7 @@ class CompiledStep:
     ) -> torch.Tensor:
         scale = self.scaler.scale_tensor.reshape(1)
         scale_used = scale.float().clone()  # the scaler's rule writes `scale` in place below
-        inv_scale = scale.double().reciprocal().float()  # as LossScaler.inv_scale: exact in fp64
+        inv_scale = sm.inverse_scale(scale)
         with torch.enable_grad():
             # materialize: a param the loss does not reach gets zeros, as the eager path's
             grads = torch.autograd.grad(
@@ -386,15 +383,15 @@ class CompiledStep:
         if self.average_grads:
             grads = self._all_reduce_grads(grads)
         unscaled = [g.float() * inv_scale for g in grads]
-        amaxes = torch.stack([u.abs().amax() for u in unscaled]) if unscaled else inv_scale
-        found_inf = (~torch.isfinite(amaxes)).any().float().reshape(1)
+        amaxes = torch.stack([sm.grad_amax(u) for u in unscaled]) if unscaled else inv_scale
+        found_inf = sm.found_inf(amaxes).reshape(1)
         found_inf = self._all_reduce_max(found_inf)
         skip = found_inf > 0
         clip = torch.ones_like(inv_scale)
         if self.max_norm > 0 and unscaled:
             norms = torch.stack([torch.linalg.vector_norm(u) for u in unscaled])
             total = torch.linalg.vector_norm(norms)
-            clip = clip_coefficient(self.max_norm, total).reshape(1)
+            clip = sm.clip_coefficient(self.max_norm, total).reshape(1)
         head = [inv_scale, clip]
         keep = (~skip).float()
         for i, grad in enumerate(grads):
@@ -413,24 +410,20 @@ class CompiledStep:
         clipping = self.max_norm > 0
         written: list[tuple[torch.Tensor, torch.Tensor]] = []
         if isinstance(self.inner, torch.optim.SGD):
-            lr, wd, momentum = h[0], h[1], h[2]
-            s = torch.cat([*head, torch.stack([wd, -lr, momentum, 1 - h[3], momentum]).float()])
-            g = fused.unscaled(grad, s, clipping, maximize)
+            s = sm.scalar_vector(sm.sgd_scalars(*h), head)  # h: lr, wd, momentum, dampening
+            g = sm.unscaled(grad, s, clipping, maximize)
             if state:
-                new, buf = fused.sgd_momentum_update(hp, g, state[0], s, decay, nesterov)
+                new, buf = sm.sgd_momentum_update(hp, g, state[0], s, decay, nesterov)
                 written.append((state[0], buf))
             else:
-                new = fused.sgd_update(hp, g, s, decay)
+                new = sm.sgd_update(hp, g, s, decay)
         else:
             step_t, exp_avg, exp_avg_sq = state
-            lr, wd, beta1, beta2, eps = h[0], h[1], h[2], h[3], h[4]
             step = step_t + keep.reshape(()).to(step_t.dtype)
-            n = step.double()  # bias corrections in fp64, as torch computes them in Python
-            bc1, bc2 = 1 - beta1**n, 1 - beta2**n
-            values = [wd, 1 - lr * wd, 1 - beta1, beta2, 1 - beta2, bc2**0.5, eps, -(lr / bc1)]
-            s = torch.cat([*head, torch.stack(values).float()])
-            g = fused.unscaled(grad, s, clipping, maximize)
-            new, m, v = fused.adam_update(hp, g, exp_avg, exp_avg_sq, s, decay, decoupled)
+            # h: lr, wd, beta1, beta2, eps (fp64); the bias corrections in fp64 as torch's Python
+            s = sm.scalar_vector(sm.adam_scalars(*h, step.double()), head)
+            g = sm.unscaled(grad, s, clipping, maximize)
+            new, m, v = sm.adam_update(hp, g, exp_avg, exp_avg_sq, s, decay, decoupled)
             written += [(exp_avg, m), (exp_avg_sq, v)]
             step_t.copy_(step)  # unchanged on a skip: keep is 0
         written.append((hp, new))
