@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from mixprec.core import fused_step as fused
+from mixprec.core import lean as lean_step
 from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
 from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
@@ -153,7 +154,7 @@ def _advance_scale(owner: Any, found_inf: torch.Tensor) -> None:
 
 
 def _init_state(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], hp: torch.Tensor
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], hp: torch.Tensor, zeros: Any
 ) -> list[torch.Tensor]:
     """torch's initial state for hp (step_math's), created now: a compiled step cannot create it
     lazily, and a skipped first step may not. SGD's buffer starts at zero and decays from its
@@ -162,8 +163,8 @@ def _init_state(
     if isinstance(optimizer, torch.optim.SGD):
         if not group["momentum"]:
             return []
-        return [sm.momentum_buffer(state, hp)[0]]
-    sm.adam_state(state, hp)
+        return [sm.momentum_buffer(state, hp, zeros)[0]]
+    sm.adam_state(state, hp, zeros)
     # On the param's device (torch keeps a non-capturable step on the CPU): the graph counts it
     # there, where a CPU step would cost a device -> host copy each step. torch's eager Adam
     # reads either (it takes the value with .item()).
@@ -233,6 +234,16 @@ class CompiledStep:
         self.process_group = self.process_group or default_group()
         self.model, self.optimizer, self.inner, self.criterion = model, optimizer, inner, criterion
         self.max_norm = float(max_norm)
+        self.lean = optimizer.lean if wrapped else None
+        """The optimizer's lean write-back (stochastic rounding, state format), run in the
+        graph; None: torch's own."""
+        if self.lean is not None and self.lean.cfg.state in lean_step.LOW_BIT:
+            raise CompileStepError(
+                f"compile_step cannot run optimizer_state={self.lean.cfg.state!r}: torchao's "
+                "quantized state cannot be kept unchanged on a skipped step inside the graph "
+                "(torch.where has no quantized form, and a re-quantized copy need not keep its "
+                "codes). Use optimizer_state 'fp32' or 'bf16' with compile_step, or step eagerly."
+            )
         self._plan()
         device = self.hp[0].device if self.hp else torch.device("cpu")
         self.device_type = device.type
@@ -290,9 +301,14 @@ class CompiledStep:
         self.hp: list[torch.Tensor] = []  # what the optimizer steps (fp32 master, or the param)
         self.lp: list[torch.Tensor | None] = []  # the model's lp twin of a master, else None
         self.states: list[list[torch.Tensor]] = []
+        self.param_index: list[int] = []  # each hp's place in param_groups (its rounding key)
+        self._param_count = sum(len(g["params"]) for g in self.inner.param_groups)
+        zeros = sm._torch_zeros if self.lean is None else self.lean._zeros
+        place = -1
         self.group_of: list[int] = []
         for index, group in enumerate(self.inner.param_groups):
             for hp in group["params"]:
+                place += 1
                 lp = master_to_lp.get(id(hp))
                 held = hp if lp is None else lp
                 if not held.requires_grad:
@@ -307,7 +323,8 @@ class CompiledStep:
                 self.train_names.append(name)
                 self.hp.append(hp)
                 self.lp.append(lp)
-                self.states.append(_init_state(self.inner, group, hp))
+                self.states.append(_init_state(self.inner, group, hp, zeros))
+                self.param_index.append(place)
                 self.group_of.append(index)
         # the live params, in optimizer order, looked up once: a step walks no module tree
         params = dict(self.model.named_parameters())
@@ -394,17 +411,26 @@ class CompiledStep:
             clip = sm.clip_coefficient(self.max_norm, total).reshape(1)
         head = [inv_scale, clip]
         keep = (~skip).float()
+        keys = None
+        if self.lean is not None and self.lean.cfg.rounding == "stochastic":
+            # the eager write-back's stream (step_math.rounding_keys), advanced unless skipped
+            counter = self.lean.counter
+            keys = sm.rounding_keys(self.lean.seed, counter, self._param_count)
+            counter.copy_(counter + keep.reshape(()).to(counter.dtype))
         for i, grad in enumerate(grads):
             g = self.group_of[i]
-            self._update(i, grad, head, hparams[g], keep, skip, flags[g])
+            key = None if keys is None else keys[self.param_index[i]]
+            self._update(i, grad, head, hparams[g], keep, skip, flags[g], key)
         _advance_scale(self.scaler, found_inf)
         row = torch.cat([skip.reshape(1).float(), scale_used]).reshape(1, 2)
         self._record.index_copy_(0, self._cursor, row)  # a device cursor: no guard, no sync
         self._cursor.add_(1)
         return loss.reshape(())
 
-    def _update(self, i, grad, head, h, keep, skip, flags) -> None:
-        """Step param i with fused_step's math; on a skip every write keeps the old value."""
+    def _update(self, i, grad, head, h, keep, skip, flags, key) -> None:
+        """Step param i with step_math (as fused_step's kernels run it); on a skip every write
+        keeps the old value. Lean: hp may be a bf16 param (no master) and its state bf16, both
+        read as fp32; key: a bf16 hp's stochastic rounding key (None: nearest)."""
         maximize, decay, nesterov, decoupled = flags
         hp, lp, state = self.hp[i], self.lp[i], self.states[i]
         clipping = self.max_norm > 0
@@ -413,20 +439,26 @@ class CompiledStep:
             s = sm.scalar_vector(sm.sgd_scalars(*h), head)  # h: lr, wd, momentum, dampening
             g = sm.unscaled(grad, s, clipping, maximize)
             if state:
-                new, buf = sm.sgd_momentum_update(hp, g, state[0], s, decay, nesterov)
+                new, buf = sm.sgd_momentum_update(
+                    hp.float(), g, state[0].float(), s, decay, nesterov
+                )
                 written.append((state[0], buf))
             else:
-                new = sm.sgd_update(hp, g, s, decay)
+                new = sm.sgd_update(hp.float(), g, s, decay)
         else:
             step_t, exp_avg, exp_avg_sq = state
             step = step_t + keep.reshape(()).to(step_t.dtype)
             # h: lr, wd, beta1, beta2, eps (fp64); the bias corrections in fp64 as torch's Python
             s = sm.scalar_vector(sm.adam_scalars(*h, step.double()), head)
             g = sm.unscaled(grad, s, clipping, maximize)
-            new, m, v = sm.adam_update(hp, g, exp_avg, exp_avg_sq, s, decay, decoupled)
+            m, v = exp_avg.float(), exp_avg_sq.float()
+            new, m, v = sm.adam_update(hp.float(), g, m, v, s, decay, decoupled)
             written += [(exp_avg, m), (exp_avg_sq, v)]
             step_t.copy_(step)  # unchanged on a skip: keep is 0
-        written.append((hp, new))
+        if key is not None and hp.dtype == torch.bfloat16:
+            written.append((hp, sm.round_bf16_stochastic(new, sm.rounding_noise(key, new.shape))))
+        else:
+            written.append((hp, new))
         if lp is not None:
             written.append((lp, new.to(lp.dtype)))
         for old, value in written:

@@ -113,7 +113,7 @@ def check_grads(grads: list[torch.Tensor], inv_scale: torch.Tensor, norm: bool) 
 def _write(hp, new, key, stochastic):
     """new (fp32) into hp: to bf16 with stochastic rounding (noise from key), else a cast."""
     if stochastic:
-        new = sm.round_bf16_stochastic(new, sm.rounding_noise(key, new.numel()))
+        new = sm.round_bf16_stochastic(new, sm.rounding_noise(key, new.shape))
     hp.copy_(new)
 
 
