@@ -57,10 +57,14 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (same storage), else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A 1-D view of a (local shard of a) tensor: every kernel is elementwise."""
-    t = t.to_local() if hasattr(t, "to_local") else t
-    return t.view(-1)
+    return _local(t).view(-1)
 
 
 @functools.cache
@@ -117,6 +121,14 @@ def _write(hp, new, key, stochastic):
     hp.copy_(new)
 
 
+def _read(state):
+    """A state tensor's fp32 value: dequantized if it is a quantized tensor subclass (torchao's
+    low-bit state, whose copy_ quantizes again), else cast (a no-op for fp32)."""
+    if type(state) is not torch.Tensor and hasattr(state, "dequantize"):
+        return state.dequantize()
+    return state.float()
+
+
 def _sgd(hp, lp, grad, s, key, clip, maximize, decay, stochastic):
     new = sm.sgd_update(hp.float(), sm.unscaled(grad, s, clip, maximize), s, decay)
     _write(hp, new, key, stochastic)
@@ -126,7 +138,7 @@ def _sgd(hp, lp, grad, s, key, clip, maximize, decay, stochastic):
 
 def _sgd_momentum(hp, lp, grad, buf, s, key, clip, maximize, decay, nesterov, stochastic):
     g = sm.unscaled(grad, s, clip, maximize)
-    new, b = sm.sgd_momentum_update(hp.float(), g, buf.float(), s, decay, nesterov)
+    new, b = sm.sgd_momentum_update(hp.float(), g, _read(buf), s, decay, nesterov)
     buf.copy_(b)
     _write(hp, new, key, stochastic)
     if lp is not None:
@@ -135,7 +147,7 @@ def _sgd_momentum(hp, lp, grad, buf, s, key, clip, maximize, decay, nesterov, st
 
 def _adam(hp, lp, grad, exp_avg, exp_avg_sq, s, key, clip, maximize, decay, decoupled, stochastic):
     g = sm.unscaled(grad, s, clip, maximize)
-    m, v = exp_avg.float(), exp_avg_sq.float()
+    m, v = _read(exp_avg), _read(exp_avg_sq)
     new, m, v = sm.adam_update(hp.float(), g, m, v, s, decay, decoupled)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
@@ -159,12 +171,15 @@ def update(
     key: torch.Tensor | None = None,
 ) -> None:
     """One tensor's update in its compiled kernel (kind: sgd, sgd_momentum or adam): hp and its
-    state (plain tensors, any float dtype) written in place; key: the stochastic rounding's key
+    state (any float dtype, or torchao's quantized state: dequantized in the kernel, quantized
+    again by its copy_) written in place; key: the stochastic rounding's key
     (step_math.rounding_keys) for a bf16 hp, None for round to nearest."""
     stochastic = key is not None
-    dtypes = (hp.dtype, *(t.dtype for t in state))
-    variant = (*_variant(kind, grad, lp, *flags, stochastic), *dtypes)
-    args = (_flat(hp), _opt(lp), _flat(grad), *(_flat(t) for t in state), s, key)
+    kinds = tuple((type(t).__name__, t.dtype) for t in (hp, *state))
+    variant = (*_variant(kind, grad, lp, *flags, stochastic), *kinds)
+    # quantized state (torchao's subclasses) keeps its shape: its blocks are not views
+    shape = _flat if all(type(t) is torch.Tensor for t in state) else _local
+    args = (shape(hp), _opt(lp), shape(grad), *(shape(t) for t in state), s, key)
     _run(KERNELS[kind], variant, *args, *flags, stochastic)
 
 

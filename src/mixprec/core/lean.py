@@ -248,17 +248,13 @@ class LeanUpdate:
         return new_state(_local(like), self.cfg.state, signed=key not in UNSIGNED_KEYS)
 
     def _update(self, kind, p, state, s, flags, keys, index) -> None:
-        """p's update in the fused kernel: its state dequantized around it where low bit
-        (torchao's copy_ quantizes: nearest code), rounded stochastically into a bf16 p."""
+        """p's update in fused_step's kernel: low-bit state dequantized and quantized again
+        inside it (torchao's copy_: nearest code), a bf16 p rounded stochastically there."""
         local = _local(p)
         key = None
         if keys is not None and local.dtype == torch.bfloat16:
             key = keys[index]
-        plain = [t if type(t) is torch.Tensor else to_fp32(t) for t in state]
-        fused.update(kind, local, _local(p.grad), plain, s, flags, key=key)
-        for t, value in zip(state, plain, strict=True):
-            if value is not t:
-                t.copy_(value)
+        fused.update(kind, local, _local(p.grad), [_local(t) for t in state], s, flags, key=key)
 
     def _sgd_group(self, optimizer, group, items, keys) -> None:
         momentum = group["momentum"]
