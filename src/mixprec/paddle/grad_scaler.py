@@ -25,7 +25,7 @@ from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from mixprec.core.grad_scaler import GradScaler as _CoreGradScaler
 from mixprec.core.grad_scaler import default_device
-from mixprec.core.policy import did_you_mean
+from mixprec.core.policy import TORCH_SCALER, did_you_mean
 from mixprec.core.scaling import ProcessGroup
 from mixprec.paddle.dygraph import MasterWeightOptimizer, amp_global_state, holds_pure_lp_params
 
@@ -97,10 +97,10 @@ class GradScaler(_CoreGradScaler):
     def __init__(
         self,
         enable: bool = True,
-        init_loss_scaling: float = 2.0**16,
-        incr_ratio: float = 2.0,
-        decr_ratio: float = 0.5,
-        incr_every_n_steps: int = 2000,
+        init_loss_scaling: float = TORCH_SCALER.init_scale,
+        incr_ratio: float = TORCH_SCALER.growth_factor,
+        decr_ratio: float = TORCH_SCALER.backoff_factor,
+        incr_every_n_steps: int = TORCH_SCALER.growth_interval,
         decr_every_n_nan_or_inf: int = 1,
         use_dynamic_loss_scaling: bool = True,
         *,
