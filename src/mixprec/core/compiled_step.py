@@ -14,7 +14,10 @@ State stays where the eager step keeps it: params, masters (MixedPrecisionOptimi
 the inner optimizer's `state` (torch's own keys: step, exp_avg, exp_avg_sq, momentum_buffer)
 and the scaler's tensors are read and written in place, so state_dict(), checkpoints and
 alternating compiled and eager steps keep working. Supported: torch.optim.SGD (dampening 0
-when momentum is on), Adam, AdamW, with no amsgrad/capturable/differentiable, no step hooks.
+when momentum is on), Adam, AdamW, with no amsgrad/capturable/differentiable, no step hooks;
+lean optimizers (mixprec.core.lean: bf16 params without masters, stochastic rounding drawn
+from the eager step's counter stream, fp32 or bf16 state; int8/int4/fp8 state is refused).
+The update is mixprec.core.step_math's, as in the eager, fused and lean steps.
 
 Modes: fp32, bf16, fp16 (dynamic scale), fp16_naive / Apex O2 (fp32 masters, hysteresis), O3 and
 fp8 (Float8Linear, dynamic or delayed scaling: the amax histories are written in the graph, on

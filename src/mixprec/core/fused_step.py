@@ -14,6 +14,11 @@ results can differ from the unfused step in the last bit, never more.
 
 Supported: torch.optim.SGD, Adam and AdamW (not amsgrad, differentiable or capturable), with
 no step hooks. Anything else takes the unfused path, which supports every optimizer.
+
+The same kernels run mixprec.core.lean's write-back (`update`): a param without a master is
+read as fp32, updated and written back in its own dtype (bf16 with stochastic rounding in the
+kernel, its noise from step_math.rounding_noise), and torchao's quantized state is dequantized
+and quantized again inside the kernel. The math is mixprec.core.step_math's.
 """
 
 from __future__ import annotations

@@ -3,23 +3,24 @@
 Two ways to keep fewer bytes per parameter than fp32 masters + fp32 moments (16 with AdamW):
 
 - **Stochastic rounding of the write-back** (`update_rounding="stochastic"`). The update is
-  computed in fp32 from the bf16 param (a per-tensor transient) and written back to bf16
-  rounding up with probability (distance to the lower neighbour) / (gap between neighbours):
-  the expected written value is the fp32 one, so updates far below bf16's resolution (~2**-8
-  of the weight) still move it on average, where round-to-nearest drops them every step.
-  The random stream is one seeded torch.Generator per optimizer (per-rank distinct seed),
-  saved in the optimizer's state_dict, so a resume continues bit for bit; a skipped step
-  draws nothing from it.
+  computed in fp32 from the bf16 param (in registers of a compiled kernel) and written back
+  to bf16 rounding up with probability (distance to the lower neighbour) / (gap between
+  neighbours): the expected written value is the fp32 one, so updates far below bf16's
+  resolution (~2**-8 of the weight) still move it on average, where round-to-nearest drops
+  them every step. The random stream is counter-based (step_math.rounding_keys: a hash of a
+  per-rank seed, the optimizer's step counter, the param's place and the element), saved in
+  the optimizer's state_dict, so a resume continues bit for bit; a skipped step leaves the
+  counter, so it draws nothing; compile_step draws the same bits in its graph.
 - **Low-bit optimizer state** (`optimizer_state` in fp32 / bf16 / int8 / int4 / fp8). int8,
   int4 and fp8 are torchao's block-wise quantized tensor subclasses (OptimState8bit: dynamic
   8-bit map, blocks of 256; OptimState4bit: 4-bit map, blocks of 128; OptimStateFp8: e4m3,
-  blocks of 256). Each step dequantizes a tensor's state to fp32, runs the update and writes
-  it back (torchao's copy_ quantizes: nearest code of its map); tensors torchao does not
+  blocks of 256). Each step dequantizes a tensor's state inside the update's compiled kernel
+  and writes it back there (torchao's copy_ quantizes: nearest code of its map); tensors torchao does not
   quantize (under 4096 elements, or not a whole number of blocks) keep fp32 state.
 
-The update math is the core's one SGD/Adam/AdamW step math (mixprec.core.fused_step's *_update
-functions, which the fused master step runs too); this module only says where the fp32
-operands come from and how the results are written back.
+The update math is the core's one SGD/Adam/AdamW step math (mixprec.core.step_math), run in
+mixprec.core.fused_step's compiled per-tensor kernels as the fused master step runs it; this
+module only says where the operands come from and how the results are written back.
 """
 
 from __future__ import annotations
