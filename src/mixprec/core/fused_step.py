@@ -174,18 +174,23 @@ def update(
     *,
     lp: torch.Tensor | None = None,
     key: torch.Tensor | None = None,
+    compiled: bool = True,
 ) -> None:
     """One tensor's update in its compiled kernel (kind: sgd, sgd_momentum or adam): hp and its
     state (any float dtype, or torchao's quantized state: dequantized in the kernel, quantized
     again by its copy_) written in place; key: the stochastic rounding's key
-    (step_math.rounding_keys) for a bf16 hp, None for round to nearest."""
+    (step_math.rounding_keys) for a bf16 hp, None for round to nearest. compiled=False runs
+    the same kernel function eagerly (no compile: a small step, see LeanUpdate)."""
     stochastic = key is not None
     kinds = tuple((type(t).__name__, t.dtype) for t in (hp, *state))
     variant = (*_variant(kind, grad, lp, *flags, stochastic), *kinds)
     # quantized state (torchao's subclasses) keeps its shape: its blocks are not views
     shape = _flat if all(type(t) is torch.Tensor for t in state) else _local
     args = (shape(hp), _opt(lp), shape(grad), *(shape(t) for t in state), s, key)
-    _run(KERNELS[kind], variant, *args, *flags, stochastic)
+    if compiled:
+        _run(KERNELS[kind], variant, *args, *flags, stochastic)
+    else:
+        KERNELS[kind](*args, *flags, stochastic)
 
 
 def _variant(name: str, grad: torch.Tensor, lp: torch.Tensor | None = None, *flags: bool) -> tuple:

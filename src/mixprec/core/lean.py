@@ -226,7 +226,17 @@ class LeanUpdate:
         """One update of every held param with a grad (grads already unscaled and clipped): the
         core's step math in fused_step's compiled per-tensor kernels, with the write-back's
         rounding in the same kernel; then the rounding's step counter advances (on device)."""
-        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        held = [p for g in optimizer.param_groups for p in g["params"]]
+        count = len(held)
+        # Compile the kernels where that pays (as fused_step's AUTO rule): low-bit state (its
+        # eager dequantize / quantize is ~6x slower than in a kernel), any GPU, or a CPU step of
+        # AUTO_MIN_ELEMENTS; else the same kernels run eagerly (compiling costs seconds and
+        # ~150 MiB of host memory once).
+        self.compiled = (
+            self.cfg.state in LOW_BIT
+            or any(_local(p).device.type != "cpu" for p in held[:1])
+            or sum(_local(p).numel() for p in held) >= fused.AUTO_MIN_ELEMENTS
+        )
         keys = None
         if self.cfg.rounding == "stochastic":
             keys = sm.rounding_keys(self.seed, self.counter, count)
@@ -255,7 +265,8 @@ class LeanUpdate:
         key = None
         if keys is not None and local.dtype == torch.bfloat16:
             key = keys[index]
-        fused.update(kind, local, _local(p.grad), [_local(t) for t in state], s, flags, key=key)
+        state = [_local(t) for t in state]
+        fused.update(kind, local, _local(p.grad), state, s, flags, key=key, compiled=self.compiled)
 
     def _sgd_group(self, optimizer, group, items, keys) -> None:
         momentum = group["momentum"]
