@@ -60,10 +60,12 @@ def policies() -> dict[str, Policy]:
         "bf16_sr+bf16": with_optimizer_state(sr, "bf16"),
         "bf16_sr+int8": with_optimizer_state(sr, "int8"),
         "bf16_sr+int4": with_optimizer_state(sr, "int4"),
+        "bf16_sr+fp8": with_optimizer_state(sr, "fp8"),
     }
 
 
 QUALITY_MODES = ("fp32", "NAIVE (bf16)", "bf16 nearest", "bf16_sr", "bf16_sr+int8", "bf16_sr+int4")
+TIME_MODES = (*QUALITY_MODES, "bf16_sr+bf16", "bf16_sr+fp8")
 
 
 # ----- models and data -----
@@ -196,8 +198,9 @@ def run_gpt(policy: Policy, seed: int, args: argparse.Namespace, text: tuple, ba
 
 
 # ----- time: modes interleaved -----
-def time_steps(args: argparse.Namespace, text: tuple, bar: Any) -> dict[str, float]:
-    names = list(QUALITY_MODES)
+def time_steps(args: argparse.Namespace, text: tuple, bar: Any) -> dict[str, list[float]]:
+    """Each mode's step times (seconds), one per round after two warm-up rounds."""
+    names = list(TIME_MODES)
     runs = {n: build(policies()[n], gpt_make(args), 0, 1e-3, 0.1) for n in names}
     g = torch.Generator().manual_seed(0)
     batch = gpt_batch(text[0], args.batch, args.context, g)
@@ -214,7 +217,40 @@ def time_steps(args: argparse.Namespace, text: tuple, bar: Any) -> dict[str, flo
             if r >= 2:  # two warm-up rounds
                 times[n].append(time.perf_counter() - start)
         bar.update(1)
-    return {n: sorted(t)[len(t) // 2] for n, t in times.items()}  # the median step
+    return {n: times[n] for n in TIME_MODES}
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def time_markdown(record: dict) -> str:
+    """The step-time table of a --time-only run: per-mode median and quartiles, and the speed
+    vs NAIVE as the median (and range) of the per-round ratios (a round's modes ran back to
+    back, so load from other processes falls on both sides of a ratio alike)."""
+    args, samples = record["args"], record["time_samples"]
+    naive = samples["NAIVE (bf16)"]
+    lines = [
+        f"# Lean step time, {record['machine']}",
+        "",
+        f"`python benchmarks/bench_lean.py {' '.join(record['argv'])}` ({record['seconds']:.0f} s"
+        f", load average {record['load'][0]:.1f} -> {record['load'][1]:.1f} on "
+        f"{os.cpu_count()} cores). GPT width {args['gpt_width']}, depth {args['gpt_depth']}, "
+        f"{args['batch']} x {args['context']} bytes, AdamW; {args['time_rounds']} rounds, modes "
+        "in a shuffled order each round. Speed = NAIVE / mode per round (goal >= 0.95).",
+        "",
+        "| mode | median ms | p25-p75 ms | speed vs NAIVE (median) | per-round range |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, t in samples.items():
+        q = sorted(t)
+        ratios = sorted(a / b for a, b in zip(naive, t, strict=True))
+        lines.append(
+            f"| {name} | {median(t) * 1e3:.1f} | {q[len(q) // 4] * 1e3:.1f}-"
+            f"{q[(3 * len(q)) // 4] * 1e3:.1f} | {median(ratios):.2f} | "
+            f"{ratios[0]:.2f}-{ratios[-1]:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 # ----- bytes and peak memory: one fresh process per mode -----
@@ -723,6 +759,9 @@ def main(argv: list[str] | None = None) -> int:
         default=list(ALLOCATORS),
         help=f"comma-separated, of: {', '.join(ALLOCATORS)} (default: both)",
     )
+    parser.add_argument(
+        "--time-only", action="store_true", help="only the interleaved step times (time.md)"
+    )
     args = parser.parse_args(argv)
     unknown = [a for a in args.allocators if a not in ALLOCATORS]
     if unknown:
@@ -737,6 +776,8 @@ def main(argv: list[str] | None = None) -> int:
     text = stdlib_bytes(1_200_000)
     split = int(len(text) * 0.9)
     text = (text[:split], text[split:])
+    if args.time_only:
+        return time_only(args, argv, out, text, start, load0)
     mem_modes = list(policies())
     gpt_runs = args.fp32_seeds + (len(QUALITY_MODES) - 1) * args.gpt_seeds
     total = (
@@ -764,7 +805,8 @@ def main(argv: list[str] | None = None) -> int:
             policy = policies()[name]
             quality["gpt"][name] = [run_gpt(policy, s, args, text, bar) for s in range(seeds)]
         bar.set_postfix_str("step time")
-        timing = time_steps(args, text, bar)
+        samples = time_steps(args, text, bar)
+    timing = {n: median(t) for n, t in samples.items()}
     record |= {
         "machine": machine_name(torch.device("cpu")),
         "seconds": time.perf_counter() - start,
@@ -772,6 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory": memory,
         "quality": quality,
         "time": timing,
+        "time_samples": samples,
     }
     record["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in record["args"].items()}
     table = markdown(record)
@@ -781,6 +824,29 @@ def main(argv: list[str] | None = None) -> int:
     (out / "lean.json").write_text(json.dumps(record, indent=2) + "\n")
     chart(record, out / "lean.png")
     print(f"wrote {out}/lean.md, .json, .png", file=sys.stderr)
+    return 0
+
+
+def time_only(args, argv, out: Path, text: tuple, start: float, load0: float) -> int:
+    with progress_bar(
+        total=args.time_rounds + 2, enabled=not args.no_progress, desc="bench_lean time"
+    ) as bar:
+        samples = time_steps(args, text, bar)
+    record = {
+        "argv": argv,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": machine_name(torch.device("cpu")),
+        "seconds": time.perf_counter() - start,
+        "load": [load0, os.getloadavg()[0]],
+        "time": {n: median(t) for n, t in samples.items()},
+        "time_samples": samples,
+    }
+    table = time_markdown(record)
+    print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "time.md").write_text(table)
+    (out / "time.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}/time.md, .json", file=sys.stderr)
     return 0
 
 

@@ -64,6 +64,43 @@ def test_stochastic_rounding_is_unbiased() -> None:
     assert float((mean - x.double()).abs().mean()) < float(nearest_err.mean()) / 4
 
 
+def test_the_write_backs_counter_stream_rounds_unbiased() -> None:
+    """The optimizer's noise (step_math.rounding_noise of rounding_keys: a hash of seed, step
+    counter, tensor and element, no generator) rounds as unbiased as torch's generator: the
+    same bound as above over N steps of one tensor (each step a new counter value)."""
+    from mixprec.core import step_math as sm
+
+    n = 4000
+    x = torch.randn(256, generator=torch.Generator().manual_seed(2)) * torch.logspace(-3, 3, 256)
+    low, high = bf16_neighbours(x)
+    mean = torch.zeros_like(x, dtype=torch.float64)
+    for step in range(n):
+        key = sm.rounding_keys(123, torch.tensor(step), 3)[2]
+        mean += sm.round_bf16_stochastic(x, sm.rounding_noise(key, x.shape)).double()
+    mean /= n
+    bound = 5 * (high - low).abs().double() / (2 * math.sqrt(n))
+    assert bool(((mean - x.double()).abs() <= bound).all())
+
+
+def test_the_counter_streams_bits_are_uniform_and_distinct() -> None:
+    """16 noise bits per element, uniform: over 2**16 * 16 draws each of the 16 values of the
+    top 4 bits holds 1/16 of them within 5 binomial std; every tensor, step and seed draws
+    another stream."""
+    from mixprec.core import step_math as sm
+
+    counter = torch.tensor(5)
+    keys = sm.rounding_keys(7, counter, 16)
+    assert len(set(keys.tolist())) == 16  # each tensor its own key
+    noise = torch.stack([sm.rounding_noise(k, torch.Size([1 << 16])) for k in keys])
+    assert int(noise.min()) >= 0 and int(noise.max()) < 1 << 16
+    counts = torch.bincount((noise >> 12).view(-1), minlength=16).double()
+    n, p = noise.numel(), 1 / 16
+    assert float((counts - n * p).abs().max()) < 5 * math.sqrt(n * p * (1 - p))
+    other_step = sm.rounding_keys(7, counter + 1, 16)
+    other_seed = sm.rounding_keys(8, counter, 16)
+    assert not (keys == other_step).any() and not (keys == other_seed).any()
+
+
 def test_stochastic_rounding_is_deterministic_for_a_seed() -> None:
     x = torch.randn(1000) / 3
     a = fp32_to_bf16_stochastic(x, torch.Generator().manual_seed(7))
@@ -215,7 +252,7 @@ def snapshot(model, opt) -> list[torch.Tensor]:
                 out.append(v.clone())
             else:
                 out += [v.codes.clone(), v.scale.clone()]
-    out.append(opt.lean.generator.get_state())
+    out.append(opt.lean.counter.clone())
     return out
 
 
@@ -419,25 +456,82 @@ def test_lightning_plugin_bf16_sr_with_int8_state() -> None:
     assert model.module[0].weight.dtype == torch.bfloat16
 
 
-def test_compile_step_refuses_the_lean_write_back() -> None:
+@pytest.mark.parametrize("state", ["int8", "int4", "fp8"])
+def test_compile_step_refuses_low_bit_state_by_name(state: str) -> None:
     from mixprec.core.compiled_step import CompileStepError, compile_step
 
-    model, opt = lean_setup("int8")
-    with pytest.raises(CompileStepError, match="lean write-back"):
+    model, opt = lean_setup(state)
+    with pytest.raises(CompileStepError, match=f"optimizer_state='{state}'"):
         compile_step(model, opt, torch.nn.functional.mse_loss)
 
 
-@pytest.mark.xfail(
-    reason="compile_step traces the inner optimizer's own step: the lean "
-    "write-back (low-bit state, stochastic rounding) is not in its graph yet",
-    raises=Exception,
-    strict=True,
+class CountingBackend:
+    """A torch.compile backend that runs dynamo's graph as is and counts (re)compiles."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        self.compiles += 1
+        return gm.forward
+
+
+def _lean_pair(optim: str, state: str, rounding: str):
+    """Two identical lean (model, optimizer) pairs: bf16 params, no masters."""
+    pairs = []
+    for _ in range(2):
+        model = mlp(0).to(torch.bfloat16)
+        if optim == "sgd":
+            inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+        else:
+            inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        lean = LeanConfig(rounding=rounding, state=state, seed=123)
+        pairs.append((model, MixedPrecisionOptimizer(inner, master_weights=False, lean=lean)))
+    return pairs
+
+
+def _lean_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out.float(), y)
+
+
+@pytest.mark.parametrize(
+    ("optim", "state", "rounding"),
+    [("adamw", "fp32", "stochastic"), ("adamw", "bf16", "nearest"), ("sgd", "bf16", "stochastic")],
 )
-def test_compile_step_runs_the_lean_modes() -> None:
+def test_compiled_lean_step_equals_the_eager_lean_step_bitwise(
+    monkeypatch, optim: str, state: str, rounding: str
+) -> None:
+    """compile_step runs the lean write-back in its graph: the same step_math ops in the same
+    order and the same rounding stream (step_math.rounding_keys of the optimizer's counter), so
+    dynamo's graph run as is (no inductor: no re-fused arithmetic) equals the eager lean step,
+    whose fused kernels run eagerly here, bit for bit: params, state, the stream's counter, a
+    skipped step (nothing moves, the stream included). One compile for every step: the
+    counter is a tensor, not a guarded constant."""
+    from mixprec.core import fused_step
     from mixprec.core.compiled_step import compile_step
 
-    model, opt = lean_setup("int8")
-    compile_step(model, opt, torch.nn.functional.mse_loss)
+    monkeypatch.setattr(fused_step, "_failed", True)  # the eager kernels: the same ops as dynamo
+    (model, opt), (ref, ref_opt) = _lean_pair(optim, state, rounding)
+    backend = CountingBackend()
+    step = compile_step(model, opt, _lean_loss, backend=backend)
+    data = batches(5)
+    data[2][1][0, 0] = float("inf")  # step 3 skips
+    for i, (x, y) in enumerate(data):
+        before = snapshot(ref, ref_opt)
+        step(x.bfloat16(), y)
+        ref_opt.backward(_lean_loss(ref(x.bfloat16()), y))
+        assert ref_opt.step().skipped == (i == 2)
+        ref_opt.zero_grad()
+        if i == 2:
+            for a, b in zip(before, snapshot(ref, ref_opt), strict=True):
+                torch.testing.assert_close(b, a, **EXACT)
+        for a, b in zip(snapshot(model, opt), snapshot(ref, ref_opt), strict=True):
+            torch.testing.assert_close(a, b, **EXACT)
+    assert step.compiled and backend.compiles == 1
+    assert step.sync_counters() == 1
+    if rounding == "stochastic":
+        assert int(opt.lean.counter) == 4  # four steps wrote back; the skipped one drew nothing
+    assert model[0].weight.dtype == torch.bfloat16
 
 
 def _zero_worker(rank: int, world: int) -> None:
@@ -489,7 +583,7 @@ def _zero_worker(rank: int, world: int) -> None:
                 torch.testing.assert_close(p.float(), q.float(), rtol=2**-6, atol=2e-3)
         # a skip on one rank: nothing moves anywhere, the rounding stream included
         before = [p.detach().clone() for p in model.parameters()]
-        rng = opt.lean.generator.get_state()
+        rng = opt.lean.counter.clone()
         booster.backward(torch.nn.functional.mse_loss(model(x[mine]).float(), y[mine]), opt)
         if rank == 1:
             next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float(
@@ -499,7 +593,7 @@ def _zero_worker(rank: int, world: int) -> None:
         opt.zero_grad()
         for b, p in zip(before, model.parameters(), strict=True):
             torch.testing.assert_close(p, b, **EXACT)
-        assert torch.equal(opt.lean.generator.get_state(), rng)
+        assert torch.equal(opt.lean.counter.clone(), rng)
 
 
 @pytest.mark.slow

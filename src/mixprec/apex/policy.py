@@ -137,7 +137,7 @@ def apex_policy(
     num_losses: int = 1,
     verbosity: int = 1,
     min_loss_scale: float | None = None,
-    max_loss_scale: float = 2.0**24,
+    max_loss_scale: float = APEX_SCALER.max_scale,
     **unknown: Any,
 ) -> Policy:
     """Apex's `amp.initialize` keywords -> Policy (num_losses and verbosity travel in it).

@@ -14,7 +14,10 @@ State stays where the eager step keeps it: params, masters (MixedPrecisionOptimi
 the inner optimizer's `state` (torch's own keys: step, exp_avg, exp_avg_sq, momentum_buffer)
 and the scaler's tensors are read and written in place, so state_dict(), checkpoints and
 alternating compiled and eager steps keep working. Supported: torch.optim.SGD (dampening 0
-when momentum is on), Adam, AdamW, with no amsgrad/capturable/differentiable, no step hooks.
+when momentum is on), Adam, AdamW, with no amsgrad/capturable/differentiable, no step hooks;
+lean optimizers (mixprec.core.lean: bf16 params without masters, stochastic rounding drawn
+from the eager step's counter stream, fp32 or bf16 state; int8/int4/fp8 state is refused).
+The update is mixprec.core.step_math's, as in the eager, fused and lean steps.
 
 Modes: fp32, bf16, fp16 (dynamic scale), fp16_naive / Apex O2 (fp32 masters, hysteresis), O3 and
 fp8 (Float8Linear, dynamic or delayed scaling: the amax histories are written in the graph, on
@@ -58,11 +61,12 @@ import torch
 from torch import nn
 
 from mixprec.core import fused_step as fused
+from mixprec.core import lean as lean_step
+from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
 from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
 from mixprec.core.scaling import ProcessGroup, default_group, rank_and_world
 from mixprec.core.skip_monitor import SkipMonitor, SkipStats
-from mixprec.core.step_math import clip_coefficient
 from mixprec.core.validate import check_max_norm
 
 _LAST = object()  # step(x, y): no target keyword, so the last positional is the target
@@ -154,20 +158,17 @@ def _advance_scale(owner: Any, found_inf: torch.Tensor) -> None:
 
 
 def _init_state(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], hp: torch.Tensor
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], hp: torch.Tensor, zeros: Any
 ) -> list[torch.Tensor]:
-    """torch's initial state for hp, created now (a compiled step cannot create it lazily)."""
+    """torch's initial state for hp (step_math's), created now: a compiled step cannot create it
+    lazily, and a skipped first step may not. SGD's buffer starts at zero and decays from its
+    first step (with dampening 0, buf = 0 * momentum + grad = grad, torch's first buffer)."""
     state = optimizer.state[hp]
     if isinstance(optimizer, torch.optim.SGD):
         if not group["momentum"]:
             return []
-        if state.get("momentum_buffer") is None:
-            state["momentum_buffer"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
-        return [state["momentum_buffer"]]
-    if not state:
-        state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-        state["exp_avg"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
+        return [sm.momentum_buffer(state, hp, zeros)[0]]
+    sm.adam_state(state, hp, zeros)
     # On the param's device (torch keeps a non-capturable step on the CPU): the graph counts it
     # there, where a CPU step would cost a device -> host copy each step. torch's eager Adam
     # reads either (it takes the value with .item()).
@@ -236,6 +237,16 @@ class CompiledStep:
         self.process_group = self.process_group or default_group()
         self.model, self.optimizer, self.inner, self.criterion = model, optimizer, inner, criterion
         self.max_norm = float(max_norm)
+        self.lean = optimizer.lean if wrapped else None
+        """The optimizer's lean write-back (stochastic rounding, state format), run in the
+        graph; None: torch's own."""
+        if self.lean is not None and self.lean.cfg.state in lean_step.LOW_BIT:
+            raise CompileStepError(
+                f"compile_step cannot run optimizer_state={self.lean.cfg.state!r}: torchao's "
+                "quantized state cannot be kept unchanged on a skipped step inside the graph "
+                "(torch.where has no quantized form, and a re-quantized copy need not keep its "
+                "codes). Use optimizer_state 'fp32' or 'bf16' with compile_step, or step eagerly."
+            )
         self._plan()
         device = self.hp[0].device if self.hp else torch.device("cpu")
         self.device_type = device.type
@@ -293,9 +304,14 @@ class CompiledStep:
         self.hp: list[torch.Tensor] = []  # what the optimizer steps (fp32 master, or the param)
         self.lp: list[torch.Tensor | None] = []  # the model's lp twin of a master, else None
         self.states: list[list[torch.Tensor]] = []
+        self.param_index: list[int] = []  # each hp's place in param_groups (its rounding key)
+        self._param_count = sum(len(g["params"]) for g in self.inner.param_groups)
+        zeros = sm._torch_zeros if self.lean is None else self.lean._zeros
+        place = -1
         self.group_of: list[int] = []
         for index, group in enumerate(self.inner.param_groups):
             for hp in group["params"]:
+                place += 1
                 lp = master_to_lp.get(id(hp))
                 held = hp if lp is None else lp
                 if not held.requires_grad:
@@ -310,7 +326,8 @@ class CompiledStep:
                 self.train_names.append(name)
                 self.hp.append(hp)
                 self.lp.append(lp)
-                self.states.append(_init_state(self.inner, group, hp))
+                self.states.append(_init_state(self.inner, group, hp, zeros))
+                self.param_index.append(place)
                 self.group_of.append(index)
         # the live params, in optimizer order, looked up once: a step walks no module tree
         params = dict(self.model.named_parameters())
@@ -376,7 +393,7 @@ class CompiledStep:
     ) -> torch.Tensor:
         scale = self.scaler.scale_tensor.reshape(1)
         scale_used = scale.float().clone()  # the scaler's rule writes `scale` in place below
-        inv_scale = scale.double().reciprocal().float()  # as LossScaler.inv_scale: exact in fp64
+        inv_scale = sm.inverse_scale(scale)
         with torch.enable_grad():
             # materialize: a param the loss does not reach gets zeros, as the eager path's
             grads = torch.autograd.grad(
@@ -386,54 +403,65 @@ class CompiledStep:
         if self.average_grads:
             grads = self._all_reduce_grads(grads)
         unscaled = [g.float() * inv_scale for g in grads]
-        amaxes = torch.stack([u.abs().amax() for u in unscaled]) if unscaled else inv_scale
-        found_inf = (~torch.isfinite(amaxes)).any().float().reshape(1)
+        amaxes = torch.stack([sm.grad_amax(u) for u in unscaled]) if unscaled else inv_scale
+        found_inf = sm.found_inf(amaxes).reshape(1)
         found_inf = self._all_reduce_max(found_inf)
         skip = found_inf > 0
         clip = torch.ones_like(inv_scale)
         if self.max_norm > 0 and unscaled:
             norms = torch.stack([torch.linalg.vector_norm(u) for u in unscaled])
             total = torch.linalg.vector_norm(norms)
-            clip = clip_coefficient(self.max_norm, total).reshape(1)
+            clip = sm.clip_coefficient(self.max_norm, total).reshape(1)
         head = [inv_scale, clip]
         keep = (~skip).float()
+        keys = None
+        if self.lean is not None and self.lean.cfg.rounding == "stochastic":
+            # the eager write-back's stream (step_math.rounding_keys), advanced unless skipped
+            counter = self.lean.counter
+            keys = sm.rounding_keys(self.lean.seed, counter, self._param_count)
+            counter.copy_(counter + keep.reshape(()).to(counter.dtype))
         for i, grad in enumerate(grads):
             g = self.group_of[i]
-            self._update(i, grad, head, hparams[g], keep, skip, flags[g])
+            key = None if keys is None else keys[self.param_index[i]]
+            self._update(i, grad, head, hparams[g], keep, skip, flags[g], key)
         _advance_scale(self.scaler, found_inf)
         row = torch.cat([skip.reshape(1).float(), scale_used]).reshape(1, 2)
         self._record.index_copy_(0, self._cursor, row)  # a device cursor: no guard, no sync
         self._cursor.add_(1)
         return loss.reshape(())
 
-    def _update(self, i, grad, head, h, keep, skip, flags) -> None:
-        """Step param i with fused_step's math; on a skip every write keeps the old value."""
+    def _update(self, i, grad, head, h, keep, skip, flags, key) -> None:
+        """Step param i with step_math (as fused_step's kernels run it); on a skip every write
+        keeps the old value. Lean: hp may be a bf16 param (no master) and its state bf16, both
+        read as fp32; key: a bf16 hp's stochastic rounding key (None: nearest)."""
         maximize, decay, nesterov, decoupled = flags
         hp, lp, state = self.hp[i], self.lp[i], self.states[i]
         clipping = self.max_norm > 0
         written: list[tuple[torch.Tensor, torch.Tensor]] = []
         if isinstance(self.inner, torch.optim.SGD):
-            lr, wd, momentum = h[0], h[1], h[2]
-            s = torch.cat([*head, torch.stack([wd, -lr, momentum, 1 - h[3], momentum]).float()])
-            g = fused.unscaled(grad, s, clipping, maximize)
+            s = sm.scalar_vector(sm.sgd_scalars(*h), head)  # h: lr, wd, momentum, dampening
+            g = sm.unscaled(grad, s, clipping, maximize)
             if state:
-                new, buf = fused.sgd_momentum_update(hp, g, state[0], s, decay, nesterov)
+                new, buf = sm.sgd_momentum_update(
+                    hp.float(), g, state[0].float(), s, decay, nesterov
+                )
                 written.append((state[0], buf))
             else:
-                new = fused.sgd_update(hp, g, s, decay)
+                new = sm.sgd_update(hp.float(), g, s, decay)
         else:
             step_t, exp_avg, exp_avg_sq = state
-            lr, wd, beta1, beta2, eps = h[0], h[1], h[2], h[3], h[4]
             step = step_t + keep.reshape(()).to(step_t.dtype)
-            n = step.double()  # bias corrections in fp64, as torch computes them in Python
-            bc1, bc2 = 1 - beta1**n, 1 - beta2**n
-            values = [wd, 1 - lr * wd, 1 - beta1, beta2, 1 - beta2, bc2**0.5, eps, -(lr / bc1)]
-            s = torch.cat([*head, torch.stack(values).float()])
-            g = fused.unscaled(grad, s, clipping, maximize)
-            new, m, v = fused.adam_update(hp, g, exp_avg, exp_avg_sq, s, decay, decoupled)
+            # h: lr, wd, beta1, beta2, eps (fp64); the bias corrections in fp64 as torch's Python
+            s = sm.scalar_vector(sm.adam_scalars(*h, step.double()), head)
+            g = sm.unscaled(grad, s, clipping, maximize)
+            m, v = exp_avg.float(), exp_avg_sq.float()
+            new, m, v = sm.adam_update(hp.float(), g, m, v, s, decay, decoupled)
             written += [(exp_avg, m), (exp_avg_sq, v)]
             step_t.copy_(step)  # unchanged on a skip: keep is 0
-        written.append((hp, new))
+        if key is not None and hp.dtype == torch.bfloat16:
+            written.append((hp, sm.round_bf16_stochastic(new, sm.rounding_noise(key, new.shape))))
+        else:
+            written.append((hp, new))
         if lp is not None:
             written.append((lp, new.to(lp.dtype)))
         for old, value in written:

@@ -14,6 +14,11 @@ results can differ from the unfused step in the last bit, never more.
 
 Supported: torch.optim.SGD, Adam and AdamW (not amsgrad, differentiable or capturable), with
 no step hooks. Anything else takes the unfused path, which supports every optimizer.
+
+The same kernels run mixprec.core.lean's write-back (`update`): a param without a master is
+read as fp32, updated and written back in its own dtype (bf16 with stochastic rounding in the
+kernel, its noise from step_math.rounding_noise), and torchao's quantized state is dequantized
+and quantized again inside the kernel. The math is mixprec.core.step_math's.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from mixprec.core import step_math as sm
 
 log = logging.getLogger("mixprec")
 
@@ -55,10 +62,14 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (same storage), else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A 1-D view of a (local shard of a) tensor: every kernel is elementwise."""
-    t = t.to_local() if hasattr(t, "to_local") else t
-    return t.view(-1)
+    return _local(t).view(-1)
 
 
 @functools.cache
@@ -89,110 +100,101 @@ def _run(fn: Callable[..., Any], variant: tuple, *args: Any) -> Any:
     return fn(*args)
 
 
-# ----- the check pass -----
-def _grad_max(grad: torch.Tensor) -> torch.Tensor:
-    """max |g| of one grad (nan if it holds a nan), read once."""
-    return grad.abs().amax().float()
-
-
-def _grad_stats(grad: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
-    """[max |g|, sum of the unscaled g squared] of one grad, read once (for clipping)."""
-    g = grad.float()
-    unscaled = g * inv_scale
-    return torch.stack([g.abs().amax(), (unscaled * unscaled).sum()])
-
-
+# ----- the check pass (step_math's read, one compiled kernel per grad) -----
 def check_grads(grads: list[torch.Tensor], inv_scale: torch.Tensor, norm: bool) -> torch.Tensor:
     """[found_inf (1.0 or 0.0), total norm of the unscaled grads (0 unless norm)], on device."""
     if norm:
         stats = torch.stack(
-            [_run(_grad_stats, _variant("stats", g), _flat(g), inv_scale) for g in grads]
+            [_run(sm.grad_stats, _variant("stats", g), _flat(g), inv_scale) for g in grads]
         )
         amaxes, sum_sq = stats[:, 0], stats[:, 1].sum()
     else:
-        amaxes = torch.stack([_run(_grad_max, _variant("max", g), _flat(g)) for g in grads])
+        amaxes = torch.stack([_run(sm.grad_amax, _variant("max", g), _flat(g)) for g in grads])
         sum_sq = torch.zeros((), device=inv_scale.device)
-    found_inf = (~torch.isfinite(amaxes)).any().float()
-    return torch.stack([found_inf, sum_sq.sqrt()])
+    return torch.stack([sm.found_inf(amaxes), sum_sq.sqrt()])
 
 
-# ----- the update kernels -----
+# ----- the update kernels: step_math's updates, one compiled kernel per tensor -----
 # Scalars arrive as one fp32 tensor s (no recompile as the LR changes); the flags are constants
 # of each compiled variant, so terms torch's optimizer would skip cost nothing here either.
-def unscaled(grad, s, clip: bool, maximize: bool):
-    """The grad as the optimizer sees it: s[0] = inv_scale, s[1] = clip coefficient."""
-    g = grad.float() * s[0]
-    if clip:
-        g = g * s[1]
-    return -g if maximize else g
-
-
-def sgd_update(hp, g, s, decay):
-    """The new param for SGD without momentum; s = [inv_scale, clip, weight_decay, -lr]."""
-    if decay:
-        g = g + s[2] * hp
-    return hp + s[3] * g
-
-
-def _sgd(hp, lp, grad, s, clip, maximize, decay):
-    new = sgd_update(hp, unscaled(grad, s, clip, maximize), s, decay)
+# hp is what the optimizer steps: an fp32 master (its lp twin then gets the new value too), or a
+# lean param of any dtype (no master) written back by _write; `.float()` of fp32 is a no-op.
+def _write(hp, new, key, stochastic):
+    """new (fp32) into hp: to bf16 with stochastic rounding (noise from key), else a cast."""
+    if stochastic:
+        new = sm.round_bf16_stochastic(new, sm.rounding_noise(key, new.shape))
     hp.copy_(new)
+
+
+def _read(state):
+    """A state tensor's fp32 value: dequantized if it is a quantized tensor subclass (torchao's
+    low-bit state, whose copy_ quantizes again), else cast (a no-op for fp32)."""
+    if type(state) is not torch.Tensor and hasattr(state, "dequantize"):
+        return state.dequantize()
+    return state.float()
+
+
+def _sgd(hp, lp, grad, s, key, clip, maximize, decay, stochastic):
+    new = sm.sgd_update(hp.float(), sm.unscaled(grad, s, clip, maximize), s, decay)
+    _write(hp, new, key, stochastic)
     if lp is not None:
         lp.copy_(new)
 
 
-def sgd_momentum_update(hp, g, buf, s, decay, nesterov):
-    """(new param, new buffer) for SGD with momentum; s = [inv_scale, clip, weight_decay, -lr,
-    buffer decay, 1 - dampening, momentum]: the buffer decays by momentum, except on the first
-    step, which passes decay 0 and 1 - dampening 1 over a zero buffer: torch's buf = grad,
-    exactly."""
-    if decay:
-        g = g + s[2] * hp
-    b = buf * s[4] + s[5] * g
-    g = g + s[6] * b if nesterov else b
-    return hp + s[3] * g, b
-
-
-def _sgd_momentum(hp, lp, grad, buf, s, clip, maximize, decay, nesterov):
-    g = unscaled(grad, s, clip, maximize)
-    new, b = sgd_momentum_update(hp, g, buf, s, decay, nesterov)
+def _sgd_momentum(hp, lp, grad, buf, s, key, clip, maximize, decay, nesterov, stochastic):
+    g = sm.unscaled(grad, s, clip, maximize)
+    new, b = sm.sgd_momentum_update(hp.float(), g, _read(buf), s, decay, nesterov)
     buf.copy_(b)
-    hp.copy_(new)
+    _write(hp, new, key, stochastic)
     if lp is not None:
         lp.copy_(new)
 
 
-def adam_update(hp, g, exp_avg, exp_avg_sq, s, decay, decoupled):
-    """(new param, exp_avg, exp_avg_sq) for Adam/AdamW; s = [inv_scale, clip, weight_decay,
-    1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, bias_correction2_sqrt, eps,
-    -step_size] (torch's foreach Adam/AdamW, op for op)."""
-    p = hp
-    if decay and decoupled:
-        p = p * s[3]
-    elif decay:
-        g = g + s[2] * p
-    m = torch.lerp(exp_avg, g, s[4])
-    v = exp_avg_sq * s[5] + s[6] * g * g
-    denom = v.sqrt() / s[7] + s[8]
-    return p + s[9] * (m / denom), m, v
-
-
-def _adam(hp, lp, grad, exp_avg, exp_avg_sq, s, clip, maximize, decay, decoupled):
-    g = unscaled(grad, s, clip, maximize)
-    new, m, v = adam_update(hp, g, exp_avg, exp_avg_sq, s, decay, decoupled)
+def _adam(hp, lp, grad, exp_avg, exp_avg_sq, s, key, clip, maximize, decay, decoupled, stochastic):
+    g = sm.unscaled(grad, s, clip, maximize)
+    m, v = _read(exp_avg), _read(exp_avg_sq)
+    new, m, v = sm.adam_update(hp.float(), g, m, v, s, decay, decoupled)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
-    hp.copy_(new)
+    _write(hp, new, key, stochastic)
     if lp is not None:
         lp.copy_(new)
+
+
+KERNELS = {"sgd": _sgd, "sgd_momentum": _sgd_momentum, "adam": _adam}
+
+
+def update(
+    kind: str,
+    hp: torch.Tensor,
+    grad: torch.Tensor,
+    state: list[torch.Tensor],
+    s: torch.Tensor,
+    flags: tuple[bool, ...],
+    *,
+    lp: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    compiled: bool = True,
+) -> None:
+    """One tensor's update in its compiled kernel (kind: sgd, sgd_momentum or adam): hp and its
+    state (any float dtype, or torchao's quantized state: dequantized in the kernel, quantized
+    again by its copy_) written in place; key: the stochastic rounding's key
+    (step_math.rounding_keys) for a bf16 hp, None for round to nearest. compiled=False runs
+    the same kernel function eagerly (no compile: a small step, see LeanUpdate)."""
+    stochastic = key is not None
+    kinds = tuple((type(t).__name__, t.dtype) for t in (hp, *state))
+    variant = (*_variant(kind, grad, lp, *flags, stochastic), *kinds)
+    # quantized state (torchao's subclasses) keeps its shape: its blocks are not views
+    shape = _flat if all(type(t) is torch.Tensor for t in state) else _local
+    args = (shape(hp), _opt(lp), shape(grad), *(shape(t) for t in state), s, key)
+    if compiled:
+        _run(KERNELS[kind], variant, *args, *flags, stochastic)
+    else:
+        KERNELS[kind](*args, *flags, stochastic)
 
 
 def _variant(name: str, grad: torch.Tensor, lp: torch.Tensor | None = None, *flags: bool) -> tuple:
     return (name, grad.dtype, lp is not None, grad.numel() == 1, *flags)
-
-
-def _scalars(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def fused_step(
@@ -228,56 +230,44 @@ def fused_step(
 def _sgd_group(optimizer, group, items, head, flags) -> None:
     momentum = group["momentum"]
     device = items[0][0].device
-    base = [group["weight_decay"], -group["lr"]]
+    values = (group["lr"], group["weight_decay"], momentum, group["dampening"])
     if momentum == 0:
-        s = torch.cat([*head, _scalars(base, device)])
+        s = sm.scalar_vector(sm.sgd_scalars(*values), head, device)
         for hp, lp, grad in items:
-            args = (_flat(hp), _opt(lp), _flat(grad), s, *flags)
-            _run(_sgd, _variant("sgd", grad, lp, *flags), *args)
+            update("sgd", hp, grad, [], s, flags, lp=lp)
         return
     flags = (*flags, bool(group["nesterov"]))
-    later = [*base, momentum, 1 - group["dampening"], momentum]
-    later = torch.cat([*head, _scalars(later, device)])
-    first = torch.cat([*head, _scalars([*base, 0.0, 1.0, momentum], device)])
+    vectors: dict[bool, torch.Tensor] = {}
     for hp, lp, grad in items:
-        state = optimizer.state[hp]
-        buf = state.get("momentum_buffer")
-        s = later
-        if buf is None:
-            buf = state["momentum_buffer"] = torch.zeros_like(hp)
-            s = first
-        args = (_flat(hp), _opt(lp), _flat(grad), _flat(buf), s, *flags)
-        _run(_sgd_momentum, _variant("sgd_momentum", grad, lp, *flags), *args)
+        buf, first = sm.momentum_buffer(optimizer.state[hp], hp)
+        if first not in vectors:
+            vectors[first] = sm.scalar_vector(sm.sgd_scalars(*values, first=first), head, device)
+        update("sgd_momentum", hp, grad, [buf], vectors[first], flags, lp=lp)
 
 
 def _adam_group(optimizer, group, items, head, flags) -> None:
     beta1, beta2 = group["betas"]
-    lr, wd = group["lr"], group["weight_decay"]
     device = items[0][0].device
     decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
     flags = (*flags, bool(decoupled))
     steps = []
     for hp, _, _ in items:
         state = optimizer.state[hp]
-        if not state:  # torch's own initial state, so either path can continue the other
-            state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-            state["exp_avg"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
+        sm.adam_state(state, hp)  # torch's own, so either path can continue the other
         steps.append(state["step"])
     torch._foreach_add_(steps, 1.0)
     by_step: dict[float, torch.Tensor] = {}  # params almost always share one step count
     for (hp, lp, grad), step_t in zip(items, steps, strict=True):
         step = step_t.item()
         if step not in by_step:
-            bias_correction1 = 1 - beta1**step
-            bias_correction2 = 1 - beta2**step
-            values = [wd, 1 - lr * wd, 1 - beta1, beta2, 1 - beta2]
-            values += [bias_correction2**0.5, group["eps"], -(lr / bias_correction1)]
-            by_step[step] = torch.cat([*head, _scalars(values, device)])
+            values = sm.adam_scalars(
+                group["lr"], group["weight_decay"], beta1, beta2, group["eps"], step
+            )
+            by_step[step] = sm.scalar_vector(values, head, device)
         state = optimizer.state[hp]
-        args = (_flat(hp), _opt(lp), _flat(grad), _flat(state["exp_avg"]))
-        args += (_flat(state["exp_avg_sq"]), by_step[step], *flags)
-        _run(_adam, _variant("adam", grad, lp, *flags), *args)
+        update(
+            "adam", hp, grad, [state["exp_avg"], state["exp_avg_sq"]], by_step[step], flags, lp=lp
+        )
 
 
 def _opt(t: torch.Tensor | None) -> torch.Tensor | None:

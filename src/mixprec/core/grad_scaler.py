@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from mixprec.core.optim import MixedPrecisionOptimizer
-from mixprec.core.policy import ScalerConfig, did_you_mean
+from mixprec.core.policy import TORCH_SCALER, ScalerConfig, did_you_mean
 from mixprec.core.scaling import (
     ProcessGroup,
     all_reduce_found_inf_,
@@ -88,10 +88,10 @@ class GradScaler(torch.amp.GradScaler):
     def __init__(
         self,
         device: str | None = None,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        init_scale: float = TORCH_SCALER.init_scale,
+        growth_factor: float = TORCH_SCALER.growth_factor,
+        backoff_factor: float = TORCH_SCALER.backoff_factor,
+        growth_interval: int = TORCH_SCALER.growth_interval,
         enabled: bool = True,
         *,
         hysteresis: int = 1,

@@ -3,23 +3,24 @@
 Two ways to keep fewer bytes per parameter than fp32 masters + fp32 moments (16 with AdamW):
 
 - **Stochastic rounding of the write-back** (`update_rounding="stochastic"`). The update is
-  computed in fp32 from the bf16 param (a per-tensor transient) and written back to bf16
-  rounding up with probability (distance to the lower neighbour) / (gap between neighbours):
-  the expected written value is the fp32 one, so updates far below bf16's resolution (~2**-8
-  of the weight) still move it on average, where round-to-nearest drops them every step.
-  The random stream is one seeded torch.Generator per optimizer (per-rank distinct seed),
-  saved in the optimizer's state_dict, so a resume continues bit for bit; a skipped step
-  draws nothing from it.
+  computed in fp32 from the bf16 param (in registers of a compiled kernel) and written back
+  to bf16 rounding up with probability (distance to the lower neighbour) / (gap between
+  neighbours): the expected written value is the fp32 one, so updates far below bf16's
+  resolution (~2**-8 of the weight) still move it on average, where round-to-nearest drops
+  them every step. The random stream is counter-based (step_math.rounding_keys: a hash of a
+  per-rank seed, the optimizer's step counter, the param's place and the element), saved in
+  the optimizer's state_dict, so a resume continues bit for bit; a skipped step leaves the
+  counter, so it draws nothing; compile_step draws the same bits in its graph.
 - **Low-bit optimizer state** (`optimizer_state` in fp32 / bf16 / int8 / int4 / fp8). int8,
   int4 and fp8 are torchao's block-wise quantized tensor subclasses (OptimState8bit: dynamic
   8-bit map, blocks of 256; OptimState4bit: 4-bit map, blocks of 128; OptimStateFp8: e4m3,
-  blocks of 256). Each step dequantizes a tensor's state to fp32, runs the update and writes
-  it back (torchao's copy_ quantizes: nearest code of its map); tensors torchao does not
+  blocks of 256). Each step dequantizes a tensor's state inside the update's compiled kernel
+  and writes it back there (torchao's copy_ quantizes: nearest code of its map); tensors torchao does not
   quantize (under 4096 elements, or not a whole number of blocks) keep fp32 state.
 
-The update math is the core's one SGD/Adam/AdamW step math (mixprec.core.fused_step's *_update
-functions, which the fused master step runs too); this module only says where the fp32
-operands come from and how the results are written back.
+The update math is the core's one SGD/Adam/AdamW step math (mixprec.core.step_math), run in
+mixprec.core.fused_step's compiled per-tensor kernels as the fused master step runs it; this
+module only says where the operands come from and how the results are written back.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from mixprec.core import fused_step as fused
+from mixprec.core import step_math as sm
 from mixprec.core.policy import OPTIMIZER_STATES, ROUNDINGS, OptimizerState, Policy, Rounding
 from mixprec.core.scaling import rank_and_world
 
@@ -52,28 +54,23 @@ BLOCK_SIZE = {"int8": 256, "int4": 128, "fp8": 256}
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 UNSIGNED_KEYS = ("exp_avg_sq",)
 """State that is never negative gets torchao's unsigned map (twice the resolution)."""
-_HIGH_BIT_MASK = -65536  # 0xFFFF0000 as int32: keeps sign, exponent and bf16's 7 mantissa bits
 
 
 def fp32_to_bf16_stochastic(
     hp: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """hp rounded to bf16 stochastically: to the neighbour away from zero with probability
-    (low 16 bits of hp's fp32 pattern) / 2**16, otherwise towards zero. Unbiased: E[result] = hp
-    for every finite hp within bf16's range; the result is always one of hp's two bf16
-    neighbours (values above bf16's largest finite may round to inf, as nearest does);
-    inf and nan pass through as nearest rounding gives them.
-
-    Adding 16 uniform random bits to the low half and truncating carries into bf16's last bit
-    exactly with that probability (the carry may move the exponent: the next bf16 value).
-    """
+    """hp rounded to bf16 stochastically (step_math.round_bf16_stochastic) with noise drawn from
+    a torch.Generator: to the neighbour away from zero with probability (low 16 bits of hp's
+    fp32 pattern) / 2**16, otherwise towards zero. Unbiased: E[result] = hp for every finite hp
+    within bf16's range; always one of hp's two bf16 neighbours (values above bf16's largest
+    finite may round to inf, as nearest does); inf and nan pass through as nearest gives them.
+    The optimizer's write-back draws its noise from step_math.rounding_noise instead (the same
+    rounding; a counter-based stream that a compiled step can draw too)."""
     hp32 = hp.float().contiguous()
     noise = torch.randint(
         0, 1 << 16, hp32.shape, dtype=torch.int32, device=hp32.device, generator=generator
     )
-    bits = (hp32.view(torch.int32) + noise) & _HIGH_BIT_MASK  # int32 adds wrap: no UB in torch
-    rounded = bits.view(torch.float32).bfloat16()  # exact: the low 16 bits are zero
-    return torch.where(torch.isfinite(hp32), rounded, hp32.bfloat16())
+    return sm.round_bf16_stochastic(hp32, noise)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,91 +215,97 @@ class LeanUpdate:
         device = held[0].device if held else torch.device("cpu")
         base = torch.initial_seed() if cfg.seed is None else cfg.seed
         self.seed = _rank_seed(base, rank_and_world()[0])
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(self.seed)
+        self.counter = torch.zeros((), dtype=torch.int64, device=device)
+        """The rounding's random stream: steps written back so far (step_math.rounding_keys).
+        With the seed it is the stream's whole state: saved in checkpoints, unchanged by a
+        skipped step, advanced on the device (no sync)."""
 
     # ----- the step -----
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """One update of every held param with a grad (grads already unscaled and clipped)."""
+        """One update of every held param with a grad (grads already unscaled and clipped): the
+        core's step math in fused_step's compiled per-tensor kernels, with the write-back's
+        rounding in the same kernel; then the rounding's step counter advances (on device)."""
+        held = [p for g in optimizer.param_groups for p in g["params"]]
+        count = len(held)
+        # Compile the kernels where that pays (as fused_step's AUTO rule): low-bit state (its
+        # eager dequantize / quantize is ~6x slower than in a kernel), any GPU, or a CPU step of
+        # AUTO_MIN_ELEMENTS; else the same kernels run eagerly (compiling costs seconds and
+        # ~150 MiB of host memory once).
+        self.compiled = (
+            self.cfg.state in LOW_BIT
+            or any(_local(p).device.type != "cpu" for p in held[:1])
+            or sum(_local(p).numel() for p in held) >= fused.AUTO_MIN_ELEMENTS
+        )
+        keys = None
+        if self.cfg.rounding == "stochastic":
+            keys = sm.rounding_keys(self.seed, self.counter, count)
+        index = 0
         for group in optimizer.param_groups:
-            items = [p for p in group["params"] if p.grad is not None]
+            params = group["params"]
+            items = [(index + i, p) for i, p in enumerate(params) if p.grad is not None]
+            index += len(params)
             if not items:
                 continue
             if isinstance(optimizer, torch.optim.SGD):
-                self._sgd_group(optimizer, group, items)
+                self._sgd_group(optimizer, group, items, keys)
             else:
-                self._adam_group(optimizer, group, items)
+                self._adam_group(optimizer, group, items, keys)
+        if keys is not None:
+            self.counter += 1
 
-    def _write(self, p: torch.Tensor, new: torch.Tensor) -> None:
-        """The write-back: fp32 `new` into p's dtype, rounded as configured."""
+    def _zeros(self, like: torch.Tensor, key: str) -> torch.Tensor:
+        """A new state tensor in this config's format (step_math's initial state calls it)."""
+        return new_state(_local(like), self.cfg.state, signed=key not in UNSIGNED_KEYS)
+
+    def _update(self, kind, p, state, s, flags, keys, index) -> None:
+        """p's update in fused_step's kernel: low-bit state dequantized and quantized again
+        inside it (torchao's copy_: nearest code), a bf16 p rounded stochastically there."""
         local = _local(p)
-        if local.dtype == torch.bfloat16 and self.cfg.rounding == "stochastic":
-            local.copy_(fp32_to_bf16_stochastic(new, self.generator))
-        else:
-            local.copy_(new)  # nearest (a no-op cast for fp32)
+        key = None
+        if keys is not None and local.dtype == torch.bfloat16:
+            key = keys[index]
+        state = [_local(t) for t in state]
+        fused.update(kind, local, _local(p.grad), state, s, flags, key=key, compiled=self.compiled)
 
-    def _state(self, state: dict[str, Any], key: str, p: torch.Tensor) -> torch.Tensor:
-        if key not in state:
-            state[key] = new_state(_local(p), self.cfg.state, signed=key not in UNSIGNED_KEYS)
-        return state[key]
+    def _sgd_group(self, optimizer, group, items, keys) -> None:
+        momentum = group["momentum"]
+        values = (group["lr"], group["weight_decay"], momentum, group["dampening"])
+        flags = (False, bool(group.get("maximize")), group["weight_decay"] != 0)
+        device = _local(items[0][1]).device
+        if momentum == 0:
+            s = sm.scalar_vector(sm.sgd_scalars(*values), device=device)
+            for i, p in items:
+                self._update("sgd", p, [], s, flags, keys, i)
+            return
+        flags = (*flags, bool(group["nesterov"]))
+        vectors: dict[bool, torch.Tensor] = {}
+        for i, p in items:
+            buf, first = sm.momentum_buffer(optimizer.state[p], p, self._zeros)
+            if first not in vectors:
+                vectors[first] = sm.scalar_vector(
+                    sm.sgd_scalars(*values, first=first), None, device
+                )
+            self._update("sgd_momentum", p, [buf], vectors[first], flags, keys, i)
 
-    def _sgd_group(self, optimizer, group, items) -> None:
-        momentum, wd, lr = group["momentum"], group["weight_decay"], group["lr"]
-        maximize = bool(group.get("maximize"))
-        for p in items:
-            hp, g = _local(p).float(), self._grad(p, maximize)
-            if momentum == 0:
-                s = self._scalars([wd, -lr], hp)
-                self._write(p, fused.sgd_update(hp, g, s, wd != 0))
-                continue
-            state = optimizer.state[p]
-            first = "momentum_buffer" not in state
-            buf = self._state(state, "momentum_buffer", p)
-            decay, keep = (0.0, 1.0) if first else (momentum, 1 - group["dampening"])
-            s = self._scalars([wd, -lr, decay, keep, momentum], hp)
-            new, b = fused.sgd_momentum_update(
-                hp, g, to_fp32(buf), s, wd != 0, bool(group["nesterov"])
-            )
-            buf.copy_(b)  # torchao's copy_ quantizes
-            self._write(p, new)
-
-    def _adam_group(self, optimizer, group, items) -> None:
+    def _adam_group(self, optimizer, group, items, keys) -> None:
         beta1, beta2 = group["betas"]
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        maximize = bool(group.get("maximize"))
         decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
-        for p in items:
+        flags = (False, bool(group.get("maximize")), group["weight_decay"] != 0, bool(decoupled))
+        device = _local(items[0][1]).device
+        by_step: dict[float, torch.Tensor] = {}  # params almost always share one step count
+        for i, p in items:
             state = optimizer.state[p]
-            if "step" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-            exp_avg = self._state(state, "exp_avg", p)
-            exp_avg_sq = self._state(state, "exp_avg_sq", p)
+            sm.adam_state(state, p, self._zeros)
             state["step"] += 1
             step = float(state["step"])  # a CPU scalar, as torch's non-capturable Adam keeps it
-            bias_correction1 = 1 - beta1**step
-            bias_correction2 = 1 - beta2**step
-            values = [wd, 1 - lr * wd, 1 - beta1, beta2, 1 - beta2]
-            values += [bias_correction2**0.5, eps, -(lr / bias_correction1)]
-            hp, g = _local(p).float(), self._grad(p, maximize)
-            new, m, v = fused.adam_update(
-                hp, g, to_fp32(exp_avg), to_fp32(exp_avg_sq), self._scalars(values, hp), wd != 0,
-                bool(decoupled),
-            )  # fmt: skip
-            exp_avg.copy_(m)
-            exp_avg_sq.copy_(v)
-            self._write(p, new)
-
-    @staticmethod
-    def _grad(p: torch.Tensor, maximize: bool) -> torch.Tensor:
-        g = _local(p.grad).float()
-        return -g if maximize else g
-
-    @staticmethod
-    def _scalars(values: list[float], like: torch.Tensor) -> torch.Tensor:
-        """The step math's scalar vector s; its first two slots (inv_scale, clip) are 1: the
-        wrapper has unscaled and clipped the grads before this write-back runs."""
-        return torch.tensor([1.0, 1.0, *values], dtype=torch.float32, device=like.device)
+            if step not in by_step:
+                values = sm.adam_scalars(
+                    group["lr"], group["weight_decay"], beta1, beta2, group["eps"], step
+                )
+                by_step[step] = sm.scalar_vector(values, device=device)
+            moments = [state["exp_avg"], state["exp_avg_sq"]]
+            self._update("adam", p, moments, by_step[step], flags, keys, i)
 
     # ----- checkpoints -----
     def state_dict_into(self, state_dict: dict[str, Any]) -> None:
@@ -313,7 +316,7 @@ class LeanUpdate:
             for i, entry in state_dict["state"].items()
         }
         state_dict["lean"] = {
-            "rng": self.generator.get_state(),
+            "rng": self.counter.clone(),  # with the seed, the whole random stream
             "seed": self.seed,
             "optimizer_state": self.cfg.state,
             "update_rounding": self.cfg.rounding,
@@ -334,7 +337,9 @@ class LeanUpdate:
                 if key not in STATE_KEYS:
                     state[key] = value
                     continue
-                target = self._state(state, key, p)
+                if key not in state:
+                    state[key] = self._zeros(p, key)
+                target = state[key]
                 if _same_format(target, value):  # codes and scales as saved: bit for bit
                     target.codes.copy_(value["codes"])
                     target.scale.copy_(value["scale"])
@@ -342,7 +347,16 @@ class LeanUpdate:
                 fp32 = unpack_to_fp32(value).to(device=_local(p).device, dtype=torch.float32)
                 target.copy_(fp32.view(_local(p).shape))
         if lean is not None:
-            self.generator.set_state(lean["rng"])
+            rng = lean["rng"]
+            if not isinstance(rng, torch.Tensor) or rng.dtype != torch.int64 or rng.numel() != 1:
+                raise ValueError(
+                    f"This lean checkpoint's rounding stream ('rng': {type(rng).__name__} "
+                    f"{getattr(rng, 'dtype', '')}) is not a step counter: it was written by an "
+                    "older mixprec that drew its noise from a torch.Generator. Load it into an "
+                    "optimizer without stochastic rounding, or drop its 'lean' entry to restart "
+                    "the stream (the resume is then not bit for bit)."
+                )
+            self.counter.copy_(rng.reshape(()))
             self.seed = int(lean["seed"])
 
 

@@ -268,10 +268,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._warned_no_grads = False
         self._clean_growth: float | None = None  # see _decide
         self.lean = None if lean is None else lean_step.LeanUpdate(lean, optimizer)
-        if self.lean is not None:  # compile_step traces the inner optimizer's own step
-            self.whole_step_refusal = (
-                "its lean write-back (mixprec.core.lean) runs outside torch.compile"
-            )
         self.skip_monitor = SkipMonitor()  # says when a run starts by skipping, or skips too often
         # torch.optim.Optimizer's bookkeeping, for hooks and LR schedulers.
         self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()

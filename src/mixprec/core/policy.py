@@ -107,7 +107,7 @@ TORCH_SCALER = ScalerConfig()
 """torch.amp.GradScaler's defaults: 2**16, x2 every 2000 clean steps, x0.5 on overflow."""
 NAIVE_SCALER = ScalerConfig(init_scale=2.0**32, growth_interval=1000, hysteresis=2)
 """Colossal-AI's naive AMP defaults (Megatron's): 2**32, interval 1000, hysteresis 2, floor 1."""
-APEX_SCALER = ScalerConfig(init_scale=2.0**16, growth_interval=2000, max_scale=2.0**24)
+APEX_SCALER = replace(TORCH_SCALER, max_scale=2.0**24)
 """Apex's dynamic defaults: 2**16, interval 2000, ceiling 2**24."""
 UNIT_SCALE = ScalerConfig(dynamic=False, init_scale=1.0)
 """A static scale of 1: no scaling, but non-finite gradients still skip the step."""

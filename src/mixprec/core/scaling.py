@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.core.policy import ScalerConfig
+from mixprec.core.step_math import inverse_scale
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps import-time cost nil
 
@@ -171,7 +172,7 @@ class LossScaler:
         # host int): a static scale's 3 ops are paid once, not every step.
         scale, version = self._scale, self._scale._version
         if self._inv is None or self._inv_of is not scale or self._inv_version != version:
-            self._inv = scale.double().reciprocal().float()
+            self._inv = inverse_scale(scale)
             self._inv_of, self._inv_version = scale, version
         return self._inv
 

@@ -23,7 +23,7 @@ import torch
 
 from mixprec.core.grad_scaler import GradScaler as _CoreGradScaler
 from mixprec.core.grad_scaler import default_device
-from mixprec.core.policy import did_you_mean
+from mixprec.core.policy import TORCH_SCALER, did_you_mean
 from mixprec.core.scaling import ProcessGroup
 from mixprec.core.validate import check_scaler_values
 from mixprec.paddle.dygraph import MasterWeightOptimizer, amp_global_state, holds_pure_lp_params
@@ -96,10 +96,10 @@ class GradScaler(_CoreGradScaler):
     def __init__(
         self,
         enable: bool = True,
-        init_loss_scaling: float = 2.0**16,
-        incr_ratio: float = 2.0,
-        decr_ratio: float = 0.5,
-        incr_every_n_steps: int = 2000,
+        init_loss_scaling: float = TORCH_SCALER.init_scale,
+        incr_ratio: float = TORCH_SCALER.growth_factor,
+        decr_ratio: float = TORCH_SCALER.backoff_factor,
+        incr_every_n_steps: int = TORCH_SCALER.growth_interval,
         decr_every_n_nan_or_inf: int = 1,
         use_dynamic_loss_scaling: bool = True,
         *,

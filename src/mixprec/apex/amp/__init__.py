@@ -93,7 +93,7 @@ from mixprec.core.per_loss_optim import (
     is_rank_zero,
     reduce_found_inf_,
 )
-from mixprec.core.policy import Policy, describe
+from mixprec.core.policy import APEX_SCALER, Policy, describe
 from mixprec.core.prepare import autocast_context, param_probe, probe_device_type
 from mixprec.core.scaling import LossScaler
 from mixprec.core.validate import check_module_has_parameters
@@ -278,7 +278,7 @@ def initialize(
     num_losses: int = 1,
     verbosity: int = 1,
     min_loss_scale: float | None = None,
-    max_loss_scale: float = 2.0**24,
+    max_loss_scale: float = APEX_SCALER.max_scale,
 ) -> Any:
     """Cast models and wrap optimizers for an opt level; returns them as they were passed.
 

@@ -38,6 +38,7 @@ from mixprec.booster.plugin.plugin_base import (
     rank_and_world,
     refuse_non_defaults,
 )
+from mixprec.core.policy import NAIVE_SCALER, TORCH_SCALER
 from mixprec.core.validate import check_max_norm
 from mixprec.mixed_precision import FP32Precision, MixedPrecision, to_mixed_precision
 from mixprec.parallel.comm import to_fp8_comm_dtype
@@ -115,11 +116,11 @@ class HybridParallelPlugin(Plugin):
         parallel_output: bool = True,
         num_microbatches: int | None = None,
         microbatch_size: int | None = None,
-        initial_scale: float = 2**16,
+        initial_scale: float = TORCH_SCALER.init_scale,
         min_scale: float = 1,
         growth_factor: float = 2,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
+        backoff_factor: float = TORCH_SCALER.backoff_factor,
+        growth_interval: int = NAIVE_SCALER.growth_interval,
         hysteresis: int = 2,
         max_scale: float = 2**32,
         max_norm: float = 0.0,

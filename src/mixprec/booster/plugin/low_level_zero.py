@@ -22,7 +22,7 @@ from mixprec.booster.plugin.plugin_base import (
 )
 from mixprec.core.checkpoint import hp_model_state_dict
 from mixprec.core.optim import MixedPrecisionOptimizer
-from mixprec.core.policy import Policy, ScalerConfig, preset
+from mixprec.core.policy import NAIVE_SCALER, Policy, ScalerConfig, preset
 from mixprec.core.scaling import default_group
 from mixprec.core.validate import check_max_norm, check_norm_type, check_scaler_values
 from mixprec.mixed_precision import FP32Precision, MixedPrecision
@@ -80,11 +80,11 @@ class LowLevelZeroPlugin(Plugin):
         self,
         stage: int = 1,
         precision: str = "fp16",
-        initial_scale: float = 2**32,
+        initial_scale: float = NAIVE_SCALER.init_scale,
         min_scale: float = 1,
         growth_factor: float = 2,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
+        backoff_factor: float = NAIVE_SCALER.backoff_factor,
+        growth_interval: int = NAIVE_SCALER.growth_interval,
         hysteresis: int = 2,
         max_scale: float = 2**32,
         max_norm: float = 0.0,

@@ -20,7 +20,7 @@ import torch
 from mixprec.core.autocast import resolve_ops
 from mixprec.core.compiled_step import CompiledStep
 from mixprec.core.optim import MixedPrecisionOptimizer
-from mixprec.core.policy import to_low_dtype
+from mixprec.core.policy import NAIVE_SCALER, TORCH_SCALER, to_low_dtype
 from mixprec.paddle import op_names
 from mixprec.paddle.dygraph import NORM_OPS
 from mixprec.paddle.grad_scaler import GradScaler
@@ -317,7 +317,7 @@ def decorate_fp16_only(
     optimizer: torch.optim.Optimizer,
     amp_lists: AutoMixedPrecisionLists | None = None,
     init_loss_scaling: float = 2.0**15,
-    incr_every_n_steps: int = 1000,
+    incr_every_n_steps: int = NAIVE_SCALER.growth_interval,
     decr_every_n_nan_or_inf: int = 2,
     incr_ratio: float = 2.0,
     decr_ratio: float = 0.8,
@@ -378,11 +378,11 @@ def decorate_common(
     dtype: str | torch.dtype = "float16",
     master_weight: bool | None = None,
     master_grad: bool = False,
-    init_loss_scaling: float = 2.0**16,
-    incr_every_n_steps: int = 2000,
+    init_loss_scaling: float = TORCH_SCALER.init_scale,
+    incr_every_n_steps: int = TORCH_SCALER.growth_interval,
     decr_every_n_nan_or_inf: int = 1,
-    incr_ratio: float = 2.0,
-    decr_ratio: float = 0.5,
+    incr_ratio: float = TORCH_SCALER.growth_factor,
+    decr_ratio: float = TORCH_SCALER.backoff_factor,
     use_dynamic_loss_scaling: bool | None = None,
     use_amp_guard: bool = False,
     use_promote: bool = False,
