@@ -143,7 +143,7 @@ def _fsdp_lean_worker(rank: int, world: int) -> None:
             {k: v.clone() if type(v) is torch.Tensor else v.dequantize() for k, v in s.items()}
             for s in opt.optim.state.values()
         ]
-        rng = opt.lean.generator.get_state()
+        rng = opt.lean.counter.clone()
         booster.backward(torch.nn.functional.mse_loss(model(x[mine]), y[mine]), opt)
         if rank == 1:
             local_shard(held[0].grad).view(-1)[0] = float("inf")
@@ -155,7 +155,7 @@ def _fsdp_lean_worker(rank: int, world: int) -> None:
             for k, v in saved.items():
                 now = s[k] if type(s[k]) is torch.Tensor else s[k].dequantize()
                 torch.testing.assert_close(now, v, **EXACT)
-        assert torch.equal(opt.lean.generator.get_state(), rng)
+        assert torch.equal(opt.lean.counter.clone(), rng)
         assert_same_on_every_rank([opt.scaler.scale_tensor], "scale")
         if (rounding, state) == ("stochastic", "int8"):
             _resume_bitwise(booster, model, opt, x[mine], y[mine], held)
@@ -215,7 +215,7 @@ def _resume_bitwise(booster, model, opt, x, y, held) -> None:
             booster.backward(torch.nn.functional.mse_loss(model(x), y), opt)
             assert not opt.step().skipped
             opt.zero_grad()
-        return [local_shard(p).detach().clone() for p in held] + [opt.lean.generator.get_state()]
+        return [local_shard(p).detach().clone() for p in held] + [opt.lean.counter.clone()]
 
     first = two_steps()
     booster.load_model(model, model_dir)

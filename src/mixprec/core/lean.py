@@ -188,6 +188,10 @@ def unpack_to_fp32(value: Any) -> Any:
     return dequant_with_qmap(codes, qmap, scale).view(shape)
 
 
+LOW_BIT_MIN_ELEMENTS = 1 << 18
+"""Low-bit state compiles its kernels from this many held elements (see LeanUpdate.step)."""
+
+
 class LeanUpdate:
     """The lean write-back an optimizer wrapper runs instead of its inner optimizer's step().
 
@@ -228,14 +232,16 @@ class LeanUpdate:
         rounding in the same kernel; then the rounding's step counter advances (on device)."""
         held = [p for g in optimizer.param_groups for p in g["params"]]
         count = len(held)
-        # Compile the kernels where that pays (as fused_step's AUTO rule): low-bit state (its
-        # eager dequantize / quantize is ~6x slower than in a kernel), any GPU, or a CPU step of
-        # AUTO_MIN_ELEMENTS; else the same kernels run eagerly (compiling costs seconds and
-        # ~150 MiB of host memory once).
+        # Compile the kernels where that pays (as fused_step's AUTO rule): low-bit state of
+        # LOW_BIT_MIN_ELEMENTS (its eager dequantize / quantize is ~6x slower than in a kernel),
+        # any GPU, or a CPU step of AUTO_MIN_ELEMENTS; else the same kernels run eagerly, with the
+        # same bits (compiling costs 20-50 s on a 2-core CPU and ~150 MiB of host memory once:
+        # more than a small model's whole run).
+        numel = sum(_local(p).numel() for p in held)
         self.compiled = (
-            self.cfg.state in LOW_BIT
+            (self.cfg.state in LOW_BIT and numel >= LOW_BIT_MIN_ELEMENTS)
             or any(_local(p).device.type != "cpu" for p in held[:1])
-            or sum(_local(p).numel() for p in held) >= fused.AUTO_MIN_ELEMENTS
+            or numel >= fused.AUTO_MIN_ELEMENTS
         )
         keys = None
         if self.cfg.rounding == "stochastic":

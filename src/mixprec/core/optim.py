@@ -107,6 +107,24 @@ class _Carry:
     """The same for own params' grads (None: unscaled and clipped in place already)."""
 
 
+def _route_zero_grad(inner: torch.optim.Optimizer, wrapper: MixedPrecisionOptimizer) -> None:
+    """The inner optimizer's zero_grad() becomes the wrapper's: Lightning, Fabric and a user who
+    kept the torch optimizer call it, and it cleared only the masters' grads, so the model's lp
+    grads a step leaves in .grad (see _Carry) added into every later step (a skipped step's inf
+    grads too). The wrapper's zero_grad clears the inner groups itself (no recursion); a weak
+    reference, so the inner optimizer keeps no dropped wrapper alive."""
+    owner = weakref.ref(wrapper)
+    own = inner.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        target = owner()
+        if target is None:
+            return own(set_to_none)
+        return target.zero_grad(set_to_none)
+
+    inner.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
 SYNC_FREE_CHECK_EVERY = 32
 """The sync-free step reads its device record every this many steps (the compiled step's
 check_every default): a skip is logged, and a collapse raised, up to 31 steps late."""
@@ -220,6 +238,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if fused_step and reason:
             raise ValueError(f"fused_step=True cannot run this optimizer: {reason}.")
         self.optim = optimizer
+        _route_zero_grad(optimizer, self)
         self.fused_step = fused_step
         self.master_weights = master_weights
         self.max_norm = float(max_norm)

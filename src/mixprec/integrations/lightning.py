@@ -154,6 +154,12 @@ class MixprecPrecision(Precision):
             self.optimizer.note_scaled_backward()
             return self.optimizer
         mp = prepare_optimizer(raw, self.policy)
+        # Fabric's and the Trainer's optimizer wrappers zero the grads of param_groups (the
+        # masters once wrapped), never the model's lp params: gradients kept past a step (the
+        # core's g1 + g2 carry) would add into every later step, a skip's inf grads included.
+        # Lightning zeroes before each optimizer step's backward, so nothing is lost by freeing
+        # them at the step (accumulate_grad_batches accumulates before the step).
+        mp.carries_grads = False
         device = mp.scaler.scale_tensor.device
         mp.scaler = self._scaler_on(device)  # one scale: the one backward multiplied by
         if self._pending is not None:
