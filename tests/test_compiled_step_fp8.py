@@ -30,9 +30,14 @@ pytestmark = pytest.mark.usefixtures("device")
 # casts agree and only the update's fp32 rounding differs.
 
 
-def fp8_model(scaling: str) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module]:
+def plain_model() -> nn.Module:
+    """The fp32 model fp8_model converts, with the same initial weights."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def fp8_model(scaling: str) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module]:
+    model = plain_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     precision = mixprec.FP8MixedPrecision(config=Float8Config(scaling=scaling))
     model, opt, crit, _, _ = mixprec.Booster(mixed_precision=precision).boost(
@@ -197,8 +202,7 @@ def test_inductor_fp8_step_with_emulated_precision_casts_equals_the_eager_step()
             torch.testing.assert_close(a, b, msg=f"state tensor {i}", **fp32_rounding())
         return
     # exp_avg after one AdamW step is (1 - beta1) * grad: compare each run's grads to fp32's
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    plain = plain_model()
     nn.MSELoss()(plain(batch(0)[0]), batch(0)[1]).backward()
     for p, e, c in zip(plain.parameters(), eager_first, compiled_first, strict=True):
         fp32 = 0.1 * p.grad

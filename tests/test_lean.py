@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import CountingBackend
 from tolerances import EXACT, FP32_ROUNDING
 
 import mixprec
@@ -463,17 +464,6 @@ def test_compile_step_refuses_low_bit_state_by_name(state: str) -> None:
     model, opt = lean_setup(state)
     with pytest.raises(CompileStepError, match=f"optimizer_state='{state}'"):
         compile_step(model, opt, torch.nn.functional.mse_loss)
-
-
-class CountingBackend:
-    """A torch.compile backend that runs dynamo's graph as is and counts (re)compiles."""
-
-    def __init__(self) -> None:
-        self.compiles = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        self.compiles += 1
-        return gm.forward
 
 
 def _lean_pair(optim: str, state: str, rounding: str):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CountHostSyncs
+from conftest import CountHostSyncs, CountingBackend
 from tolerances import EXACT, FP32_ROUNDING
 from torch import nn
 
@@ -37,17 +37,6 @@ INIT_SCALE = 1024.0
 ADAMW = {"lr": 0.01, "weight_decay": 0.1}
 # AdamW, not SGD with momentum: torch's fused SGD (the outside scalers' fused path) leaves its
 # momentum buffer uninitialised (torch.empty) when the first step is skipped (torch 2.13, CPU).
-
-
-class CountingBackend:
-    """A torch.compile backend that counts the graphs dynamo hands it (compiles + recompiles)."""
-
-    def __init__(self) -> None:
-        self.compiles = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        self.compiles += 1
-        return gm.forward
 
 
 def make_model() -> nn.Module:
