@@ -19,6 +19,14 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub from a test
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n N: N workers share the cores. Each takes its share of intra-op threads (torch
+    # would take every core in each worker and they would oversubscribe), and the processes a
+    # test launches (gloo ranks, CLI runs) inherit that share through OMP_NUM_THREADS.
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 DEVICES = ("cpu", "cuda")
 
