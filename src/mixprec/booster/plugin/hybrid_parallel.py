@@ -79,6 +79,8 @@ class HybridParallelPlugin(Plugin):
             Booster's mixed_precision.
         zero_stage: 0, or 1 / 2 (ZeRO over the data-parallel group, pp_size = tp_size = 1).
         num_microbatches: micro-batches per batch (>= pp_size for '1f1b' and 'interleaved').
+        microbatch_size: samples per micro-batch instead (the count is the batch size over it,
+            fixed at the first batch); exactly one of the two with pp_size > 1.
         initial_scale ... max_scale: precision='fp16''s loss scaler.
         max_norm: clip gradients to this norm over all stages (0: off).
         zero_bucket_size_in_m, cpu_offload, communication_dtype, overlap_communication: ZeRO's
@@ -174,10 +176,6 @@ class HybridParallelPlugin(Plugin):
                 ),
                 "make_vocab_size_divisible_by": (64, "vocab padding is " + SHARDFORMER),
                 "inner_ring_size": (None, "ring attention is " + SHARDFORMER),
-                "microbatch_size": (
-                    None,
-                    "the schedule is built for a fixed micro-batch count: pass num_microbatches",
-                ),
                 "broadcast_buffers": (True, DDP_KNOB),
                 "ddp_bucket_cap_mb": (25, DDP_KNOB),
                 "find_unused_parameters": (False, DDP_KNOB),
@@ -217,17 +215,24 @@ class HybridParallelPlugin(Plugin):
                     )
         if num_layers_per_stage is not None and split_points is not None:
             raise ValueError("num_layers_per_stage and split_points both cut stages; set one.")
-        if num_microbatches is None and pp_size == 1:
-            num_microbatches = 1  # one stage: the whole batch at once, as without a pipeline
-        if num_microbatches is None:
+        if num_microbatches is not None and microbatch_size is not None:
             raise ValueError(
-                f"num_microbatches=None: pp_size={pp_size} needs it set (>= pp_size, "
-                "dividing the batch size)."
+                f"num_microbatches={num_microbatches!r} and microbatch_size={microbatch_size!r} "
+                "both set how a batch is split; set one (Colossal-AI takes one of the two)."
             )
+        if num_microbatches is None and microbatch_size is None:
+            if pp_size != 1:
+                raise ValueError(
+                    f"num_microbatches=None and microbatch_size=None: pp_size={pp_size} needs "
+                    "one of them set (num_microbatches >= pp_size micro-batches per batch, or "
+                    "microbatch_size samples per micro-batch; either must divide the batch)."
+                )
+            num_microbatches = 1  # one stage: the whole batch at once, as without a pipeline
         check_max_norm("max_norm", max_norm)
         self.config = PipelineConfig(
             pp_size=pp_size,
             num_microbatches=num_microbatches,
+            microbatch_size=microbatch_size,
             schedule=schedule,
             num_model_chunks=num_model_chunks if schedule == "interleaved" else None,
             split_points=None if split_points is None else tuple(split_points),

@@ -44,8 +44,12 @@ class PipelineConfig:
 
     pp_size: int
     """Pipeline ranks per model replica (stages: pp_size x num_model_chunks)."""
-    num_microbatches: int
-    """Micro-batches each batch is split into (dim 0 must divide evenly)."""
+    num_microbatches: int | None = None
+    """Micro-batches each batch is split into (dim 0 must divide evenly); or None with
+    microbatch_size."""
+    microbatch_size: int | None = None
+    """Samples per micro-batch (Colossal-AI's alternative to num_microbatches: the count is
+    the batch size over it, fixed at the first batch as the stages' shapes are)."""
     schedule: str = "1f1b"
     """One of SCHEDULES: torch's Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B."""
     num_model_chunks: int | None = None
@@ -56,8 +60,16 @@ class PipelineConfig:
     """Tensor-parallel ranks per stage (torch's DTensor parallelize_module with tp_plan)."""
 
     def __post_init__(self) -> None:
-        for name in ("pp_size", "num_microbatches", "tp_size"):
+        if (self.num_microbatches is None) == (self.microbatch_size is None):
+            raise ValueError(
+                f"num_microbatches={self.num_microbatches!r}, microbatch_size="
+                f"{self.microbatch_size!r}: set exactly one (the micro-batch count, or the "
+                "samples per micro-batch)."
+            )
+        for name in ("pp_size", "num_microbatches", "microbatch_size", "tp_size"):
             value = getattr(self, name)
+            if value is None and name in ("num_microbatches", "microbatch_size"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1.")
         if self.schedule not in SCHEDULES:
@@ -74,19 +86,52 @@ class PipelineConfig:
             )
         if self.schedule == "interleaved" and self.chunks < 2:
             raise ValueError(f"num_model_chunks={chunks!r}: 'interleaved' needs >= 2.")
-        if self.schedule != "gpipe" and self.num_microbatches < self.pp_size:
+        if self.num_microbatches is not None:
+            self.check_microbatches(self.num_microbatches)
+
+    def check_microbatches(self, m: int, how: str = "") -> None:
+        """Whether the schedule runs m micro-batches a batch (how: where m came from)."""
+        named = f"num_microbatches={m}{how}"
+        if self.schedule != "gpipe" and m < self.pp_size:
             raise ValueError(
-                f"num_microbatches={self.num_microbatches} < pp_size={self.pp_size}: "
-                f"pp_schedule={self.schedule!r} keeps every stage busy only with at least "
-                "pp_size micro-batches; raise num_microbatches or use 'gpipe'."
+                f"{named} < pp_size={self.pp_size}: pp_schedule={self.schedule!r} keeps every "
+                "stage busy only with at least pp_size micro-batches; "
+                + (
+                    "raise num_microbatches"
+                    if not how
+                    else "use a larger batch or a smaller microbatch_size"
+                )
+                + " or use 'gpipe'."
             )
-        rounds = max(1, self.num_microbatches // self.pp_size)
-        if self.schedule == "interleaved" and self.num_microbatches % rounds:
+        rounds = max(1, m // self.pp_size)
+        if self.schedule == "interleaved" and m % rounds:
             raise ValueError(
-                f"num_microbatches={self.num_microbatches} must be a multiple of its "
-                f"{rounds} rounds of pp_size={self.pp_size} for pp_schedule='interleaved' "
-                "(torch's ScheduleInterleaved1F1B rule); a multiple of pp_size always works."
+                f"{named} must be a multiple of its {rounds} rounds of pp_size={self.pp_size} "
+                "for pp_schedule='interleaved' (torch's ScheduleInterleaved1F1B rule); a "
+                "multiple of pp_size always works."
             )
+
+    def microbatches_of(self, size: int) -> int:
+        """The micro-batch count of a batch of size samples; raises when it does not split."""
+        if self.num_microbatches is not None:
+            if size % self.num_microbatches:
+                raise ValueError(
+                    f"The batch of {size} samples does not split into num_microbatches="
+                    f"{self.num_microbatches} equal micro-batches; use a batch size that is a "
+                    f"multiple of {self.num_microbatches}."
+                )
+            return self.num_microbatches
+        per = self.microbatch_size
+        assert per is not None
+        if size % per:
+            raise ValueError(
+                f"The batch of {size} samples does not split into micro-batches of "
+                f"microbatch_size={per}; use a batch size that is a multiple of {per} (or set "
+                "num_microbatches instead)."
+            )
+        m = size // per
+        self.check_microbatches(m, f" (batch {size} / microbatch_size={per})")
+        return m
 
     @property
     def chunks(self) -> int:
@@ -151,6 +196,7 @@ class PipelinedModel(nn.Module):
         ]
         self._schedule: Any = None
         self._batch_size: int | None = None  # the batch size the schedule's shapes were set for
+        self._microbatches = 0  # micro-batches per batch, fixed with _batch_size
         self._run: tuple[Callable[..., torch.Tensor], PipelineOptimizer] | None = None
         self._losses: list[torch.Tensor] = []
 
@@ -174,16 +220,15 @@ class PipelinedModel(nn.Module):
         criterion, optimizer = self._run
         loss = criterion(output, target)
         self._losses.append(loss.detach())
-        return optimizer.scale_loss(loss / self.config.num_microbatches)
+        return optimizer.scale_loss(loss / self._microbatches)
 
-    def _make_schedule(self) -> Any:
+    def _make_schedule(self, m: int) -> Any:
         from torch.distributed.pipelining import (
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
         )
 
-        m = self.config.num_microbatches
         # scale_grads=False: the 1/m is in the loss, so no extra pass rescales the grads.
         if self.config.schedule == "interleaved":
             return ScheduleInterleaved1F1B(
@@ -215,14 +260,10 @@ class PipelinedModel(nn.Module):
                 f"{type(optimizer).__name__}."
             )
         inputs, targets = _inputs_and_targets(batch)
-        size, m = inputs.shape[0], self.config.num_microbatches
+        size = inputs.shape[0]
         # Checked on every rank before the schedule runs (every rank of a pipeline reads the
         # same batch): all raise the same error, none is left waiting in a send or receive.
-        if size % m:
-            raise ValueError(
-                f"The batch of {size} samples does not split into num_microbatches={m} equal "
-                f"micro-batches; use a batch size that is a multiple of {m}."
-            )
+        m = self.config.microbatches_of(size)
         if self._batch_size is not None and size != self._batch_size:
             raise ValueError(
                 f"The batch of {size} samples differs from the {self._batch_size} the pipeline "
@@ -232,8 +273,9 @@ class PipelinedModel(nn.Module):
                 "drop_last=True)), or pad the last batch to the same size."
             )
         if self._schedule is None:
-            self._schedule = self._make_schedule()
+            self._schedule = self._make_schedule(m)
             self._batch_size = size
+            self._microbatches = m
         self._run = (criterion, optimizer)
         self._losses = []
         if not forward_only:  # every stage's grads come from the last stage's scaled loss
