@@ -24,6 +24,7 @@ from mixprec.core.optim import MixedPrecisionOptimizer, local_shards
 from mixprec.core.scaling import ProcessGroup
 from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.parallel.comm import fp8_all_reduce
+from mixprec.parallel.zero import ZeroOptimizer
 
 
 class PipelineOptimizer(MixedPrecisionOptimizer):
@@ -152,3 +153,40 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         super().zero_grad(set_to_none)
         self._fresh.clear()  # accumulated master grads are discarded with the lp ones
         self._dp_averaged = False
+
+
+class PipelineZeroOptimizer(ZeroOptimizer):
+    """ZeRO over one pipeline stage's data-parallel group (HybridParallelPlugin(zero_stage=1|2,
+    pp_size > 1), Colossal-AI's layout): each stage's fp32 masters and optimizer state (and,
+    at stage 2, its gradients) are sharded over the replicas of that stage.
+
+    - Micro-batch gradients sum in the params' .grad (autograd, in the params' dtype, as
+      Colossal-AI's ZeRO accumulates them; the pipeline without ZeRO sums in fp32 instead), and
+      are reduced over the stage's replicas once, at step() (ZeroOptimizer's buckets).
+    - process_group is every rank of every stage: the overflow flag (a skip on any rank skips
+      everywhere) and the clip norm (each rank's shard of its stage's grads) are summed there.
+    - A step leaves each owner's gradient in .grad for the next round (ZeroOptimizer's carry):
+      two execute_pipeline rounds with no zero_grad() step on g1 + g2, as without ZeRO.
+
+    Args (beyond ZeroOptimizer's):
+        pp_group: the ranks holding the other stages of this replica.
+        dp_group: this stage's replicas, the ranks its params are sharded over.
+    """
+
+    whole_step_refusal = PipelineOptimizer.whole_step_refusal
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        pp_group: ProcessGroup | None,
+        dp_group: ProcessGroup,
+        **kwargs: Any,
+    ) -> None:
+        self.pp_group = pp_group
+        self.dp_group = dp_group
+        super().__init__(optimizer, shard_group=dp_group, **kwargs)
+
+
+StageOptimizer = PipelineOptimizer | PipelineZeroOptimizer
+"""The optimizer of a pipeline stage: averaged over its replicas, or ZeRO over them."""

@@ -30,7 +30,11 @@ from torch import nn
 
 from mixprec.core.policy import Policy, did_you_mean
 from mixprec.core.prepare import PrecisionModule, prepare_model, prepare_optimizer
-from mixprec.parallel.pipeline.optim import PipelineOptimizer
+from mixprec.parallel.pipeline.optim import (
+    PipelineOptimizer,
+    PipelineZeroOptimizer,
+    StageOptimizer,
+)
 from mixprec.parallel.pipeline.split import split_sequential
 
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
@@ -197,7 +201,7 @@ class PipelinedModel(nn.Module):
         self._schedule: Any = None
         self._batch_size: int | None = None  # the batch size the schedule's shapes were set for
         self._microbatches = 0  # micro-batches per batch, fixed with _batch_size
-        self._run: tuple[Callable[..., torch.Tensor], PipelineOptimizer] | None = None
+        self._run: tuple[Callable[..., torch.Tensor], StageOptimizer] | None = None
         self._losses: list[torch.Tensor] = []
 
     @property
@@ -241,7 +245,7 @@ class PipelinedModel(nn.Module):
         self,
         batch: Any,
         criterion: Callable[..., torch.Tensor],
-        optimizer: PipelineOptimizer,
+        optimizer: StageOptimizer,
         *,
         return_loss: bool = True,
         return_outputs: bool = False,
@@ -254,7 +258,7 @@ class PipelinedModel(nn.Module):
         mean of the micro-batch losses) and 'outputs' (concatenated) on the rank holding the
         last stage, None elsewhere. Gradients accumulate until optimizer.step().
         """
-        if not isinstance(optimizer, PipelineOptimizer):
+        if not isinstance(optimizer, PipelineOptimizer | PipelineZeroOptimizer):
             raise TypeError(
                 "Pass the optimizer boost() returned with this pipelined model, got "
                 f"{type(optimizer).__name__}."
@@ -347,13 +351,23 @@ def prepare_pipeline(
     convert: Convert = prepare_model,
     tp_plan: Mapping[str, Any] | None = None,
     fp8_communication: torch.dtype | None = None,
-) -> tuple[PipelinedModel, PipelineOptimizer | None]:
+    zero: Mapping[str, Any] | None = None,
+) -> tuple[PipelinedModel, StageOptimizer | None]:
     """Cut model into stages, keep this rank's (cast per policy), and wrap optimizer over them.
 
     The layers of other ranks' stages are moved to the meta device (their memory freed). The
     optimizer may be built over the whole model: its param groups are narrowed to this
     rank's params. torch.distributed must be initialised; the world is a (dp, pp) mesh.
+    zero: ZeroOptimizer's arguments (stage, communication_dtype, ...) to shard each stage's
+    masters and optimizer state over its data-parallel group (PipelineZeroOptimizer), or None.
     """
+    if zero is not None and fp8_communication is not None:
+        raise ValueError("fp8_communication with zero: pass it among zero's arguments.")
+    if zero is not None and config.tp_size > 1:
+        raise ValueError(
+            f"ZeRO with tp_size={config.tp_size}: ZeRO's flat gradient buckets hold plain "
+            "tensors, a tensor-parallel stage's params are DTensors; use zero with tp_size=1."
+        )
     from torch.distributed.device_mesh import init_device_mesh
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -371,7 +385,7 @@ def prepare_pipeline(
     )
     pp_rank = mesh.get_local_rank("pp")
     pp_group = mesh.get_group("pp")
-    dp_group = mesh.get_group("dp") if dp_size > 1 else None
+    dp_group = mesh.get_group("dp") if dp_size > 1 or zero is not None else None
     stage_ids = [pp_rank + k * config.pp_size for k in range(config.chunks)]
     local = [all_stages[i] for i in stage_ids]
     local_ids = {id(p) for stage in local for p in stage.parameters()}
@@ -395,16 +409,29 @@ def prepare_pipeline(
     piped = PipelinedModel(wrapped, stage_ids, config, pp_group, device, prefixes)
     if optimizer is None:
         return piped, None
-    mp_optimizer = prepare_optimizer(
-        optimizer,
-        policy,
-        max_norm=max_norm,
-        process_group=dist.group.WORLD,  # every stage and replica skips together
-        optimizer_cls=PipelineOptimizer,
-        pp_group=pp_group,
-        dp_group=dp_group,
-        fp8_communication=fp8_communication,
-    )
+    # every stage and replica skips together: the overflow flag is reduced over the world
+    if zero is not None:
+        mp_optimizer: StageOptimizer = prepare_optimizer(  # type: ignore[assignment]
+            optimizer,
+            policy,
+            max_norm=max_norm,
+            process_group=dist.group.WORLD,
+            optimizer_cls=PipelineZeroOptimizer,
+            pp_group=pp_group,
+            dp_group=dp_group,
+            **zero,  # fp8_communication among them (ZeRO's own buckets)
+        )
+    else:
+        mp_optimizer = prepare_optimizer(  # type: ignore[assignment]
+            optimizer,
+            policy,
+            max_norm=max_norm,
+            process_group=dist.group.WORLD,
+            optimizer_cls=PipelineOptimizer,
+            pp_group=pp_group,
+            dp_group=dp_group,
+            fp8_communication=fp8_communication,
+        )
     for stage in wrapped:
         mp_optimizer.name_params(stage.module)
     return piped, mp_optimizer
