@@ -216,6 +216,26 @@ def _zero_equals_pipeline(rank: int) -> None:
             torch.testing.assert_close(everyone[(rank + PP) % 4][name], w, **EXACT, msg=name)
 
 
+def _zero_clips_globally(rank: int) -> None:
+    """max_norm under ZeRO clips by the norm over every stage's every shard (each rank sums the
+    squares of the grads it owns, over the world): the one-process clip within rounding."""
+    replica = rank // PP
+    batches = _batches(2 * 3)
+    max_norm = 0.05  # far below these gradients' norm: every step clips
+    expected = _reference("fp32", batches, max_norm=max_norm, replicas=2)
+    booster, model, optimizer, criterion = _boost("fp32", max_norm=max_norm, zero_stage=2)
+    for step in range(3):
+        mine = batches[2 * step + replica]
+        booster.execute_pipeline(iter([mine]), model, criterion, optimizer)
+        result = optimizer.step()
+        assert not result.skipped and result.grad_norm > max_norm
+        optimizer.zero_grad()
+    for name, w in _params(model).items():
+        # as test_pipeline's global clipping: the norm summed per shard, then over the world
+        # (another order than torch's): a few fp32 ulps in the coefficient, 3 steps
+        torch.testing.assert_close(w, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 # Under ZeRO the grad a step leaves is kept by its owner only, times the replica count, so the
 # next reduction adds it as (2c + t0) + t1 where the pipeline without ZeRO adds (c + t0) + (c +
 # t1): a few fp32 ulps of a gradient, times LR, over two steps.
@@ -308,6 +328,7 @@ def _gathered_masters(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
 def _four_worker(rank: int, world: int, path: str) -> None:
     _zero_equals_pipeline(rank)
     _zero_carries_grads(rank)
+    _zero_clips_globally(rank)
     _check_skip_together(rank, "fp16_naive", functools.partial(_boost, zero_stage=1))
     _zero_checkpoint_resume(rank, path)
 
