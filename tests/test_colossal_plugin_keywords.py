@@ -148,7 +148,6 @@ REFUSED: dict[type, dict[str, Any]] = {
         "sequence_parallelism_mode": "all_to_all",
         "enable_sequence_overlap": True,
         "parallel_output": False,
-        "microbatch_size": 2,
         "broadcast_buffers": False,
         "ddp_bucket_cap_mb": 50,
         "find_unused_parameters": True,
@@ -218,8 +217,10 @@ CHECKED_BY = {
         "tp_size": "test_pipeline.py (tp_plan runs)",
         "pp_size": "test_pipeline.py",
         "precision": "test_hybrid_precision_is_colossals",
-        "zero_stage": "test_distributed_keywords (equals LowLevelZeroPlugin)",
+        "zero_stage": "test_distributed_keywords (equals LowLevelZeroPlugin); "
+        "test_hybrid_parallel.py (pp x dp: equals the loop, skips, checkpoints)",
         "num_microbatches": "test_pipeline.py",
+        "microbatch_size": "test_hybrid_parallel.py (equals num_microbatches, bad batches)",
         "initial_scale": "test_hybrid_precision_is_colossals",
         "min_scale": "test_hybrid_precision_is_colossals",
         "growth_factor": "test_hybrid_precision_is_colossals",
@@ -374,8 +375,16 @@ def test_hybrid_zero_keywords_need_zero() -> None:
             assert zero.overlap_communication
         else:
             assert zero.reduce_bucket_numel == 4 * 2**20
-    with pytest.raises(NotImplementedError, match="zero_stage=1"):
-        HybridParallelPlugin(pp_size=2, num_microbatches=2, zero_stage=1)
+    # with a pipeline, ZeRO's settings apply to each stage's data-parallel group
+    plugin = HybridParallelPlugin(
+        pp_size=2, num_microbatches=2, zero_stage=2, zero_bucket_size_in_m=4, cpu_offload=True
+    )
+    assert plugin._zero is None and plugin._stage_zero.stage == 2
+    assert plugin._stage_zero.reduce_bucket_numel == 4 * 2**20 and plugin._stage_zero.cpu_offload
+    with pytest.raises(NotImplementedError, match="tp_size=2.*DTensors"):
+        HybridParallelPlugin(
+            pp_size=2, tp_size=2, tp_plan={"0": object()}, num_microbatches=2, zero_stage=1
+        )
 
 
 def test_hybrid_pp_style_and_layers_per_stage() -> None:

@@ -215,9 +215,10 @@ def _snapshot(model: Any, optimizer: Any) -> list[torch.Tensor]:
     return tensors
 
 
-def _check_skip_together(rank: int, mode: str) -> None:
-    """An inf in one micro-batch's gradient on stage 0 only: every rank skips, bit for bit."""
-    booster, model, optimizer, criterion = _boost(
+def _check_skip_together(rank: int, mode: str, boost: Any = None) -> None:
+    """An inf in one micro-batch's gradient on stage 0 only: every rank skips, bit for bit.
+    boost: what builds the run (default _boost; test_hybrid_parallel.py passes ZeRO's)."""
+    booster, model, optimizer, criterion = (boost or _boost)(
         mode, optim=lambda ps: torch.optim.AdamW(ps, lr=LR)
     )
     batches = _batches(2)

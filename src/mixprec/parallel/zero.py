@@ -36,7 +36,7 @@ from mixprec.core.lean import LeanConfig, state_bytes
 from mixprec.core.optim import LOW_DTYPES, MixedPrecisionOptimizer, StepResult
 from mixprec.core.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
 from mixprec.core.prepare import prepare_optimizer
-from mixprec.core.scaling import ProcessGroup, default_group
+from mixprec.core.scaling import ProcessGroup, default_group, group_to_hold
 from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.parallel.comm import PendingFp8ReduceScatter, to_fp8_comm_dtype
 
@@ -166,6 +166,9 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         fp8_communication: True, 'e5m2' (True's format) or 'e4m3': gradients travel in fp8
             with one power-of-two scale per bucket and rank, summed in fp32 by their owner
             (mixprec.parallel.comm): a quarter of fp32's bytes, an fp8 rounding of each grad.
+        shard_group: the ranks the params are sharded over and their gradients reduced over
+            (None: process_group). A pipeline stage's data-parallel group: process_group (every
+            rank of every stage) then only agrees on overflow and sums the clip norm.
         Others: as MixedPrecisionOptimizer (the fused step is off: it reads unreduced grads).
     """
 
@@ -190,6 +193,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         reduce_bucket_numel: int | None = None,
         overlap_communication: bool = False,
         fp8_communication: bool | str = False,
+        shard_group: ProcessGroup | None = None,
     ) -> None:
         if isinstance(stage, bool) or stage not in STAGES:
             raise ValueError(
@@ -223,10 +227,12 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         self._ready: dict[int, set[int]] = {}  # bucket -> params whose grad this backward gave
         self._sync_grads = True  # False inside no_sync()
         group = process_group or default_group()
+        shard = group if shard_group is None else shard_group
+        self.shard_group = group_to_hold(shard)  # None: the default group, looked up at use
         self.stage = stage
         self.norm_type = check_norm_type("norm_type", norm_type)
-        self.rank, self.world = group_rank_and_world(group)
-        gloo = group is not None and dist.get_backend(group) == "gloo"
+        self.rank, self.world = group_rank_and_world(shard)
+        gloo = shard is not None and dist.get_backend(shard) == "gloo"
         if reduce_scatter is None:
             reduce_scatter = not gloo
         self.reduce_scatter = reduce_scatter
@@ -243,7 +249,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         if len({id(p) for p in self.all_params}) != len(self.all_params):
             raise ValueError("A parameter appears twice in the optimizer's param_groups.")
         if self.world > 1:
-            _broadcast_from_first(self.all_params, group)  # every rank starts from rank 0's
+            _broadcast_from_first(self.all_params, shard)  # every rank starts from rank 0's
         self.owners = partition_params([p.numel() for p in self.all_params], self.world)
         mine = {id(p) for p, r in zip(self.all_params, self.owners, strict=True) if r == self.rank}
         for g in optimizer.param_groups:  # an emptied group keeps its hyperparameters (LR)
@@ -272,10 +278,10 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         )
 
     def _global_rank(self, group_rank: int) -> int:
-        """The global rank of a rank of this optimizer's group (None: the default group)."""
-        if self.process_group is None:
+        """The global rank of a rank of the shard group (None: the default group)."""
+        if self.shard_group is None:
             return group_rank
-        return dist.get_global_rank(self.process_group, group_rank)
+        return dist.get_global_rank(self.shard_group, group_rank)
 
     def owns(self, index: int) -> bool:
         return self.owners[index] == self.rank
@@ -454,7 +460,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             else:
                 flat[end : end + len(chunk)].copy_(flags[rank, : len(chunk)])
             flat[end + len(chunk) : (rank + 1) * length].zero_()  # padding
-        group = self.process_group
+        group = self.shard_group
         if fp8:
             flags = flags.to(device)
             counted = dist.all_reduce(flags, group=group, async_op=True)
@@ -494,7 +500,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         check_max_norm("max_norm", max_norm)
         p = self.norm_type if norm_type is None else check_norm_type("norm_type", norm_type)
         self.unscale_grads()
-        group = self.process_group or default_group()  # each rank holds its own shard
+        group = self.process_group or default_group()  # each rank holds its own shard (of
+        # its pipeline stage, when sharded over a stage's data-parallel group)
         device = self.scaler.scale_tensor.device
         return clip_grads_(self._hp_grads(), max_norm, p, group=group, device=device)
 
@@ -536,7 +543,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             send = torch.zeros(length, dtype=dtype, device=device)
             self._pack(chunks[self.rank], send)
             recv = torch.empty(self.world * length, dtype=dtype, device=device)
-            dist.all_gather_single(recv, send, group=self.process_group)
+            dist.all_gather_single(recv, send, group=self.shard_group)
             for rank, chunk in enumerate(chunks):
                 if rank != self.rank:
                     self._unpack(chunk, recv[rank * length : (rank + 1) * length])
@@ -553,7 +560,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             if rank == self.rank:
                 self._pack(chunk, buffer)
             src = self._global_rank(rank)
-            work = dist.broadcast(buffer, src=src, group=self.process_group, async_op=True)
+            work = dist.broadcast(buffer, src=src, group=self.shard_group, async_op=True)
             pending.append((rank, chunk, buffer, work))
         for rank, chunk, buffer, work in pending:
             work.wait()
@@ -630,7 +637,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             )
             if self.world > 1:
                 src = self._global_rank(self.owners[i])
-                dist.broadcast(value, src=src, group=self.process_group)
+                dist.broadcast(value, src=src, group=self.shard_group)
             out.append(value)
         return out
 
@@ -693,7 +700,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             parts = [None] * self.world if self.rank == 0 else []
             dst = self._global_rank(0)
             dist.gather_object(
-                local, parts if self.rank == 0 else None, dst=dst, group=self.process_group
+                local, parts if self.rank == 0 else None, dst=dst, group=self.shard_group
             )
         if self.rank != 0:
             return None

@@ -50,7 +50,7 @@ from mixprec.parallel.pipeline.checkpoint import (
     pipeline_optimizer_state,
     template_from_metadata,
 )
-from mixprec.parallel.pipeline.optim import PipelineOptimizer
+from mixprec.parallel.pipeline.optim import StageOptimizer
 from mixprec.parallel.pipeline.schedule import (
     PipelineConfig,
     PipelinedModel,
@@ -59,6 +59,7 @@ from mixprec.parallel.pipeline.schedule import (
     next_batch,
     prepare_pipeline,
 )
+from mixprec.parallel.zero import check_cpu_offload
 
 SHARDFORMER = "a shardformer feature mixprec does not have (tensor parallelism is tp_plan)"
 DDP_KNOB = (
@@ -77,8 +78,13 @@ class HybridParallelPlugin(Plugin):
             'bf16' (bf16 params, fp32 masters), 'fp32'; or, as mixprec extensions, another
             mode name ('fp16_naive', 'fp8', ...), a MixedPrecision, or None for the
             Booster's mixed_precision.
-        zero_stage: 0, or 1 / 2 (ZeRO over the data-parallel group, pp_size = tp_size = 1).
+        zero_stage: 0, or 1 / 2: ZeRO over the data-parallel group (pp_size = tp_size = 1:
+            LowLevelZeroPlugin), or with pp_size > 1 over each stage's replicas: each stage's
+            masters and optimizer state sharded there (PipelineZeroOptimizer); not with tp_size
+            > 1.
         num_microbatches: micro-batches per batch (>= pp_size for '1f1b' and 'interleaved').
+        microbatch_size: samples per micro-batch instead (the count is the batch size over it,
+            fixed at the first batch); exactly one of the two with pp_size > 1.
         initial_scale ... max_scale: precision='fp16''s loss scaler.
         max_norm: clip gradients to this norm over all stages (0: off).
         zero_bucket_size_in_m, cpu_offload, communication_dtype, overlap_communication: ZeRO's
@@ -174,10 +180,6 @@ class HybridParallelPlugin(Plugin):
                 ),
                 "make_vocab_size_divisible_by": (64, "vocab padding is " + SHARDFORMER),
                 "inner_ring_size": (None, "ring attention is " + SHARDFORMER),
-                "microbatch_size": (
-                    None,
-                    "the schedule is built for a fixed micro-batch count: pass num_microbatches",
-                ),
                 "broadcast_buffers": (True, DDP_KNOB),
                 "ddp_bucket_cap_mb": (25, DDP_KNOB),
                 "find_unused_parameters": (False, DDP_KNOB),
@@ -217,17 +219,24 @@ class HybridParallelPlugin(Plugin):
                     )
         if num_layers_per_stage is not None and split_points is not None:
             raise ValueError("num_layers_per_stage and split_points both cut stages; set one.")
-        if num_microbatches is None and pp_size == 1:
-            num_microbatches = 1  # one stage: the whole batch at once, as without a pipeline
-        if num_microbatches is None:
+        if num_microbatches is not None and microbatch_size is not None:
             raise ValueError(
-                f"num_microbatches=None: pp_size={pp_size} needs it set (>= pp_size, "
-                "dividing the batch size)."
+                f"num_microbatches={num_microbatches!r} and microbatch_size={microbatch_size!r} "
+                "both set how a batch is split; set one (Colossal-AI takes one of the two)."
             )
+        if num_microbatches is None and microbatch_size is None:
+            if pp_size != 1:
+                raise ValueError(
+                    f"num_microbatches=None and microbatch_size=None: pp_size={pp_size} needs "
+                    "one of them set (num_microbatches >= pp_size micro-batches per batch, or "
+                    "microbatch_size samples per micro-batch; either must divide the batch)."
+                )
+            num_microbatches = 1  # one stage: the whole batch at once, as without a pipeline
         check_max_norm("max_norm", max_norm)
         self.config = PipelineConfig(
             pp_size=pp_size,
             num_microbatches=num_microbatches,
+            microbatch_size=microbatch_size,
             schedule=schedule,
             num_model_chunks=num_model_chunks if schedule == "interleaved" else None,
             split_points=None if split_points is None else tuple(split_points),
@@ -303,14 +312,39 @@ class HybridParallelPlugin(Plugin):
         self.max_norm = float(max_norm)
         self.zero_stage = zero_stage
         self.fp8_communication = to_fp8_comm_dtype(fp8_communication, "HybridParallelPlugin")
-        self._zero: LowLevelZeroPlugin | None = None
-        if zero_stage:
-            if pp_size != 1 or tp_size != 1 or not colossal:
+        self._zero: LowLevelZeroPlugin | None = None  # pp = tp = 1: ZeRO over the world
+        self._stage_zero: LowLevelZeroPlugin | None = None  # pp > 1: ZeRO settings per stage
+        if zero_stage and tp_size != 1:
+            raise NotImplementedError(
+                f"HybridParallelPlugin(zero_stage={zero_stage}, tp_size={tp_size}): ZeRO with "
+                "tensor parallelism is not implemented (ZeRO's flat gradient buckets hold "
+                "plain tensors, a tensor-parallel stage's params are DTensors). Use "
+                "tp_size=1 (ZeRO over each pipeline stage's data-parallel group) or zero_stage=0."
+            )
+        if zero_stage and pp_size != 1:
+            if overlap_communication:
+                raise ValueError(
+                    f"HybridParallelPlugin(overlap_communication=True, pp_size={pp_size}): each "
+                    "micro-batch's backward would redo its buckets' reduction (num_microbatches "
+                    "times the communication); with a pipeline ZeRO reduces once, at step(). "
+                    "Leave overlap_communication False."
+                )
+            # ZeRO's settings, checked as LowLevelZeroPlugin checks them; only they are read
+            # from it (the stages run this plugin's precision and scaler, any mode).
+            self._stage_zero = LowLevelZeroPlugin(
+                stage=zero_stage,
+                precision="fp32",
+                reduce_bucket_size_in_m=zero_bucket_size_in_m,
+                communication_dtype=communication_dtype,
+                fp8_communication=fp8_communication,
+                cpu_offload=cpu_offload,
+            )
+        elif zero_stage:
+            if not colossal:
                 raise NotImplementedError(
-                    f"HybridParallelPlugin(zero_stage={zero_stage}) runs with pp_size=1, "
-                    f"tp_size=1 and precision 'fp16'/'bf16'/'fp32' (got pp_size={pp_size}, "
-                    f"tp_size={tp_size}, precision={precision!r}): ZeRO over a pipeline's "
-                    "data-parallel group is not implemented."
+                    f"HybridParallelPlugin(zero_stage={zero_stage}, pp_size=1) is "
+                    "LowLevelZeroPlugin, which takes precision 'fp16'/'bf16'/'fp32' (got "
+                    f"precision={precision!r})."
                 )
             self._zero = LowLevelZeroPlugin(
                 stage=zero_stage,
@@ -362,13 +396,23 @@ class HybridParallelPlugin(Plugin):
         optimizer: torch.optim.Optimizer | None,
         mixed_precision: MixedPrecision,
         device: torch.device,
-    ) -> tuple[nn.Module, PipelineOptimizer | None]:
+    ) -> tuple[nn.Module, StageOptimizer | None]:
         precision = self._precision(mixed_precision)
         if self._zero is not None:  # pp = tp = 1: ZeRO over the world (the dp group)
             return self._zero.configure(model, optimizer, FP32Precision(), device)
         config = self.config
         if self.num_layers_per_stage is not None:
             config = replace(config, split_points=_split_points(model, self.num_layers_per_stage))
+        zero = None
+        if self._stage_zero is not None:  # ZeRO over each stage's data-parallel group
+            settings = self._stage_zero
+            check_cpu_offload(settings.cpu_offload, device)
+            zero = {
+                "stage": settings.stage,
+                "communication_dtype": settings.communication_dtype,
+                "reduce_bucket_numel": settings.reduce_bucket_numel,
+                "fp8_communication": settings.fp8_communication,
+            }
         return prepare_pipeline(
             model,
             optimizer,
@@ -378,7 +422,8 @@ class HybridParallelPlugin(Plugin):
             max_norm=self.max_norm,
             convert=precision.convert_module,
             tp_plan=self.tp_plan,
-            fp8_communication=self.fp8_communication,
+            fp8_communication=None if zero else self.fp8_communication,
+            zero=zero,
         )
 
     def execute_pipeline(
@@ -386,7 +431,7 @@ class HybridParallelPlugin(Plugin):
         data_iter: Any,
         model: nn.Module,
         criterion: Callable[..., torch.Tensor],
-        optimizer: PipelineOptimizer,
+        optimizer: StageOptimizer,
         return_loss: bool = True,
         return_outputs: bool = False,
     ) -> dict[str, Any]:
@@ -428,7 +473,7 @@ class HybridParallelPlugin(Plugin):
         )
 
     def save_model(
-        self, model: nn.Module, path: str | os.PathLike, optimizer: PipelineOptimizer | None
+        self, model: nn.Module, path: str | os.PathLike, optimizer: StageOptimizer | None
     ) -> None:
         if self._zero is not None:
             return self._zero.save_model(model, path, optimizer)
@@ -440,7 +485,7 @@ class HybridParallelPlugin(Plugin):
         self,
         model: nn.Module,
         path: str | os.PathLike,
-        optimizer: PipelineOptimizer | None,
+        optimizer: StageOptimizer | None,
         strict: bool = True,
     ) -> None:
         """A pipelined checkpoint directory, or a whole-model file (single process, DDP)."""
@@ -457,7 +502,7 @@ class HybridParallelPlugin(Plugin):
         load_pipeline_model_state(piped, state, optimizer, strict=strict)
 
     def save_optimizer(
-        self, optimizer: PipelineOptimizer, path: str | os.PathLike, model: nn.Module | None
+        self, optimizer: StageOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
         from mixprec.booster.plugin.torch_fsdp import _dcp_save_atomic
 
@@ -466,7 +511,7 @@ class HybridParallelPlugin(Plugin):
         _dcp_save_atomic(pipeline_optimizer_state(_pipelined(model), optimizer), path)
 
     def load_optimizer(
-        self, optimizer: PipelineOptimizer, path: str | os.PathLike, model: nn.Module | None
+        self, optimizer: StageOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
         import torch.distributed.checkpoint as dcp
 

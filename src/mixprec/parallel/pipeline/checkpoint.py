@@ -15,17 +15,28 @@ from typing import Any
 import torch
 
 from mixprec.core.checkpoint import hp_model_state_dict, load_hp_model_state_dict
-from mixprec.parallel.pipeline.optim import PipelineOptimizer
+from mixprec.parallel.pipeline.optim import PipelineZeroOptimizer, StageOptimizer
 from mixprec.parallel.pipeline.schedule import PipelinedModel
 
 STATE = "state."
 
 
-def pipeline_model_state(model: PipelinedModel, optimizer: PipelineOptimizer | None) -> dict:
-    """This rank's stages' fp32 state under the unsplit model's keys."""
+def pipeline_model_state(model: PipelinedModel, optimizer: StageOptimizer | None) -> dict:
+    """This rank's stages' fp32 state under the unsplit model's keys (under ZeRO every master
+    comes from the replica that owns it: a collective over the stage's data-parallel group)."""
+    gathered: dict[int, torch.Tensor] = {}
+    if isinstance(optimizer, PipelineZeroOptimizer):
+        gathered = {
+            id(p): hp.cpu()
+            for p, hp in zip(optimizer.all_params, optimizer.hp_params(), strict=True)
+        }
     out: dict[str, Any] = {}
     for prefix, stage in zip(model.stage_prefixes, model.stages, strict=True):
-        for key, value in hp_model_state_dict(stage.module, optimizer).items():
+        state = hp_model_state_dict(stage.module, optimizer)
+        for name, p in stage.module.named_parameters():
+            if id(p) in gathered:
+                state[name] = gathered[id(p)]
+        for key, value in state.items():
             out[prefix + key] = value
     return out
 
@@ -33,7 +44,7 @@ def pipeline_model_state(model: PipelinedModel, optimizer: PipelineOptimizer | N
 def load_pipeline_model_state(
     model: PipelinedModel,
     state: dict[str, Any],
-    optimizer: PipelineOptimizer | None,
+    optimizer: StageOptimizer | None,
     strict: bool = True,
 ) -> None:
     """Load this rank's keys of a (whole-model or pipelined) fp32 state into its stages."""
@@ -45,19 +56,23 @@ def load_pipeline_model_state(
         load_hp_model_state_dict(stage.module, mine, optimizer, strict=strict)
 
 
-def _held_param_names(model: PipelinedModel, optimizer: PipelineOptimizer) -> dict[int, str]:
-    """id(param as the optimizer holds it: the master for lp params) -> its global name."""
+def _held_param_names(model: PipelinedModel, optimizer: StageOptimizer) -> dict[int, str]:
+    """id(param as the optimizer holds it: the master for lp params) -> its global name, for
+    the params this rank's optimizer steps (under ZeRO: those it owns)."""
     master_of = {
         id(lp): hp for lp, hp in zip(optimizer.lp_params, optimizer.hp_masters, strict=True)
     }
+    held = {id(p) for g in optimizer.optim.param_groups for p in g["params"]}
     names = {}
     for prefix, stage in zip(model.stage_prefixes, model.stages, strict=True):
         for name, p in stage.module.named_parameters():
-            names[id(master_of.get(id(p), p))] = prefix + name
+            key = id(master_of.get(id(p), p))
+            if key in held:
+                names[key] = prefix + name
     return names
 
 
-def pipeline_optimizer_state(model: PipelinedModel, optimizer: PipelineOptimizer) -> dict:
+def pipeline_optimizer_state(model: PipelinedModel, optimizer: StageOptimizer) -> dict:
     """This rank's optimizer state, flat: per-param state by global name, groups, scaler."""
     names = _held_param_names(model, optimizer)
     out: dict[str, Any] = {}
@@ -75,7 +90,7 @@ def pipeline_optimizer_state(model: PipelinedModel, optimizer: PipelineOptimizer
     return out
 
 
-def owns_key(model: PipelinedModel, optimizer: PipelineOptimizer, key: str) -> bool:
+def owns_key(model: PipelinedModel, optimizer: StageOptimizer, key: str) -> bool:
     """Whether a saved optimizer key belongs to this rank (its params, or shared state)."""
     if not key.startswith(STATE):
         return True
@@ -84,7 +99,7 @@ def owns_key(model: PipelinedModel, optimizer: PipelineOptimizer, key: str) -> b
 
 
 def load_pipeline_optimizer_state(
-    model: PipelinedModel, optimizer: PipelineOptimizer, state: dict[str, Any]
+    model: PipelinedModel, optimizer: StageOptimizer, state: dict[str, Any]
 ) -> None:
     """Install what pipeline_optimizer_state saved (this rank's keys) into optimizer."""
     by_name = {name: pid for pid, name in _held_param_names(model, optimizer).items()}

@@ -3,6 +3,8 @@
 - Micro-batch gradients of low-precision params are summed into the fp32 masters' grads as
   each micro-batch's backward lands (a hook per param), never in fp16/bf16: m micro-batches
   summed in fp16 would lose log2(m) bits and can overflow where their fp32 sum does not.
+- A step leaves its gradients where the next round's backward adds to them (torch's contract,
+  the core's _Carry): two execute_pipeline rounds with no zero_grad() step on g1 + g2.
 - Data-parallel replicas of a stage average their gradients once per step, in fp32.
 - Clipping uses the norm over every stage: each stage holds only its params' gradients, so
   the squared norms are summed over the pipeline group before one coefficient is applied.
@@ -22,6 +24,7 @@ from mixprec.core.optim import MixedPrecisionOptimizer, local_shards
 from mixprec.core.scaling import ProcessGroup
 from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.parallel.comm import fp8_all_reduce
+from mixprec.parallel.zero import ZeroOptimizer
 
 
 class PipelineOptimizer(MixedPrecisionOptimizer):
@@ -37,7 +40,8 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
     """
 
     whole_step_refusal = "a pipeline's backward runs inside torch.distributed.pipelining's schedule"
-    carries_grads = False  # each step's micro-batch sums start afresh (the schedule's step)
+    # The core's carry (_keep_grads / _rescale_carried) over the masters' grads: see _own_params.
+    carries_grads = True
 
     def __init__(
         self,
@@ -55,8 +59,18 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         if kwargs.get("max_norm", 0.0) > 0 or self._dp_size > 1:
             # The fused step reads grads before this class averages / globally clips them.
             kwargs["fused_step"] = False
+        if kwargs.get("keep_master_grads") is False:
+            raise ValueError(
+                "PipelineOptimizer(keep_master_grads=False): a pipeline sums each micro-batch's "
+                "gradient into the masters' grads, which a step leaves for the next backward "
+                "(torch's contract); they cannot be freed at the step. Leave it None."
+            )
+        kwargs["keep_master_grads"] = True
         super().__init__(optimizer, **kwargs)
-        self._fresh: set[int] = set()  # ids of masters whose grad holds this step's sum
+        if self.lp_params:
+            # The fused step reads lp grads; here they are summed on the masters by the hook.
+            self.fused_step = False
+        self._fresh: set[int] = set()  # ids of masters whose grad holds a sum to add to
         self._dp_averaged = False
         self._master_of = {
             id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)
@@ -65,14 +79,17 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
             lp.register_post_accumulate_grad_hook(self._accumulate_in_fp32)
 
     def _accumulate_in_fp32(self, lp: torch.Tensor) -> None:
-        """After each micro-batch's backward: lp grad -> fp32 master grad (sum), lp grad freed."""
+        """After each micro-batch's backward: lp grad -> fp32 master grad (sum), lp grad freed.
+
+        The sum goes on from what the last step left (its grads, brought to this round's scale
+        by note_scaled_backward) until zero_grad(); after it, the first micro-batch overwrites."""
         grad, hp = lp.grad, self._master_of[id(lp)]
         if grad is None:
             return
-        if id(hp) in self._fresh:
+        if id(hp) in self._fresh and hp.grad is not None:
             hp.grad.add_(grad)  # fp32 += lp: the add upcasts exactly
         elif hp.grad is not None:
-            hp.grad.copy_(grad)  # reuse the buffer kept between steps (CPU: no page faults)
+            hp.grad.copy_(grad)  # reuse the buffer kept between steps (no page faults)
             self._fresh.add(id(hp))
         else:
             hp.grad = grad.float()
@@ -80,11 +97,27 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         lp.grad = None
         self._grads_on_masters = True  # the step must not copy (absent) lp grads over these
 
+    def note_scaled_backward(self) -> None:
+        """A round of the schedule is about to run backward on every stage: the grads the last
+        step left are brought to this round's loss scale first (the core's _rescale_carried;
+        only the last stage calls scale_loss, so the other stages would not otherwise)."""
+        super().note_scaled_backward()
+        self._rescale_carried()
+
+    def _own_params(self) -> list[torch.Tensor]:
+        """Every param the inner optimizer steps, masters included: in a pipeline the masters'
+        grads are what backward sums into (the hook), so they are the grads a step leaves
+        (unscaled, clipped) for the core's carry to bring to the next round's scale."""
+        return [p for g in self.optim.param_groups for p in g["params"]]
+
     def grads_to_masters(self) -> None:
-        """This step's grads are on the masters already; drop stale ones, average over dp."""
+        """This step's grads are on the masters already; drop stale ones, average over dp.
+
+        A replica's carried grads are alike on every replica (averaged last step), so the
+        average of carried + new is carried + the average of the new ones."""
         for hp in self.hp_masters:
             if id(hp) not in self._fresh:
-                hp.grad = None  # took no part this step: no stale gradient may be applied
+                hp.grad = None  # no grad since zero_grad(): no stale gradient may be applied
         self._grads_on_masters = True
         if self._dp_size > 1 and not self._dp_averaged:
             grads = [p.grad for g in self.optim.param_groups for p in g["params"]]
@@ -113,13 +146,47 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         device = self.scaler.scale_tensor.device
         return clip_grads_(grads, max_norm, norm_type, group=self.pp_group, device=device)
 
-    def _reset_step(self) -> None:
-        self._fresh.clear()
-        self._dp_averaged = False
-
     def _end_step(self) -> None:
-        self._reset_step()
+        self._dp_averaged = False  # the sums stay (_fresh): the next round adds to them
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self._reset_step()  # accumulated master grads are discarded with the lp ones
+        self._fresh.clear()  # accumulated master grads are discarded with the lp ones
+        self._dp_averaged = False
+
+
+class PipelineZeroOptimizer(ZeroOptimizer):
+    """ZeRO over one pipeline stage's data-parallel group (HybridParallelPlugin(zero_stage=1|2,
+    pp_size > 1), Colossal-AI's layout): each stage's fp32 masters and optimizer state (and,
+    at stage 2, its gradients) are sharded over the replicas of that stage.
+
+    - Micro-batch gradients sum in the params' .grad (autograd, in the params' dtype, as
+      Colossal-AI's ZeRO accumulates them; the pipeline without ZeRO sums in fp32 instead), and
+      are reduced over the stage's replicas once, at step() (ZeroOptimizer's buckets).
+    - process_group is every rank of every stage: the overflow flag (a skip on any rank skips
+      everywhere) and the clip norm (each rank's shard of its stage's grads) are summed there.
+    - A step leaves each owner's gradient in .grad for the next round (ZeroOptimizer's carry):
+      two execute_pipeline rounds with no zero_grad() step on g1 + g2, as without ZeRO.
+
+    Args (beyond ZeroOptimizer's):
+        pp_group: the ranks holding the other stages of this replica.
+        dp_group: this stage's replicas, the ranks its params are sharded over.
+    """
+
+    whole_step_refusal = PipelineOptimizer.whole_step_refusal
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        pp_group: ProcessGroup | None,
+        dp_group: ProcessGroup,
+        **kwargs: Any,
+    ) -> None:
+        self.pp_group = pp_group
+        self.dp_group = dp_group
+        super().__init__(optimizer, shard_group=dp_group, **kwargs)
+
+
+StageOptimizer = PipelineOptimizer | PipelineZeroOptimizer
+"""The optimizer of a pipeline stage: averaged over its replicas, or ZeRO over them."""

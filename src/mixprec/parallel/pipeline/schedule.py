@@ -30,7 +30,11 @@ from torch import nn
 
 from mixprec.core.policy import Policy, did_you_mean
 from mixprec.core.prepare import PrecisionModule, prepare_model, prepare_optimizer
-from mixprec.parallel.pipeline.optim import PipelineOptimizer
+from mixprec.parallel.pipeline.optim import (
+    PipelineOptimizer,
+    PipelineZeroOptimizer,
+    StageOptimizer,
+)
 from mixprec.parallel.pipeline.split import split_sequential
 
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
@@ -44,8 +48,12 @@ class PipelineConfig:
 
     pp_size: int
     """Pipeline ranks per model replica (stages: pp_size x num_model_chunks)."""
-    num_microbatches: int
-    """Micro-batches each batch is split into (dim 0 must divide evenly)."""
+    num_microbatches: int | None = None
+    """Micro-batches each batch is split into (dim 0 must divide evenly); or None with
+    microbatch_size."""
+    microbatch_size: int | None = None
+    """Samples per micro-batch (Colossal-AI's alternative to num_microbatches: the count is
+    the batch size over it, fixed at the first batch as the stages' shapes are)."""
     schedule: str = "1f1b"
     """One of SCHEDULES: torch's Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B."""
     num_model_chunks: int | None = None
@@ -56,8 +64,16 @@ class PipelineConfig:
     """Tensor-parallel ranks per stage (torch's DTensor parallelize_module with tp_plan)."""
 
     def __post_init__(self) -> None:
-        for name in ("pp_size", "num_microbatches", "tp_size"):
+        if (self.num_microbatches is None) == (self.microbatch_size is None):
+            raise ValueError(
+                f"num_microbatches={self.num_microbatches!r}, microbatch_size="
+                f"{self.microbatch_size!r}: set exactly one (the micro-batch count, or the "
+                "samples per micro-batch)."
+            )
+        for name in ("pp_size", "num_microbatches", "microbatch_size", "tp_size"):
             value = getattr(self, name)
+            if value is None and name in ("num_microbatches", "microbatch_size"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1.")
         if self.schedule not in SCHEDULES:
@@ -74,19 +90,52 @@ class PipelineConfig:
             )
         if self.schedule == "interleaved" and self.chunks < 2:
             raise ValueError(f"num_model_chunks={chunks!r}: 'interleaved' needs >= 2.")
-        if self.schedule != "gpipe" and self.num_microbatches < self.pp_size:
+        if self.num_microbatches is not None:
+            self.check_microbatches(self.num_microbatches)
+
+    def check_microbatches(self, m: int, how: str = "") -> None:
+        """Whether the schedule runs m micro-batches a batch (how: where m came from)."""
+        named = f"num_microbatches={m}{how}"
+        if self.schedule != "gpipe" and m < self.pp_size:
             raise ValueError(
-                f"num_microbatches={self.num_microbatches} < pp_size={self.pp_size}: "
-                f"pp_schedule={self.schedule!r} keeps every stage busy only with at least "
-                "pp_size micro-batches; raise num_microbatches or use 'gpipe'."
+                f"{named} < pp_size={self.pp_size}: pp_schedule={self.schedule!r} keeps every "
+                "stage busy only with at least pp_size micro-batches; "
+                + (
+                    "raise num_microbatches"
+                    if not how
+                    else "use a larger batch or a smaller microbatch_size"
+                )
+                + " or use 'gpipe'."
             )
-        rounds = max(1, self.num_microbatches // self.pp_size)
-        if self.schedule == "interleaved" and self.num_microbatches % rounds:
+        rounds = max(1, m // self.pp_size)
+        if self.schedule == "interleaved" and m % rounds:
             raise ValueError(
-                f"num_microbatches={self.num_microbatches} must be a multiple of its "
-                f"{rounds} rounds of pp_size={self.pp_size} for pp_schedule='interleaved' "
-                "(torch's ScheduleInterleaved1F1B rule); a multiple of pp_size always works."
+                f"{named} must be a multiple of its {rounds} rounds of pp_size={self.pp_size} "
+                "for pp_schedule='interleaved' (torch's ScheduleInterleaved1F1B rule); a "
+                "multiple of pp_size always works."
             )
+
+    def microbatches_of(self, size: int) -> int:
+        """The micro-batch count of a batch of size samples; raises when it does not split."""
+        if self.num_microbatches is not None:
+            if size % self.num_microbatches:
+                raise ValueError(
+                    f"The batch of {size} samples does not split into num_microbatches="
+                    f"{self.num_microbatches} equal micro-batches; use a batch size that is a "
+                    f"multiple of {self.num_microbatches}."
+                )
+            return self.num_microbatches
+        per = self.microbatch_size
+        assert per is not None
+        if size % per:
+            raise ValueError(
+                f"The batch of {size} samples does not split into micro-batches of "
+                f"microbatch_size={per}; use a batch size that is a multiple of {per} (or set "
+                "num_microbatches instead)."
+            )
+        m = size // per
+        self.check_microbatches(m, f" (batch {size} / microbatch_size={per})")
+        return m
 
     @property
     def chunks(self) -> int:
@@ -151,7 +200,8 @@ class PipelinedModel(nn.Module):
         ]
         self._schedule: Any = None
         self._batch_size: int | None = None  # the batch size the schedule's shapes were set for
-        self._run: tuple[Callable[..., torch.Tensor], PipelineOptimizer] | None = None
+        self._microbatches = 0  # micro-batches per batch, fixed with _batch_size
+        self._run: tuple[Callable[..., torch.Tensor], StageOptimizer] | None = None
         self._losses: list[torch.Tensor] = []
 
     @property
@@ -174,16 +224,15 @@ class PipelinedModel(nn.Module):
         criterion, optimizer = self._run
         loss = criterion(output, target)
         self._losses.append(loss.detach())
-        return optimizer.scale_loss(loss / self.config.num_microbatches)
+        return optimizer.scale_loss(loss / self._microbatches)
 
-    def _make_schedule(self) -> Any:
+    def _make_schedule(self, m: int) -> Any:
         from torch.distributed.pipelining import (
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
         )
 
-        m = self.config.num_microbatches
         # scale_grads=False: the 1/m is in the loss, so no extra pass rescales the grads.
         if self.config.schedule == "interleaved":
             return ScheduleInterleaved1F1B(
@@ -196,7 +245,7 @@ class PipelinedModel(nn.Module):
         self,
         batch: Any,
         criterion: Callable[..., torch.Tensor],
-        optimizer: PipelineOptimizer,
+        optimizer: StageOptimizer,
         *,
         return_loss: bool = True,
         return_outputs: bool = False,
@@ -209,20 +258,16 @@ class PipelinedModel(nn.Module):
         mean of the micro-batch losses) and 'outputs' (concatenated) on the rank holding the
         last stage, None elsewhere. Gradients accumulate until optimizer.step().
         """
-        if not isinstance(optimizer, PipelineOptimizer):
+        if not isinstance(optimizer, PipelineOptimizer | PipelineZeroOptimizer):
             raise TypeError(
                 "Pass the optimizer boost() returned with this pipelined model, got "
                 f"{type(optimizer).__name__}."
             )
         inputs, targets = _inputs_and_targets(batch)
-        size, m = inputs.shape[0], self.config.num_microbatches
+        size = inputs.shape[0]
         # Checked on every rank before the schedule runs (every rank of a pipeline reads the
         # same batch): all raise the same error, none is left waiting in a send or receive.
-        if size % m:
-            raise ValueError(
-                f"The batch of {size} samples does not split into num_microbatches={m} equal "
-                f"micro-batches; use a batch size that is a multiple of {m}."
-            )
+        m = self.config.microbatches_of(size)
         if self._batch_size is not None and size != self._batch_size:
             raise ValueError(
                 f"The batch of {size} samples differs from the {self._batch_size} the pipeline "
@@ -232,8 +277,9 @@ class PipelinedModel(nn.Module):
                 "drop_last=True)), or pad the last batch to the same size."
             )
         if self._schedule is None:
-            self._schedule = self._make_schedule()
+            self._schedule = self._make_schedule(m)
             self._batch_size = size
+            self._microbatches = m
         self._run = (criterion, optimizer)
         self._losses = []
         if not forward_only:  # every stage's grads come from the last stage's scaled loss
@@ -305,13 +351,23 @@ def prepare_pipeline(
     convert: Convert = prepare_model,
     tp_plan: Mapping[str, Any] | None = None,
     fp8_communication: torch.dtype | None = None,
-) -> tuple[PipelinedModel, PipelineOptimizer | None]:
+    zero: Mapping[str, Any] | None = None,
+) -> tuple[PipelinedModel, StageOptimizer | None]:
     """Cut model into stages, keep this rank's (cast per policy), and wrap optimizer over them.
 
     The layers of other ranks' stages are moved to the meta device (their memory freed). The
     optimizer may be built over the whole model: its param groups are narrowed to this
     rank's params. torch.distributed must be initialised; the world is a (dp, pp) mesh.
+    zero: ZeroOptimizer's arguments (stage, communication_dtype, ...) to shard each stage's
+    masters and optimizer state over its data-parallel group (PipelineZeroOptimizer), or None.
     """
+    if zero is not None and fp8_communication is not None:
+        raise ValueError("fp8_communication with zero: pass it among zero's arguments.")
+    if zero is not None and config.tp_size > 1:
+        raise ValueError(
+            f"ZeRO with tp_size={config.tp_size}: ZeRO's flat gradient buckets hold plain "
+            "tensors, a tensor-parallel stage's params are DTensors; use zero with tp_size=1."
+        )
     from torch.distributed.device_mesh import init_device_mesh
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -329,7 +385,7 @@ def prepare_pipeline(
     )
     pp_rank = mesh.get_local_rank("pp")
     pp_group = mesh.get_group("pp")
-    dp_group = mesh.get_group("dp") if dp_size > 1 else None
+    dp_group = mesh.get_group("dp") if dp_size > 1 or zero is not None else None
     stage_ids = [pp_rank + k * config.pp_size for k in range(config.chunks)]
     local = [all_stages[i] for i in stage_ids]
     local_ids = {id(p) for stage in local for p in stage.parameters()}
@@ -353,16 +409,29 @@ def prepare_pipeline(
     piped = PipelinedModel(wrapped, stage_ids, config, pp_group, device, prefixes)
     if optimizer is None:
         return piped, None
-    mp_optimizer = prepare_optimizer(
-        optimizer,
-        policy,
-        max_norm=max_norm,
-        process_group=dist.group.WORLD,  # every stage and replica skips together
-        optimizer_cls=PipelineOptimizer,
-        pp_group=pp_group,
-        dp_group=dp_group,
-        fp8_communication=fp8_communication,
-    )
+    # every stage and replica skips together: the overflow flag is reduced over the world
+    if zero is not None:
+        mp_optimizer: StageOptimizer = prepare_optimizer(  # type: ignore[assignment]
+            optimizer,
+            policy,
+            max_norm=max_norm,
+            process_group=dist.group.WORLD,
+            optimizer_cls=PipelineZeroOptimizer,
+            pp_group=pp_group,
+            dp_group=dp_group,
+            **zero,  # fp8_communication among them (ZeRO's own buckets)
+        )
+    else:
+        mp_optimizer = prepare_optimizer(  # type: ignore[assignment]
+            optimizer,
+            policy,
+            max_norm=max_norm,
+            process_group=dist.group.WORLD,
+            optimizer_cls=PipelineOptimizer,
+            pp_group=pp_group,
+            dp_group=dp_group,
+            fp8_communication=fp8_communication,
+        )
     for stage in wrapped:
         mp_optimizer.name_params(stage.module)
     return piped, mp_optimizer

@@ -1,0 +1,351 @@
+"""HybridParallelPlugin beyond test_pipeline.py: Colossal's microbatch_size, gradients carried
+across execute_pipeline rounds until zero_grad (g1 + g2), and ZeRO over each stage's
+data-parallel group (zero_stage with pp_size > 1).
+
+References are one-process plain loops doing the same micro-batches in the same order: loss /
+m times the scale, gradients summed in fp32 and carried unscaled between steps as torch leaves
+them in .grad, stepped by a raw torch optimizer over fp32 masters.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import assert_same_on_every_rank, scaler_state, spawn
+from test_pipeline import (
+    BATCH,
+    LR,
+    MODES,
+    WIDTH,
+    _batches,
+    _boost,
+    _check_skip_together,
+    _local_weights,
+    _model,
+    _reference,
+    _snapshot,
+)
+from test_pipeline import M as M_
+from tolerances import EXACT
+from torch import nn
+
+from mixprec.booster import Booster
+from mixprec.booster.plugin import HybridParallelPlugin
+from mixprec.core.policy import to_policy
+from mixprec.core.prepare import FP32Criterion, prepare_model
+from mixprec.parallel.pipeline.optim import PipelineZeroOptimizer
+
+PP = 2
+
+
+def _plain(mode: str, steps: list[tuple[list[Any], bool]], m: int) -> dict[str, torch.Tensor]:
+    """One process: steps is [(the batches whose rounds come before this step, zero_grad after
+    it)]. Gradients accumulate over micro-batches and rounds in one fp32 sum per param, in the
+    scaled domain; a step unscales it (the step's grad), and a step without zero_grad leaves
+    that grad to be brought back to the next round's scale (torch's contract: g1 + g2)."""
+    policy = to_policy(MODES[mode])
+    ref = prepare_model(_model(), policy)
+    names, params = zip(*ref.module.named_parameters(), strict=True)
+    masters = [p.detach().float().clone() if policy.master_weights else p for p in params]
+    opt = torch.optim.SGD(masters, lr=LR, momentum=0.9)
+    criterion = FP32Criterion(nn.MSELoss())
+    scale = policy.loss_scale.init_scale  # no overflow and no growth within these steps
+    carried: list[torch.Tensor | None] = [None] * len(params)
+    for batches, zero_after in steps:
+        acc = [None if c is None else c * scale for c in carried]
+        for x, y in batches:
+            for xb, yb in zip(x.chunk(m), y.chunk(m), strict=True):
+                ((criterion(ref(xb), yb) / m).float() * scale).backward()
+                for i, p in enumerate(params):
+                    g = p.grad.float()
+                    acc[i] = g.clone() if acc[i] is None else acc[i].add_(g)
+                    p.grad = None
+        for master, a in zip(masters, acc, strict=True):
+            master.grad = a * (1.0 / scale)  # a power of two: exact
+        opt.step()
+        carried = [None if zero_after else master.grad.clone() for master in masters]
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, master in zip(params, masters, strict=True):
+                p.copy_(master)
+    return {n: m.detach().clone() for n, m in zip(names, masters, strict=True)}
+
+
+# ----- two processes (pp=2): microbatch_size, and g1 + g2 -----
+def _microbatch_size(rank: int) -> None:
+    """microbatch_size=2 on batches of 8 is num_microbatches=4, bit for bit; a batch it does
+    not split, or one of too few micro-batches for 1f1b, is refused on every rank."""
+    batches = _batches(3)
+    got = []
+    for split in ({"num_microbatches": 4}, {"microbatch_size": BATCH // 4}):
+        plugin = HybridParallelPlugin(pp_size=PP, precision="fp32", **split)
+        booster = Booster(plugin=plugin)
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        model, optimizer, criterion, *_ = booster.boost(model, optimizer, nn.MSELoss())
+        losses = []
+        for batch in batches:
+            out = booster.execute_pipeline(iter([batch]), model, criterion, optimizer)
+            losses.append(out["loss"])
+            assert not optimizer.step().skipped
+            optimizer.zero_grad()
+        got.append((_local_weights(model, optimizer), losses))
+    (by_count, count_losses), (by_size, size_losses) = got
+    for name, w in by_count.items():
+        torch.testing.assert_close(by_size[name], w, **EXACT, msg=f"microbatch_size: {name}")
+    if rank == PP - 1:  # the last stage reports the loss, the same mean of 4 micro-batches
+        torch.testing.assert_close(torch.stack(size_losses), torch.stack(count_losses), **EXACT)
+    for size, match in (
+        (4, "batch of 6 samples .* microbatch_size=4"),
+        (6, r"num_microbatches=1 \(batch 6 / microbatch_size=6\) < pp_size=2"),
+    ):
+        plugin = HybridParallelPlugin(pp_size=PP, precision="fp32", microbatch_size=size)
+        booster = Booster(plugin=plugin)
+        model = _model()
+        model, optimizer, criterion, *_ = booster.boost(
+            model, torch.optim.SGD(model.parameters(), lr=LR), nn.MSELoss()
+        )
+        batch = (torch.randn(6, WIDTH), torch.randn(6, WIDTH))
+        with pytest.raises(ValueError, match=match):
+            booster.execute_pipeline(iter([batch]), model, criterion, optimizer)
+        dist.barrier()  # every rank raised: none waits in a send or receive
+
+
+def _carries_grads(rank: int) -> None:
+    """Two rounds, step, a third round with no zero_grad, step: torch's g1 + g2 (the second
+    step's grads are the first's plus the third round's), as the plain loop, bit for bit."""
+    a, b, c = _batches(3)
+    steps = [([a, b], False), ([c], True)]
+    for mode in ("fp32", "fp16", "fp16_naive"):  # own params, own params scaled, masters
+        expected = _plain(mode, steps, 4)
+        booster, model, optimizer, criterion = _boost(mode)
+        for batches, zero_after in steps:
+            for batch in batches:
+                booster.execute_pipeline(iter([batch]), model, criterion, optimizer)
+            assert not optimizer.step().skipped
+            if zero_after:
+                optimizer.zero_grad()
+        for name, w in _local_weights(model, optimizer).items():
+            torch.testing.assert_close(w, expected[name], **EXACT, msg=f"{mode} g1+g2: {name}")
+        assert_same_on_every_rank(scaler_state(optimizer), f"{mode} scaler")
+        # zero_grad drops what the steps left: a fresh round then steps on its own grads only
+        fresh = _plain(mode, [*steps, ([a], True)], 4)
+        booster.execute_pipeline(iter([a]), model, criterion, optimizer)
+        assert not optimizer.step().skipped
+        for name, w in _local_weights(model, optimizer).items():
+            torch.testing.assert_close(w, fresh[name], **EXACT, msg=f"{mode} after zero: {name}")
+
+
+def _two_worker(rank: int, world: int) -> None:
+    _microbatch_size(rank)
+    _carries_grads(rank)
+
+
+@pytest.mark.distributed
+def test_microbatch_size_and_gradients_carried_until_zero_grad() -> None:
+    spawn(_two_worker, PP)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"num_microbatches": 4, "microbatch_size": 2},
+            "num_microbatches=4 and microbatch_size=2 both",
+        ),
+        ({}, "num_microbatches=None and microbatch_size=None"),
+        ({"microbatch_size": 0}, "microbatch_size=0"),
+        ({"microbatch_size": True}, "microbatch_size=True"),
+    ],
+)
+def test_microbatch_size_is_checked(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        HybridParallelPlugin(pp_size=PP, **kwargs)
+
+
+# ----- four processes (pp=2 x dp=2): ZeRO over each stage's data-parallel group -----
+# fp16 params sum their micro-batch grads in fp16 under ZeRO (Colossal-AI's accumulation; the
+# pipeline without ZeRO sums in fp32): each of the M - 1 adds rounds by at most 2**-11 relative,
+# of grads that stay below 1 here, so a step's grad differs by < M * 2**-11; SGD(momentum 0.9)
+# moves a weight by LR / (1 - 0.9) times that per step at most, over the steps run.
+ZERO_STEPS = 4
+FP16_ACCUMULATION = {"rtol": 0, "atol": ZERO_STEPS * LR / (1 - 0.9) * M_ * 2**-11}
+
+
+def _zero_equals_pipeline(rank: int) -> None:
+    """Each replica trains on its own batches; ZeRO-sharded stages equal the one-process loop
+    (fp32: bit for bit, the same sums in the same order) and the plugin without ZeRO (fp16
+    params: within FP16_ACCUMULATION); replicas agree bit for bit."""
+    replica = rank // PP  # the (dp, pp) mesh puts a replica's stages on adjacent ranks
+    batches = _batches(2 * ZERO_STEPS)
+    # fp32 against the loop for both stages; fp16 params against the pipeline without ZeRO
+    for mode, stages in (("fp32", (1, 2)), ("fp16_naive", (0, 2))):
+        runs = {}
+        for stage in stages:
+            booster, model, optimizer, criterion = _boost(mode, zero_stage=stage)
+            assert isinstance(optimizer, PipelineZeroOptimizer) == (stage > 0)
+            for step in range(ZERO_STEPS):
+                mine = batches[2 * step + replica]
+                booster.execute_pipeline(iter([mine]), model, criterion, optimizer)
+                assert not optimizer.step().skipped
+                optimizer.zero_grad()
+            # fp32 weights: the masters (under ZeRO gathered from their owners), else params
+            weights = (
+                _gathered_masters(model, optimizer) if stage else _local_weights(model, optimizer)
+            )
+            runs[stage] = {n: w.detach().clone() for n, w in weights.items()}
+            if stage:  # each replica holds half of its stage's masters and state
+                others: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(others, sorted(_held_names(model, optimizer)))
+                twin = others[(rank + PP) % len(others)]
+                mine_names = others[rank]
+                assert mine_names and twin and not set(mine_names) & set(twin), (mine_names, twin)
+                assert set(mine_names) | set(twin) == set(runs[stage]), rank
+        expected = _reference(mode, batches, replicas=2) if mode == "fp32" else runs[0]
+        tol = EXACT if mode == "fp32" else FP16_ACCUMULATION
+        for stage in stages[-1:] if mode == "fp16_naive" else stages:
+            for name, w in runs[stage].items():
+                torch.testing.assert_close(w, expected[name], **tol, msg=f"{mode} z{stage} {name}")
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, runs[2])
+        for name, w in runs[2].items():
+            torch.testing.assert_close(everyone[(rank + PP) % 4][name], w, **EXACT, msg=name)
+
+
+def _zero_clips_globally(rank: int) -> None:
+    """max_norm under ZeRO clips by the norm over every stage's every shard (each rank sums the
+    squares of the grads it owns, over the world): the one-process clip within rounding."""
+    replica = rank // PP
+    batches = _batches(2 * 3)
+    max_norm = 0.05  # far below these gradients' norm: every step clips
+    expected = _reference("fp32", batches, max_norm=max_norm, replicas=2)
+    booster, model, optimizer, criterion = _boost("fp32", max_norm=max_norm, zero_stage=2)
+    for step in range(3):
+        mine = batches[2 * step + replica]
+        booster.execute_pipeline(iter([mine]), model, criterion, optimizer)
+        result = optimizer.step()
+        assert not result.skipped and result.grad_norm > max_norm
+        optimizer.zero_grad()
+    for name, w in _params(model).items():
+        # as test_pipeline's global clipping: the norm summed per shard, then over the world
+        # (another order than torch's): a few fp32 ulps in the coefficient, 3 steps
+        torch.testing.assert_close(w, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# Under ZeRO the grad a step leaves is kept by its owner only, times the replica count, so the
+# next reduction adds it as (2c + t0) + t1 where the pipeline without ZeRO adds (c + t0) + (c +
+# t1): a few fp32 ulps of a gradient, times LR, over two steps.
+CARRY_SUM_ORDER = {"rtol": 1e-6, "atol": 1e-6}
+
+
+def _zero_carries_grads(rank: int) -> None:
+    """g1 + g2 under ZeRO over the stages' replicas: as the pipeline without ZeRO (which
+    test_microbatch_size_and_gradients_carried_until_zero_grad holds to the plain loop)."""
+    replica = rank // PP
+    batches = _batches(6)
+    runs = []
+    for stage in (0, 2):
+        booster, model, optimizer, criterion = _boost("fp32", zero_stage=stage)
+        for rounds, zero_after in (((0, 1), False), ((2,), True)):
+            for r in rounds:
+                mine = batches[2 * r + replica]
+                booster.execute_pipeline(iter([mine]), model, criterion, optimizer)
+            assert not optimizer.step().skipped
+            if zero_after:
+                optimizer.zero_grad()
+        runs.append({n: p.detach().clone() for n, p in _params(model).items()})
+    plain, zero = runs
+    for name, w in zero.items():
+        torch.testing.assert_close(w, plain[name], **CARRY_SUM_ORDER, msg=f"g1+g2: {name}")
+        assert not torch.equal(w, _model().state_dict()[name]), name  # it trained
+
+
+def _params(model: Any) -> dict[str, torch.Tensor]:
+    return {n: p for stage in model.stages for n, p in stage.module.named_parameters()}
+
+
+def _held_names(model: Any, optimizer: Any) -> list[str]:
+    """The names of the params whose master / state this rank's optimizer holds."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    lp_of = dict(zip(map(id, optimizer.hp_masters), optimizer.lp_params, strict=True))
+    ids = {id(lp_of[i]) if i in lp_of else i for i in held}
+    return [n for n, p in _params(model).items() if id(p) in ids]
+
+
+def _zero_checkpoint_resume(rank: int, path: str) -> None:
+    """Each rank saves its shard under the unsplit model's names; a fresh ZeRO run loaded from
+    the directory continues bit for bit, and the whole model loads it in one piece."""
+    from mixprec.booster.plugin import Plugin
+
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=LR)  # noqa: E731 - state with a step count
+    replica = rank // PP
+    batches = _batches(2 * 4)
+
+    def train(booster: Any, model: Any, optimizer: Any, criterion: Any, steps: range) -> None:
+        for step in steps:
+            mine = batches[2 * step + replica]
+            booster.execute_pipeline(iter([mine]), model, criterion, optimizer)
+            assert not optimizer.step().skipped
+            optimizer.zero_grad()
+
+    booster, model, optimizer, criterion = _boost("fp16_naive", optim=adamw, zero_stage=2)
+    train(booster, model, optimizer, criterion, range(2))
+    booster.save_model(model, f"{path}/model")
+    booster.save_optimizer(optimizer, f"{path}/optim")
+    saved = {n: m.clone() for n, m in _gathered_masters(model, optimizer).items()}
+    train(booster, model, optimizer, criterion, range(2, 4))
+
+    booster2, model2, optimizer2, criterion2 = _boost("fp16_naive", optim=adamw, zero_stage=2)
+    booster2.load_model(model2, f"{path}/model")
+    booster2.load_optimizer(optimizer2, f"{path}/optim")
+    assert optimizer2.steps == 2 and optimizer2.state
+    train(booster2, model2, optimizer2, criterion2, range(2, 4))
+    resumed = _snapshot(model2, optimizer2) + scaler_state(optimizer2)
+    for i, (a, b) in enumerate(
+        zip(resumed, _snapshot(model, optimizer) + scaler_state(optimizer), strict=True)
+    ):
+        torch.testing.assert_close(a, b, **EXACT, msg=f"resumed tensor {i}")
+    whole = _model()
+    Plugin().load_model(whole, f"{path}/model", None)
+    params = dict(whole.named_parameters())
+    for name, w in saved.items():  # the owners' fp32 masters, not the fp16 params
+        torch.testing.assert_close(params[name], w, **EXACT, msg=f"whole model: {name}")
+
+
+def _gathered_masters(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in _params(model).items()}
+    return {
+        names[id(p)]: hp
+        for p, hp in zip(optimizer.all_params, optimizer.hp_params(), strict=True)
+        if id(p) in names
+    }
+
+
+def _four_worker(rank: int, world: int, path: str) -> None:
+    _zero_equals_pipeline(rank)
+    _zero_carries_grads(rank)
+    _zero_clips_globally(rank)
+    _check_skip_together(rank, "fp16_naive", functools.partial(_boost, zero_stage=1))
+    _zero_checkpoint_resume(rank, path)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero_over_each_pipeline_stages_data_parallel_group(tmp_path: Any) -> None:
+    """pp=2 x dp=2 in one spawn (4 processes start slowly on 2 cores)."""
+    spawn(_four_worker, 2 * PP, str(tmp_path))
+
+
+def test_zero_with_tensor_parallel_is_refused() -> None:
+    with pytest.raises(NotImplementedError, match="zero_stage=1, tp_size=2.*DTensors"):
+        HybridParallelPlugin(
+            pp_size=2, tp_size=2, tp_plan={"0": object()}, num_microbatches=2, zero_stage=1
+        )
+    with pytest.raises(ValueError, match="overlap_communication=True, pp_size=2"):
+        HybridParallelPlugin(
+            pp_size=2, num_microbatches=2, zero_stage=1, overlap_communication=True
+        )
