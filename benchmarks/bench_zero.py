@@ -45,6 +45,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from mixprec.bench.command import fresh_out_dir
+from mixprec.bench.report import write_record
 from mixprec.bench.runner import machine_name
 
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -325,18 +326,20 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(rows, args, machine, argv)
     print(table)
     args.out = args.out or fresh_out_dir("bench_zero")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / "zero_cpu"
-    stem.with_suffix(".md").write_text(table)
     record = {
         "machine": machine,
         "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": round(time.perf_counter() - start, 1),
         "rows": rows,
     }
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    chart(rows, stem.with_suffix(".png"), f"ZeRO vs DDP, {machine}")
-    print(f"wrote {stem}.md, .json, .png", file=sys.stderr)
+    paths = write_record(
+        args.out,
+        "zero_cpu",
+        table,
+        record,
+        lambda png: chart(rows, png, f"ZeRO vs DDP, {machine}"),
+    )
+    print("wrote " + ", ".join(map(str, paths.values())), file=sys.stderr)
     return 0
 
 
