@@ -472,3 +472,49 @@ def _overlap_worker(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_overlap_communication_reduces_in_backward_bit_identically() -> None:
     spawn(_overlap_worker, 2)
+
+
+class _Branchy(nn.Module):
+    """A trunk and two heads; head_b only where the caller asks (control flow per rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.head_a = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 4)
+        self.head_b = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        return self.head_a(h) + self.head_b(h) if use_b else self.head_a(h)
+
+
+def _default_overlap_worker(rank: int, world: int) -> None:
+    """Rank 1's backward skips head_b. With the default (reduced at step(), in bucket order on
+    every rank) the step applies the mean over ranks of each rank's gradient, zero where a rank
+    has none, bit for bit; overlap_communication=True would launch head_b's bucket on rank 0
+    only, out of order with rank 1's collectives."""
+    use_b = rank == 0
+    x, y = _data(rank)
+    torch.manual_seed(0)
+    plain = _Branchy()
+    nn.functional.mse_loss(plain(x, use_b), y).backward()
+    local = [p.grad if p.grad is not None else torch.zeros_like(p) for p in plain.parameters()]
+    rows = gathered(torch.cat([g.reshape(-1) for g in local]))
+    mean = (rows[0] + rows[1]) / world  # gloo's two-rank sum, then the mean, in fp32
+    before = torch.cat([p.detach().reshape(-1) for p in plain.parameters()])
+    torch.manual_seed(0)
+    # 64 elements a bucket: the heads and the trunk each in buckets of their own
+    plugin = LowLevelZeroPlugin(stage=2, precision="fp32", reduce_bucket_size_in_m=64 / 2**20)
+    assert plugin.overlap_communication is False  # the default, unlike Colossal's
+    booster, model = Booster(plugin=plugin), _Branchy()
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    assert len(opt._bucket_plan()) > 2
+    booster.backward(nn.functional.mse_loss(model(x, use_b), y), opt)
+    assert not opt.step().skipped
+    after = torch.cat([p.detach().reshape(-1) for p in opt.hp_params()])
+    torch.testing.assert_close(after, before - mean, **EXACT)
+    assert_same_on_every_rank([after], "ranks touching different params")
+
+
+@pytest.mark.distributed
+def test_default_no_overlap_lets_ranks_give_grads_to_different_params() -> None:
+    spawn(_default_overlap_worker, 2)
