@@ -198,8 +198,11 @@ def fp8_ddp_comm_hook(fp8_dtype: torch.dtype) -> Callable[..., torch.futures.Fut
     # No annotations: DDP checks them against dist.GradBucket / Future[Tensor] objects, and
     # this module's postponed annotations are strings.
     def hook(group, bucket):  # noqa: ANN001, ANN202
-        pending = PendingFp8AllReduce(bucket.buffer(), group, fp8_dtype)
-        mean: torch.futures.Future = torch.futures.Future()
+        buffer = bucket.buffer()
+        pending = PendingFp8AllReduce(buffer, group, fp8_dtype)
+        # A Future may hold only tensors on the devices it names (none: CPU only)
+        devices = [buffer.device] if buffer.device.type != "cpu" else None
+        mean: torch.futures.Future = torch.futures.Future(devices=devices)
         if in_flight:
             _gather_mean(*in_flight.pop())
         if bucket.is_last():
