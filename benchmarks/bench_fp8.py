@@ -17,7 +17,6 @@ Writes runs/bench_fp8-<UTC time>/fp8_<device>.{md,json,png} (--out DIR to choose
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from mixprec.bench.command import fresh_out_dir
+from mixprec.bench.report import write_record
 from mixprec.bench.runner import cpu_model
 from mixprec.bench.timing import time_call
 from mixprec.fp8 import Float8Config, convert_to_fp8, fp8_kernel_problem, fp8_summary
@@ -294,19 +294,20 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(results, machine, args)
     print(table)
     if not args.no_write:
-        out = args.out or fresh_out_dir("bench_fp8")
-        out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"fp8{'' if FAST_ACCUM else '_exact_accum'}_{device.type}"
-        stem.with_suffix(".md").write_text(table)
         payload = {
             "machine": machine,
             "args": {k: v for k, v in vars(args).items() if k not in ("argv",)},
             "total_seconds": round(time.perf_counter() - start, 1),
             "results": results,
         }
-        stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
-        chart(results, machine, stem.with_suffix(".png"))
-        print(f"wrote {stem}.md, .json, .png", file=sys.stderr)
+        paths = write_record(
+            args.out or fresh_out_dir("bench_fp8"),
+            f"fp8{'' if FAST_ACCUM else '_exact_accum'}_{device.type}",
+            table,
+            payload,
+            lambda png: chart(results, machine, png),
+        )
+        print("wrote " + ", ".join(map(str, paths.values())), file=sys.stderr)
     return 0
 
 

@@ -46,6 +46,7 @@ from bench_lean import (  # noqa: E402 - the sibling benchmark's tasks, not a pa
 from bench_zero import bytes_sent  # noqa: E402
 
 from mixprec.bench.command import fresh_out_dir  # noqa: E402
+from mixprec.bench.report import write_record  # noqa: E402
 from mixprec.bench.runner import machine_name  # noqa: E402
 
 VARIANTS = {
@@ -194,17 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(rows, args, machine, argv)
     print(table)
     args.out = args.out or fresh_out_dir("bench_fp8_comm")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / "fp8_comm_cpu"
-    stem.with_suffix(".md").write_text(table)
     record = {
         "machine": machine,
         "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": round(time.perf_counter() - start, 1),
         "rows": rows,
     }
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {stem}.md, .json", file=sys.stderr)
+    paths = write_record(args.out, "fp8_comm_cpu", table, record)
+    print("wrote " + ", ".join(map(str, paths.values())), file=sys.stderr)
     return 0
 
 

@@ -7,12 +7,16 @@ steps them in turns (one step of each, then the next round), so load from other 
 falls on all of them alike:
 
     ddp, ddp_fp8                TorchDDPPlugin over the same Policy; fp8: its fp8 comm hook
+    ddp_fp8_sync                that hook's collectives done before it returns (as it was
+                                until it returned a future chain): what the overlap gains
     zero1, zero2                LowLevelZeroPlugin, gradients reduced at step()
     zero2_overlap               buckets reduced during backward (overlap_communication)
     zero2_fp8, zero2_overlap_fp8  gradients moved in fp8 (fp8_communication)
 
 ZeRO's buckets hold --bucket-m million elements (default 0.25: one Linear(512) per bucket, so
-backward has several buckets to overlap). Measured in that one run:
+backward has several buckets to overlap), and DDP's as many fp32 bytes (bucket_cap_mb =
+4 x --bucket-m: at DDP's default 25 MB the whole model is one bucket, reduced after backward,
+which leaves its fp8 hook nothing to overlap). Measured in that one run:
 
     bytes   fp32 masters + optimizer state each rank holds, summed from the optimizers' own
             state after the steps (the largest rank is reported); ratio = ZeRO / DDP
@@ -45,6 +49,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from mixprec.bench.command import fresh_out_dir
+from mixprec.bench.report import write_record
 from mixprec.bench.runner import machine_name
 
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -52,6 +57,7 @@ PRECISIONS = ("fp16", "bf16", "fp32")
 RUN_SPECS = {
     "ddp": (0, False, False),
     "ddp_fp8": (0, False, True),
+    "ddp_fp8_sync": (0, False, True),
     "zero1": (1, False, False),
     "zero2": (2, False, False),
     "zero2_overlap": (2, True, False),
@@ -88,6 +94,16 @@ def held_grad_bytes(model: nn.Module, optimizer: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def synchronous_fp8_hook(group, bucket):  # noqa: ANN001, ANN201 - DDP checks annotations
+    """The fp8 hook with its collectives waited for inside (the before of the async hook)."""
+    from mixprec.parallel.comm import DEFAULT_FP8_COMM_FORMAT, FP8_COMM_FORMATS, fp8_all_reduce
+
+    fp8 = FP8_COMM_FORMATS[DEFAULT_FP8_COMM_FORMAT]
+    future = torch.futures.Future()
+    future.set_result(fp8_all_reduce(bucket.buffer(), group, fp8).div_(dist.get_world_size(group)))
+    return future
+
+
 def build_runs(precision: str, args: argparse.Namespace) -> dict[str, tuple]:
     from mixprec.booster import Booster
     from mixprec.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
@@ -106,15 +122,18 @@ def build_runs(precision: str, args: argparse.Namespace) -> dict[str, tuple]:
             overlap_communication=overlap,
             fp8_communication=fp8,
         )
+        sync = name == "ddp_fp8_sync"
         if not stage:  # the very same Policy, DDP instead of ZeRO
-            booster = Booster(
-                mixed_precision=MixedPrecision(zero.policy),
-                plugin=TorchDDPPlugin(fp8_communication=fp8),
+            ddp = TorchDDPPlugin(
+                bucket_cap_mb=4 * args.bucket_m, fp8_communication=fp8 and not sync
             )
+            booster = Booster(mixed_precision=MixedPrecision(zero.policy), plugin=ddp)
         else:
             booster = Booster(plugin=zero)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model, opt, criterion, *_ = booster.boost(model, opt, nn.MSELoss())
+        if sync:
+            model.register_comm_hook(None, synchronous_fp8_hook)
         runs[name] = (booster, model, opt, criterion)
     return runs
 
@@ -209,7 +228,8 @@ def markdown(rows: list[dict], args: argparse.Namespace, machine: str, argv: lis
         f"Command: `{' '.join(['python benchmarks/bench_zero.py', *argv])}`",
         f"Model: {args.depth} x Linear({args.width}) = {params / 1e6:.2f} M params, AdamW, "
         f"batch {args.batch} per rank; {args.warmup} warm-up + {args.steps} timed steps per run, "
-        f"runs taking turns; ZeRO buckets of {args.bucket_m} M elements.",
+        f"runs taking turns; ZeRO buckets of {args.bucket_m} M elements, DDP's of "
+        f"{4 * args.bucket_m:g} MB.",
         "time = the slowest rank's median step, [10th-90th percentile]; speed = DDP's median "
         "/ the run's; sent = bytes a rank writes to its sockets per step (counted: "
         "/proc/self/io), the largest rank's mean.",
@@ -325,18 +345,20 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(rows, args, machine, argv)
     print(table)
     args.out = args.out or fresh_out_dir("bench_zero")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / "zero_cpu"
-    stem.with_suffix(".md").write_text(table)
     record = {
         "machine": machine,
         "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": round(time.perf_counter() - start, 1),
         "rows": rows,
     }
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    chart(rows, stem.with_suffix(".png"), f"ZeRO vs DDP, {machine}")
-    print(f"wrote {stem}.md, .json, .png", file=sys.stderr)
+    paths = write_record(
+        args.out,
+        "zero_cpu",
+        table,
+        record,
+        lambda png: chart(rows, png, f"ZeRO vs DDP, {machine}"),
+    )
+    print("wrote " + ", ".join(map(str, paths.values())), file=sys.stderr)
     return 0
 
 

@@ -517,3 +517,23 @@ def test_progress_bar_without_tqdm_is_a_silent_no_op(capsys, monkeypatch) -> Non
     with progress_bar(total=3, enabled=False) as bar:  # --no-progress: no bar and no note
         bar.update(1)
     assert capsys.readouterr().err == ""
+
+
+def test_write_record_is_the_one_writer_of_the_benchmark_scripts(tmp_path) -> None:
+    """bench_zero / bench_fp8_comm / bench_fp8 write through write_record: md as given, JSON
+    (a Path in argparse args as its str), the chart only when asked, a stale one removed."""
+    (tmp_path / "zero_cpu.png").write_bytes(b"old chart")
+    record = {"args": {"out": tmp_path}, "rows": [{"speed": 1.5}]}
+    paths = bench_report.write_record(tmp_path, "zero_cpu", "| a |\n", record)
+    assert set(paths) == {"md", "json"} and not (tmp_path / "zero_cpu.png").exists()
+    assert paths["md"].read_text() == "| a |\n"
+    assert json.loads(paths["json"].read_text()) == {
+        "args": {"out": str(tmp_path)},
+        "rows": [{"speed": 1.5}],
+    }
+    drawn = []
+    paths = bench_report.write_record(tmp_path, "zero_cpu", "", record, drawn.append)
+    assert drawn == [tmp_path / "zero_cpu.png"] and paths["png"] == drawn[0]
+    for script in ("bench_zero", "bench_fp8_comm", "bench_fp8"):
+        text = (Path(__file__).parent.parent / "benchmarks" / f"{script}.py").read_text()
+        assert "write_record(" in text and "write_text" not in text.split("def main")[1], script

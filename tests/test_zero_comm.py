@@ -8,6 +8,7 @@ collective runs here).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,12 @@ from mixprec.booster.plugin import (
     TorchDDPPlugin,
     TorchFSDPPlugin,
 )
-from mixprec.parallel.comm import fp8_all_reduce, fp8_reduce_scatter, to_fp8_comm_dtype
+from mixprec.parallel.comm import (
+    fp8_all_reduce,
+    fp8_ddp_comm_hook,
+    fp8_reduce_scatter,
+    to_fp8_comm_dtype,
+)
 
 WIO = Path("/proc/self/io")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -320,6 +326,97 @@ def test_fp8_communication_trains_as_fp32_communication() -> None:
     spawn(_converge_worker, 2)
 
 
+# ----- the DDP fp8 hook: asynchronous, the same bits as the synchronous all-reduce -----
+class _Bucket:
+    """What the hook reads of a dist.GradBucket (which Python cannot construct)."""
+
+    def __init__(self, buffer: torch.Tensor, last: bool) -> None:
+        self._buffer, self._last = buffer, last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+PEER_LATE = 1.0  # seconds rank 1 sleeps before its first hook call
+
+
+def _hook_async_worker(rank: int, world: int) -> None:
+    torch.manual_seed(rank)
+    buffers = [torch.randn(1000), torch.randn(333)]
+    hook = fp8_ddp_comm_hook(E5M2)
+    if rank == 1:
+        time.sleep(PEER_LATE)
+    start = time.perf_counter()
+    first = hook(None, _Bucket(buffers[0].clone(), last=False))
+    returned_after = time.perf_counter() - start
+    if rank == 0:
+        # Rank 1 has not joined yet, so no collective of this bucket can have completed: the
+        # hook returned without waiting for one.
+        assert returned_after < PEER_LATE / 2, returned_after
+        assert not first.done()
+    last = hook(None, _Bucket(buffers[1].clone(), last=True))  # gathers both buckets
+    for fut, buffer in zip((first, last), buffers, strict=True):
+        reference = fp8_all_reduce(buffer, None, E5M2).div_(world)  # the synchronous path
+        torch.testing.assert_close(fut.wait(), reference, **EXACT)
+
+
+def _sync_fp8_hook(group, bucket):  # noqa: ANN001, ANN202 - DDP checks hook annotations
+    """The hook as it was: every bucket reduced before the hook returns."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(fp8_all_reduce(bucket.buffer(), group, E5M2).div_(dist.get_world_size()))
+    return future
+
+
+def _ddp_hook_worker(rank: int, world: int) -> None:
+    """Real DDP, several buckets, accumulation under no_sync: the asynchronous hook's grads
+    are the synchronous one's bit for bit, and its non-last buckets return unfinished."""
+    for ddp_kwargs in ({}, {"gradient_as_bucket_view": True, "find_unused_parameters": True}):
+        models, done_at_return = [], []
+        for asynchronous in (False, True):
+            torch.manual_seed(0)
+            hook = fp8_ddp_comm_hook(E5M2)
+
+            def recorded(group, bucket, hook=hook, log=done_at_return):  # noqa: ANN001, ANN202
+                future = hook(group, bucket)
+                log.append((bucket.is_last(), future.done()))
+                return future
+
+            # ~1 KB buckets: the 8.6k params in several, reduced during backward
+            ddp = nn.parallel.DistributedDataParallel(
+                _model(WIDE), bucket_cap_mb=2**-10, **ddp_kwargs
+            )
+            ddp.register_comm_hook(None, recorded if asynchronous else _sync_fp8_hook)
+            models.append(ddp)
+        x, y = _data(rank, 16, WIDE)
+        for step in range(3):
+            for ddp in models:
+                if step == 1:
+                    with ddp.no_sync():
+                        nn.functional.mse_loss(ddp(x[:8]), y[:8]).backward()
+                nn.functional.mse_loss(ddp(x[8:]), y[8:]).backward()
+            for a, b in zip(models[1].parameters(), models[0].parameters(), strict=True):
+                torch.testing.assert_close(a.grad, b.grad, **EXACT, msg=f"{ddp_kwargs} {step}")
+            assert_same_on_every_rank([p.grad for p in models[1].parameters()], "async hook")
+        # DDP's first backward puts everything in one bucket; the rebuilt ones are several
+        early = [done for last, done in done_at_return if not last]
+        assert len(early) >= 2 and not any(early), done_at_return
+        del models
+
+
+def _ddp_hook_workers(rank: int, world: int) -> None:
+    _hook_async_worker(rank, world)
+    _ddp_hook_worker(rank, world)
+
+
+@pytest.mark.distributed
+def test_fp8_ddp_hook_is_asynchronous_and_bit_identical_to_the_synchronous_one() -> None:
+    """One spawn for both workers: starting the processes is most of the time."""
+    spawn(_ddp_hook_workers, 2)
+
+
 # ----- overlap_communication: reduced during backward, bit-identical results -----
 def _overlap_run(rank: int, stage: int, precision: str, overlap: bool, fp8: bool, accumulate):  # noqa: ANN001, ANN202
     torch.manual_seed(0)
@@ -375,3 +472,49 @@ def _overlap_worker(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_overlap_communication_reduces_in_backward_bit_identically() -> None:
     spawn(_overlap_worker, 2)
+
+
+class _Branchy(nn.Module):
+    """A trunk and two heads; head_b only where the caller asks (control flow per rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.head_a = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 4)
+        self.head_b = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        return self.head_a(h) + self.head_b(h) if use_b else self.head_a(h)
+
+
+def _default_overlap_worker(rank: int, world: int) -> None:
+    """Rank 1's backward skips head_b. With the default (reduced at step(), in bucket order on
+    every rank) the step applies the mean over ranks of each rank's gradient, zero where a rank
+    has none, bit for bit; overlap_communication=True would launch head_b's bucket on rank 0
+    only, out of order with rank 1's collectives."""
+    use_b = rank == 0
+    x, y = _data(rank)
+    torch.manual_seed(0)
+    plain = _Branchy()
+    nn.functional.mse_loss(plain(x, use_b), y).backward()
+    local = [p.grad if p.grad is not None else torch.zeros_like(p) for p in plain.parameters()]
+    rows = gathered(torch.cat([g.reshape(-1) for g in local]))
+    mean = (rows[0] + rows[1]) / world  # gloo's two-rank sum, then the mean, in fp32
+    before = torch.cat([p.detach().reshape(-1) for p in plain.parameters()])
+    torch.manual_seed(0)
+    # 64 elements a bucket: the heads and the trunk each in buckets of their own
+    plugin = LowLevelZeroPlugin(stage=2, precision="fp32", reduce_bucket_size_in_m=64 / 2**20)
+    assert plugin.overlap_communication is False  # the default, unlike Colossal's
+    booster, model = Booster(plugin=plugin), _Branchy()
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    assert len(opt._bucket_plan()) > 2
+    booster.backward(nn.functional.mse_loss(model(x, use_b), y), opt)
+    assert not opt.step().skipped
+    after = torch.cat([p.detach().reshape(-1) for p in opt.hp_params()])
+    torch.testing.assert_close(after, before - mean, **EXACT)
+    assert_same_on_every_rank([after], "ranks touching different params")
+
+
+@pytest.mark.distributed
+def test_default_no_overlap_lets_ranks_give_grads_to_different_params() -> None:
+    spawn(_default_overlap_worker, 2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -368,26 +369,42 @@ def result_stem(report: BenchReport) -> str:
     return f"bench_{report.config['model']['name']}_{report.device.split(':')[0]}"
 
 
-def write_report(report: BenchReport, out_dir: Path | str) -> dict[str, Path]:
-    """Write <stem>.md, .json (report + summary rows) and, with matplotlib, .png under out_dir.
+def write_record(
+    out_dir: Path | str,
+    stem: str,
+    table: str,
+    record: dict[str, Any],
+    chart: Callable[[Path], None] | None = None,
+) -> dict[str, Path]:
+    """Write one benchmark's results: <stem>.md (table), <stem>.json (record) and, when chart
+    is given and matplotlib is installed, <stem>.png (chart(path) draws it) under out_dir.
+    Values JSON has no type for (paths, dtypes in an argparse namespace) are written as str.
 
-    Returns the paths written, by extension: no "png" key when matplotlib is not installed.
-    """
+    Returns the paths written, by extension: no "png" key without a chart or matplotlib."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / result_stem(report)
-    paths = {ext: stem.with_suffix(f".{ext}") for ext in ("md", "json")}
-    paths["md"].write_text(render_markdown(report))
-    data = {**report.to_json(), "summary": summary_rows(report)}
-    paths["json"].write_text(json.dumps(data, indent=2) + "\n")
-    png = stem.with_suffix(".png")
+    base = out_dir / stem
+    paths = {ext: base.with_suffix(f".{ext}") for ext in ("md", "json")}
+    paths["md"].write_text(table)
+    paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n")
+    png = base.with_suffix(".png")
     png.unlink(missing_ok=True)  # a chart left from an earlier run would not match these numbers
+    if chart is None:
+        return paths
     try:
-        plot(report, png)
+        chart(png)
     except ImportError:  # the base install has no matplotlib: the md and JSON hold every number
         return paths
     paths["png"] = png
     return paths
+
+
+def write_report(report: BenchReport, out_dir: Path | str) -> dict[str, Path]:
+    """A BenchReport through write_record: its table, report + summary rows, its chart."""
+    data = {**report.to_json(), "summary": summary_rows(report)}
+    return write_record(
+        out_dir, result_stem(report), render_markdown(report), data, lambda png: plot(report, png)
+    )
 
 
 def load_report(path: Path | str) -> BenchReport:

@@ -101,24 +101,52 @@ def fp8_reduce_scatter(
     return PendingFp8ReduceScatter(hp_flat, group, fp8_dtype).wait()
 
 
+class PendingFp8AllReduce:
+    """An fp8 all-reduce in its two phases: the reduce-scatter is launched at construction;
+    gather() waits for it, re-quantizes this rank's summed chunk, launches the all-gather
+    and returns a Future of the sum (hp_tensor's shape and dtype) that completes with it.
+
+    Launching is left to the caller so that every rank issues the collectives in the same
+    order (gloo and NCCL match them by issue order): a DDP comm hook launches a bucket's
+    reduce-scatter at once and gathers it from the next bucket's hook."""
+
+    def __init__(
+        self, hp_tensor: torch.Tensor, group: ProcessGroup | None, fp8_dtype: torch.dtype
+    ) -> None:
+        self.world, self.group, self.fp8_dtype = _world(group), group, fp8_dtype
+        self.shape, self.dtype, self.numel = hp_tensor.shape, hp_tensor.dtype, hp_tensor.numel()
+        flat = hp_tensor.detach().reshape(-1).to(torch.float32)
+        pad = -flat.numel() % self.world
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        # quantized here: the caller may reuse hp_tensor as soon as this returns
+        self.scatter = PendingFp8ReduceScatter(flat, group, fp8_dtype)
+
+    def gather(self) -> torch.futures.Future:
+        hp_chunk = self.scatter.wait()
+        lp_chunk, scale = _quantize(hp_chunk, self.fp8_dtype)
+        world, device = self.world, hp_chunk.device
+        lp_all = torch.empty(world * lp_chunk.numel(), dtype=torch.uint8, device=device)
+        scales = torch.empty(world, dtype=torch.float32, device=device)
+        works = [
+            dist.all_gather_single(lp_all, lp_chunk, group=self.group, async_op=True),
+            dist.all_gather_single(scales, scale, group=self.group, async_op=True),
+        ]
+
+        def total(_: torch.futures.Future) -> torch.Tensor:
+            # every rank, its own chunk included, dequantizes the same gathered bytes
+            flat = _dequantize(lp_all.view(world, -1), scales, self.fp8_dtype).reshape(-1)
+            return flat[: self.numel].view(self.shape).to(self.dtype)
+
+        return torch.futures.collect_all([w.get_future() for w in works]).then(total)
+
+
 def fp8_all_reduce(
     hp_tensor: torch.Tensor, group: ProcessGroup | None, fp8_dtype: torch.dtype
 ) -> torch.Tensor:
     """The sum of hp_tensor over the group, moved in fp8 (see the module docstring); a new
     tensor of hp_tensor's shape and dtype, bit-identical on every rank."""
-    world = _world(group)
-    flat = hp_tensor.detach().reshape(-1).to(torch.float32)
-    pad = -flat.numel() % world
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    hp_chunk = fp8_reduce_scatter(flat, group, fp8_dtype)
-    lp_chunk, scale = _quantize(hp_chunk, fp8_dtype)
-    lp_all = torch.empty(world * lp_chunk.numel(), dtype=torch.uint8, device=flat.device)
-    scales = torch.empty(world, dtype=torch.float32, device=flat.device)
-    dist.all_gather_single(lp_all, lp_chunk, group=group)
-    dist.all_gather_single(scales, scale, group=group)
-    total = _dequantize(lp_all.view(world, -1), scales, fp8_dtype).reshape(-1)
-    return total[: hp_tensor.numel()].view(hp_tensor.shape).to(hp_tensor.dtype)
+    return PendingFp8AllReduce(hp_tensor, group, fp8_dtype).gather().wait()
 
 
 class Fp8ReduceScatter:
@@ -153,19 +181,46 @@ class Fp8ReduceScatter:
         return None  # done synchronously: FSDP ignores the work handle when async_op is False
 
 
-def fp8_ddp_comm_hook(
-    fp8_dtype: torch.dtype,
-) -> Callable[[ProcessGroup | None, Any], torch.futures.Future]:
+def fp8_ddp_comm_hook(fp8_dtype: torch.dtype) -> Callable[..., torch.futures.Future]:
     """A DDP comm hook (register_comm_hook(group, hook)) averaging each bucket in fp8, as
-    Colossal's fp8_compress_ddp_grad_comm_hook; state is the process group (None: default)."""
+    Colossal's fp8_compress_ddp_grad_comm_hook; state is the process group (None: default).
+
+    It returns before the bucket is reduced, so buckets travel while backward goes on: the
+    hook launches its bucket's reduce-scatter and gathers the previous bucket's (whose
+    reduce-scatter has had the backward in between to complete); the last bucket is gathered
+    at once. All collectives are issued from DDP's hook calls, which come in bucket order on
+    every rank, so every rank issues them in the same order (a callback on a communication
+    thread would race DDP's own collectives, e.g. find_unused_parameters' used-map). The
+    returned Future completes with the mean, bit-identical to fp8_all_reduce(buffer) / world.
+    Register a fresh hook per DDP model: it holds that model's bucket in flight."""
+    in_flight: list[tuple[PendingFp8AllReduce, torch.futures.Future]] = []
 
     # No annotations: DDP checks them against dist.GradBucket / Future[Tensor] objects, and
     # this module's postponed annotations are strings.
     def hook(group, bucket):  # noqa: ANN001, ANN202
         buffer = bucket.buffer()
-        mean = fp8_all_reduce(buffer, group, fp8_dtype).div_(_world(group))
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(mean)
-        return future
+        pending = PendingFp8AllReduce(buffer, group, fp8_dtype)
+        # A Future may hold only tensors on the devices it names (none: CPU only)
+        devices = [buffer.device] if buffer.device.type != "cpu" else None
+        mean: torch.futures.Future = torch.futures.Future(devices=devices)
+        if in_flight:
+            _gather_mean(*in_flight.pop())
+        if bucket.is_last():
+            _gather_mean(pending, mean)
+        else:
+            in_flight.append((pending, mean))
+        return mean
 
     return hook
+
+
+def _gather_mean(pending: PendingFp8AllReduce, mean: torch.futures.Future) -> None:
+    """Launch pending's all-gather; mean gets the sum / world (or its error) when it lands."""
+
+    def done(summed: torch.futures.Future) -> None:
+        try:
+            mean.set_result(summed.value().div_(pending.world))
+        except Exception as error:  # noqa: BLE001 - handed to the Future DDP waits on
+            mean.set_exception(error)
+
+    pending.gather().add_done_callback(done)

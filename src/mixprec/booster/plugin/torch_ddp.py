@@ -17,8 +17,9 @@ class TorchDDPPlugin(Plugin):
     """Wrap the precision-wrapped model in DDP; the arguments are DDP's (Colossal's names).
 
     fp8_communication: True (= 'e5m2') or 'e4m3': a DDP comm hook averages each gradient
-    bucket in fp8 with a per-bucket power-of-two scale (mixprec.parallel.comm.fp8_all_reduce,
-    as Colossal's fp8_compress_ddp_grad_comm_hook); every replica gets the same result.
+    bucket in fp8 with a per-bucket power-of-two scale (mixprec.parallel.comm.fp8_ddp_comm_hook,
+    as Colossal's fp8_compress_ddp_grad_comm_hook), asynchronously, so buckets travel while
+    backward runs (as DDP's own all-reduce); every replica gets the same result.
 
     The model is cast before DDP wraps it, so DDP broadcasts (and all-reduces) the params in
     the dtype they train in; fp32 masters are made after that broadcast, so they agree too.
