@@ -83,6 +83,7 @@ from mixprec.apex.functions import (  # Apex's amp namespace holds these too
     register_half_function,
     register_promote_function,
 )
+from mixprec.apex.handle import init
 from mixprec.apex.policy import _as_bool, apex_policy, apex_properties, uncast_master_weights
 from mixprec.core.amp_warning import warn_if_amp_cannot_help
 from mixprec.core.autocast import fp32_region
@@ -499,6 +500,7 @@ __all__ = [
     "disable_casts",
     "float_function",
     "half_function",
+    "init",
     "initialize",
     "load_state_dict",
     "master_params",
