@@ -19,9 +19,10 @@ order they were entered: `_deactivate()` the handle after any region opened afte
 The cast cache (enable_caching=True, Apex's default): the low-precision copy of an
 nn.Parameter made for a white-listed op is kept and reused by later ops until the handle's
 scale_loss exits (as in Apex), `_clear_cache()` / `remove_cache()` is called, or the parameter
-changes: an in-place write (optimizer.step, a manual update) bumps its version and the next
-use casts afresh, and a copy cast under no_grad is not reused where gradients must reach
-the parameter (Apex's two stale-cache hazards).
+changes: an in-place write through it (optimizer.step, `p.sub_()` under no_grad) bumps its
+version and the next use casts afresh, and a copy cast under no_grad is not reused where
+gradients must reach the parameter (Apex's two stale-cache hazards). A write through
+`p.data` bumps no version (it is hidden from autograd too): clear the cache after one.
 """
 
 from __future__ import annotations
