@@ -255,3 +255,27 @@ def test_registered_function_is_patched_until_deactivate() -> None:
         assert Mod.scale(torch.randn(4, dtype=HALF)).dtype == HALF
     finally:
         functions._registry.pop((id(Mod), "scale"), None)
+
+
+def test_decorated_functions_cast_while_the_handle_is_active() -> None:
+    @amp.half_function
+    def to_half(x):
+        return x * 1
+
+    @amp.float_function
+    def to_float(x):
+        return x * 1
+
+    handle = amp.init(enabled=True)
+    try:
+        assert to_half(torch.randn(4)).dtype == HALF
+        assert to_float(torch.randn(4, dtype=HALF)).dtype == FLOAT
+    finally:
+        handle._deactivate()
+    assert to_half(torch.randn(4)).dtype == FLOAT  # Apex: outside amp they run untouched
+
+
+@pytest.mark.parametrize("bad", ["fast", 0, -1.0, float("inf")])
+def test_bad_loss_scale_is_refused_with_its_value(bad) -> None:
+    with pytest.raises(ValueError, match="loss_scale"):
+        amp.init(enabled=True, loss_scale=bad)
