@@ -172,3 +172,66 @@ def test_scale_loss_refuses_what_is_not_an_optimizer(handle) -> None:
     loss = nn.Linear(8, 1)(torch.randn(2, 8)).float().sum()
     with pytest.raises(TypeError, match="torch optimizer"), handle.scale_loss(loss, object()):
         pass
+
+
+# ----- handle.wrap_optimizer: Apex's OptimWrapper, one dynamic scale per loss -----
+def _two_loss_step(opt, lin, x, poison_second: bool) -> None:
+    opt.zero_grad()
+    with opt.scale_loss(lin(x).float().mean()) as scaled_loss:
+        scaled_loss.backward()
+    second = lin(x).float().pow(2).mean()
+    if poison_second:
+        second = second * float("inf")
+    with opt.scale_loss(second) as scaled_loss:
+        scaled_loss.backward()
+    opt.step()
+
+
+def test_wrap_optimizer_scales_each_loss_on_its_own_and_skips_on_any_overflow(handle) -> None:
+    lin = nn.Linear(8, 8)
+    opt = handle.wrap_optimizer(torch.optim.SGD(lin.parameters(), lr=0.1), num_loss=2)
+    x = torch.randn(1, 8) * 0.1  # means over 8: each scaled fp16 grad stays below 65504
+    before = [p.detach().clone() for p in lin.parameters()]
+    start = opt.loss_scales
+    _two_loss_step(opt, lin, x, poison_second=True)
+    assert opt.loss_scales == [start[0], start[1] * 0.5]  # only loss 1's scaler backs off
+    for p, b in zip(lin.parameters(), before, strict=True):  # skipped: bit for bit
+        torch.testing.assert_close(p.detach(), b, rtol=0, atol=0)
+    _two_loss_step(opt, lin, x, poison_second=False)
+    # the reference: plain torch, the same fp16 forward, the two losses unscaled, torch's SGD.
+    # Power-of-two scales commute with fp16 rounding except where the unscaled reference's
+    # fp16 grads fall below fp16's normal range (|g| < 2**-14): there the reference rounds to
+    # the subnormal spacing 2**-24 (what loss scaling exists to avoid). Each element carries at
+    # most one such rounding per loss (batch 1: no sums), half a spacing each: lr * 2**-24 in
+    # the weight, plus one fp32 ulp where w - lr * g then rounds the other way.
+    tolerance = {"rtol": 2.0**-23, "atol": 0.1 * 2.0**-24}
+    ref = nn.Linear(8, 8)
+    ref.load_state_dict({"weight": before[0], "bias": before[1]})
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for loss in (
+        nn.functional.linear(x.half(), ref.weight.half(), ref.bias.half()).float().mean(),
+        nn.functional.linear(x.half(), ref.weight.half(), ref.bias.half()).float().pow(2).mean(),
+    ):
+        loss.backward()
+    ref_opt.step()
+    for p, r in zip(lin.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), r.detach(), **tolerance)
+
+
+def test_wrap_optimizer_refuses_more_losses_than_declared_and_the_handles_scale_loss(
+    handle,
+) -> None:
+    lin = nn.Linear(8, 8)
+    sgd = torch.optim.SGD(lin.parameters(), lr=0.1)
+    opt = handle.wrap_optimizer(sgd, num_loss=1)
+    with opt.scale_loss(lin(torch.randn(1, 8)).float().sum()) as scaled_loss:
+        scaled_loss.backward()
+    with pytest.raises(RuntimeError, match="num_loss=1"), opt.scale_loss(torch.ones(())):
+        pass
+    with (
+        pytest.raises(RuntimeError, match="wrap_optimizer"),
+        handle.scale_loss(torch.ones(()), sgd),
+    ):
+        pass
+    with pytest.raises(NotImplementedError, match="closure"):
+        opt.step(lambda: 0.0)

@@ -154,6 +154,7 @@ class InitHandle(AmpHandle):
         "_dtype",
         "_exits",
         "_scaler",
+        "_wrapped_optimizer",
     )
 
     def __init__(
@@ -175,6 +176,7 @@ class InitHandle(AmpHandle):
             _scaler_config(loss_scale, None, APEX_SCALER.max_scale), device_type
         )
         self._exits: list[contextlib.AbstractContextManager] = []
+        self._wrapped_optimizer = False
         if enabled:
             self._activate()
 
@@ -226,6 +228,16 @@ class InitHandle(AmpHandle):
             self._cache.remove(param)
 
     # ----- loss scaling (the old API's) -----
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> OptimWrapper:
+        """Apex's OptimWrapper over optimizer: `with opt.scale_loss(loss) as s: s.backward()`
+        for each of num_loss losses per iteration, each with its own dynamic loss scale; step()
+        skips if any of them overflowed. handle.scale_loss is refused from then on, as in Apex.
+        """
+        from mixprec.apex.amp import _handle_optimizer  # amp imports this module
+
+        self._wrapped_optimizer = True
+        return OptimWrapper(_handle_optimizer(optimizer, num_loss), self, num_loss)
+
     @property
     def loss_scale(self) -> float:
         """The handle's current loss scale (a host sync)."""
@@ -241,6 +253,11 @@ class InitHandle(AmpHandle):
         if not self._active:
             yield loss
             return
+        if self._wrapped_optimizer:
+            raise RuntimeError(
+                "handle.scale_loss after handle.wrap_optimizer(): scale each loss with the "
+                "wrapped optimizer's own scale_loss, `with optimizer.scale_loss(loss) as s:`."
+            )
         if not hasattr(optimizer, "param_groups"):
             raise TypeError(f"scale_loss needs a torch optimizer, got {optimizer!r}.")
         scaler = self._scaler
@@ -267,6 +284,68 @@ class InitHandle(AmpHandle):
             f"InitHandle(active={self._active}, dtype={self._dtype}, "
             f"caching={self.has_cache}, allow_banned={self._allow_banned})"
         )
+
+
+class OptimWrapper:
+    """Apex's OptimWrapper (handle.wrap_optimizer): per-loss scaling over one optimizer.
+
+    The i-th `scale_loss(loss)` since the last step uses loss scaler i; the unscaled grads
+    of the losses add up, and step() skips (nothing changes) if any loss overflowed, each
+    scaler moving by its own loss. Everything else is the wrapped optimizer's.
+    """
+
+    def __init__(self, optimizer: Any, handle: InitHandle, num_loss: int) -> None:
+        self._optimizer = optimizer  # a PerLossOptimizer with num_loss scalers of its own
+        self._amp_handle = handle
+        self._num_loss = num_loss
+        self._loss_idx = 0
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor) -> Iterator[Any]:
+        if not self._amp_handle.is_active():
+            yield loss
+            return
+        if self._loss_idx >= self._num_loss:
+            raise RuntimeError(
+                f"scale_loss called {self._loss_idx + 1} times since the last step(), but "
+                f"wrap_optimizer(num_loss={self._num_loss}): raise num_loss."
+            )
+        from mixprec.apex.amp import scale_loss  # amp imports this module
+
+        with scale_loss(loss, self._optimizer, loss_id=self._loss_idx) as scaled_loss:
+            yield scaled_loss
+        self._loss_idx += 1
+
+    def step(self, closure: Any = None) -> Any:
+        if closure is not None:
+            raise NotImplementedError("The amp optimizer wrapper does not take a closure.")
+        self._loss_idx = 0
+        if not self._amp_handle.is_active():  # after _deactivate: the plain optimizer
+            return self._optimizer.optim.step()
+        return self._optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._optimizer.add_param_group(param_group)
+
+    @property
+    def loss_scales(self) -> list[float]:
+        """Each loss's current scale (a host sync)."""
+        return [s.scale for s in self._optimizer.scalers]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_optimizer"], name)
+
+    def __repr__(self) -> str:
+        return f"OptimWrapper({self._optimizer!r}, num_loss={self._num_loss})"
 
 
 def _skip_next_step(optimizer: torch.optim.Optimizer, new_scale: float) -> None:

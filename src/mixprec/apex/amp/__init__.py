@@ -363,6 +363,19 @@ def initialize(
     return out_models, amp_optimizers[0]
 
 
+def _handle_optimizer(optimizer: Any, num_loss: int) -> PerLossOptimizer:
+    """The optimizer behind amp.init's `handle.wrap_optimizer`: num_loss dynamic loss scalers
+    of its own (Apex's OptimWrapper), fp32 params stepped as they are (O1)."""
+    policy = apex_policy(opt_level="O1", num_losses=num_loss)  # checks num_loss
+    (opt,), _ = _optimizer_list(optimizer)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    scalers = [LossScaler(policy.loss_scale, device) for _ in range(num_loss)]
+    amp_opt = _wrap_optimizer(opt, False, scalers, policy.verbosity)
+    amp_opt.amp_state = _AmpState(policy, True, policy.verbosity, scalers)
+    return amp_opt
+
+
 # ----- losses -----
 def _amp_optimizers(opts: list[Any]) -> tuple[list[PerLossOptimizer], _AmpState]:
     """The optimizers and the amp state (loss scalers) of the initialize call they came from."""
@@ -396,11 +409,13 @@ def scale_loss(
     backward passes accumulate; the last scale_loss of the iteration (same loss_id) must have
     delay_unscale=False, and it unscales everything accumulated since the first.
     """
-    state = _require_state()
     given = list(optimizers) if isinstance(optimizers, list | tuple) else [optimizers]
-    if not state.enabled and not all(isinstance(opt, PerLossOptimizer) for opt in given):
-        yield loss
-        return
+    # optimizers from amp.init's handle.wrap_optimizer carry their own scalers: no initialize
+    if not all(isinstance(o, PerLossOptimizer) and o.amp_state is not None for o in given):
+        state = _require_state()
+        if not state.enabled and not all(isinstance(opt, PerLossOptimizer) for opt in given):
+            yield loss
+            return
     opts, state = _amp_optimizers(given)
     if isinstance(loss_id, bool) or not isinstance(loss_id, int):
         raise TypeError(f"loss_id={loss_id!r} must be an int.")
