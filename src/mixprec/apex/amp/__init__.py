@@ -50,6 +50,9 @@ working with their own loss scalers; amp.state_dict() and `_amp_state` follow th
 A model that already holds fp16 params needs `amp._amp_state.allow_incoming_model_not_fp32 =
 True`, as in Apex; cast_model_type=False leaves its dtypes alone.
 
+Apex's older handle API, `handle = amp.init(...)` (O1 casts until `handle._deactivate()`,
+`handle.scale_loss`, `handle.wrap_optimizer`), is in mixprec.apex.handle.
+
 Differences from Apex, each deliberate: errors raise ValueError/TypeError (Apex: RuntimeError,
 unless hard_override); O3's static scale of 1 still checks for inf/nan and skips (Apex stepped
 blindly); the grads of low-precision model params are moved into the fp32 masters after each
