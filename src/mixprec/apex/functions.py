@@ -179,6 +179,11 @@ def patch_functions() -> None:
     _patching = True
 
 
+def is_patching() -> bool:
+    """Whether the registered functions are patched now (by amp.initialize's O1 or amp.init)."""
+    return _patching
+
+
 def apply_to(patch: bool) -> None:
     """What amp.initialize calls: patch when its policy patches torch functions, else restore."""
     if patch:

@@ -20,6 +20,7 @@ from mixprec.core.policy import Policy
 from mixprec.core.prepare import FP32Criterion, PrecisionModule
 from mixprec.engine.base import EngineBase
 from mixprec.engine.state import engine_state_dict, load_engine_state_dict
+from mixprec.mixed_precision import with_optimizer_wrapper_api
 
 
 class Engine(EngineBase):
@@ -73,7 +74,9 @@ class Engine(EngineBase):
                 f"gradient_accumulation={gradient_accumulation!r} must be an int >= 1."
             )
         self.model = model
-        self.optimizer = optimizer
+        # Colossal's OptimizerWrapper methods (clip_grad_by_norm, backward_by_grad, ...), the
+        # one implementation every Colossal face's optimizer gets (initialize has applied it)
+        self.optimizer = with_optimizer_wrapper_api(optimizer)
         self.criterion = criterion
         self.lr_scheduler = lr_scheduler
         self.gradient_accumulation = gradient_accumulation
@@ -113,6 +116,14 @@ class Engine(EngineBase):
         if self.gradient_accumulation > 1:
             loss = loss / self.gradient_accumulation
         multi_loss.backward(self.optimizer, loss, loss_id)
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        """Colossal's Engine.backward_by_grad: backward from tensor with the upstream grad.
+
+        grad must already carry the loss scale (`engine.optimizer.scale_loss`, or a later
+        stage's input gradient): the optimizer's backward_by_grad does not scale it again. As
+        in Colossal, it is not divided by gradient_accumulation (only backward(loss) is)."""
+        self.optimizer.backward_by_grad(tensor, grad)
 
     def step(self) -> StepResult | None:
         """Step on the window's last micro-batch: unscale, clip, step or skip, then the schedule.

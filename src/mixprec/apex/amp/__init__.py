@@ -50,6 +50,9 @@ working with their own loss scalers; amp.state_dict() and `_amp_state` follow th
 A model that already holds fp16 params needs `amp._amp_state.allow_incoming_model_not_fp32 =
 True`, as in Apex; cast_model_type=False leaves its dtypes alone.
 
+Apex's older handle API, `handle = amp.init(...)` (O1 casts until `handle._deactivate()`,
+`handle.scale_loss`, `handle.wrap_optimizer`), is in mixprec.apex.handle.
+
 Differences from Apex, each deliberate: errors raise ValueError/TypeError (Apex: RuntimeError,
 unless hard_override); O3's static scale of 1 still checks for inf/nan and skips (Apex stepped
 blindly); the grads of low-precision model params are moved into the fp32 masters after each
@@ -83,6 +86,7 @@ from mixprec.apex.functions import (  # Apex's amp namespace holds these too
     register_half_function,
     register_promote_function,
 )
+from mixprec.apex.handle import init
 from mixprec.apex.policy import _as_bool, apex_policy, apex_properties, uncast_master_weights
 from mixprec.core.amp_warning import warn_if_amp_cannot_help
 from mixprec.core.autocast import fp32_region
@@ -362,6 +366,19 @@ def initialize(
     return out_models, amp_optimizers[0]
 
 
+def _handle_optimizer(optimizer: Any, num_loss: int) -> PerLossOptimizer:
+    """The optimizer behind amp.init's `handle.wrap_optimizer`: num_loss dynamic loss scalers
+    of its own (Apex's OptimWrapper), fp32 params stepped as they are (O1)."""
+    policy = apex_policy(opt_level="O1", num_losses=num_loss)  # checks num_loss
+    (opt,), _ = _optimizer_list(optimizer)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    scalers = [LossScaler(policy.loss_scale, device) for _ in range(num_loss)]
+    amp_opt = _wrap_optimizer(opt, False, scalers, policy.verbosity)
+    amp_opt.amp_state = _AmpState(policy, True, policy.verbosity, scalers)
+    return amp_opt
+
+
 # ----- losses -----
 def _amp_optimizers(opts: list[Any]) -> tuple[list[PerLossOptimizer], _AmpState]:
     """The optimizers and the amp state (loss scalers) of the initialize call they came from."""
@@ -395,11 +412,13 @@ def scale_loss(
     backward passes accumulate; the last scale_loss of the iteration (same loss_id) must have
     delay_unscale=False, and it unscales everything accumulated since the first.
     """
-    state = _require_state()
     given = list(optimizers) if isinstance(optimizers, list | tuple) else [optimizers]
-    if not state.enabled and not all(isinstance(opt, PerLossOptimizer) for opt in given):
-        yield loss
-        return
+    # optimizers from amp.init's handle.wrap_optimizer carry their own scalers: no initialize
+    if not all(isinstance(o, PerLossOptimizer) and o.amp_state is not None for o in given):
+        state = _require_state()
+        if not state.enabled and not all(isinstance(opt, PerLossOptimizer) for opt in given):
+            yield loss
+            return
     opts, state = _amp_optimizers(given)
     if isinstance(loss_id, bool) or not isinstance(loss_id, int):
         raise TypeError(f"loss_id={loss_id!r} must be an int.")
@@ -499,6 +518,7 @@ __all__ = [
     "disable_casts",
     "float_function",
     "half_function",
+    "init",
     "initialize",
     "load_state_dict",
     "master_params",
