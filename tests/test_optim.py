@@ -553,9 +553,15 @@ def test_sync_free_clean_step_reads_nothing_on_the_host(monkeypatch, name: str) 
     assert syncs.calls == ["tolist"]
 
 
-def test_sync_free_refuses_an_optimizer_without_found_inf() -> None:
-    with pytest.raises(RuntimeError, match=r"_sync_free=True with SGD .*use fused=True"):
-        sync_free_run(lambda ps: torch.optim.SGD(ps, lr=0.1), sync_free=True, overflows=[False])
+def test_sync_free_refuses_a_mode_that_reads_the_step_on_the_host() -> None:
+    """Any optimizer runs sync-free (fused: found_inf; others: tests/test_sync_free.py's masked
+    update); a mode that logs the scale each step (verbosity 2) cannot, and forcing says so."""
+    model = cast_module(tiny_mlp(norm=False), torch.float16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt._sync_free, opt.verbosity = True, 2
+    opt.backward(loss_fn(model, *batch(dtype=torch.float16)))
+    with pytest.raises(RuntimeError, match=r"_sync_free=True with SGD: .*verbosity 2"):
+        opt.step()
 
 
 @pytest.mark.cuda

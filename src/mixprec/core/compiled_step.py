@@ -64,9 +64,11 @@ from mixprec.core import fused_step as fused
 from mixprec.core import lean as lean_step
 from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
+from mixprec.core.clip import total_grad_norm
 from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
 from mixprec.core.scaling import ProcessGroup, default_group, rank_and_world
 from mixprec.core.skip_monitor import SkipMonitor, SkipStats
+from mixprec.core.step_record import StepRecord
 from mixprec.core.validate import check_max_norm
 
 _LAST = object()  # step(x, y): no target keyword, so the last positional is the target
@@ -255,13 +257,9 @@ class CompiledStep:
         """Whose loss scale the step runs under and advances, by that scaler's own rule."""
         self._hp_key: tuple | None = None  # the host values self._hp_tensors holds
         self._hp_tensors: list[torch.Tensor] = []
-        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
-            raise ValueError(f"check_every={check_every!r} must be an int >= 1.")
-        self.check_every = check_every
+        self._step_record = StepRecord(check_every, device)  # made now: the graph writes it
+        self.check_every = self._step_record.check_every
         """Steps between the host's reads of the skip record (each read is one host sync)."""
-        self._record = torch.zeros(check_every, 2, device=device)  # (skipped, scale) per step
-        self._cursor = torch.zeros(1, dtype=torch.int64, device=device)  # next row, on device
-        self._recorded = 0  # rows written since the last read (a host count: no sync)
         self._unreported = 0  # skips read since the last sync_counters() call
         own = isinstance(optimizer, MixedPrecisionOptimizer)
         self.skip_monitor = optimizer.skip_monitor if own else SkipMonitor()
@@ -407,10 +405,9 @@ class CompiledStep:
         found_inf = sm.found_inf(amaxes).reshape(1)
         found_inf = self._all_reduce_max(found_inf)
         skip = found_inf > 0
-        clip = torch.ones_like(inv_scale)
+        clip, total = torch.ones_like(inv_scale), None
         if self.max_norm > 0 and unscaled:
-            norms = torch.stack([torch.linalg.vector_norm(u) for u in unscaled])
-            total = torch.linalg.vector_norm(norms)
+            total = total_grad_norm(unscaled)  # core/clip's norm: traced, no graph break
             clip = sm.clip_coefficient(self.max_norm, total).reshape(1)
         head = [inv_scale, clip]
         keep = (~skip).float()
@@ -425,9 +422,7 @@ class CompiledStep:
             key = None if keys is None else keys[self.param_index[i]]
             self._update(i, grad, head, hparams[g], keep, skip, flags[g], key)
         _advance_scale(self.scaler, found_inf)
-        row = torch.cat([skip.reshape(1).float(), scale_used]).reshape(1, 2)
-        self._record.index_copy_(0, self._cursor, row)  # a device cursor: no guard, no sync
-        self._cursor.add_(1)
+        self._step_record.write(found_inf, scale_used, total)  # a device cursor: no guard, no sync
         return loss.reshape(())
 
     def _update(self, i, grad, head, h, keep, skip, flags, key) -> None:
@@ -495,9 +490,7 @@ class CompiledStep:
         with torch.no_grad():  # _run enables grad for forward and backward; the writes need none
             loss = self._step(args)
         self._counts.steps += 1
-        self._recorded += 1
-        if self._recorded == self.check_every:
-            self._read_record()
+        self._step_record.step_done(self._count_row, has_norm=self._records_norm)
         return loss
 
     def _step(self, args: tuple[Any, ...]) -> torch.Tensor:
@@ -553,36 +546,38 @@ class CompiledStep:
         """False once compiling failed and the step runs eagerly."""
         return self._compiled is not None
 
+    @property
+    def _records_norm(self) -> bool:
+        """Whether each step's row carries the clip's grad norm (a host fact)."""
+        return self.max_norm > 0 and bool(self.hp)
+
     def _read_record(self) -> None:
         """Read the steps recorded on the device (one host sync) and count them as the eager
         step does: steps, skips, the skip monitor's messages, the consecutive-skip guard."""
-        if not self._recorded:
-            return
-        rows = self._record[: self._recorded].tolist()  # the host sync
-        self._recorded = 0
-        self._cursor.zero_()
+        self._step_record.read(self._count_row)
+
+    def _count_row(self, skipped: bool, scale: float, grad_norm: float | None) -> None:
+        """One recorded step into the counts (the optimizer's, or _Counts over a plain one)."""
         counts = self._counts
-        for flag, scale in rows:
-            skipped = flag > 0
-            counts.skipped_steps += skipped
-            self._unreported += skipped
-            counts.consecutive_skips = counts.consecutive_skips + 1 if skipped else 0
-            if isinstance(counts, MixedPrecisionOptimizer):
-                counts.last_result = StepResult(
-                    skipped=skipped, scale=scale, grad_norm=None, num_zeros=None
-                )
-            message = self.skip_monitor.record(skipped, scale)
-            if message and rank_and_world()[0] == 0:
-                log.warning(message)
-            limit = self.max_consecutive_skips
-            if limit is not None and counts.consecutive_skips >= limit:
-                raise ScaleCollapseError(
-                    f"{counts.consecutive_skips} compiled steps in a row were skipped for "
-                    f"non-finite gradients (loss scale {scale:g}; the count is read every "
-                    f"{self.check_every} steps). The run overflows at any scale: look for a "
-                    "nan/inf in the data or loss (mixprec.debugging.NonFiniteLocator names the "
-                    "first module), lower the learning rate, or train in bf16."
-                )
+        counts.skipped_steps += skipped
+        self._unreported += skipped
+        counts.consecutive_skips = counts.consecutive_skips + 1 if skipped else 0
+        if isinstance(counts, MixedPrecisionOptimizer):
+            counts.last_result = StepResult(
+                skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=None
+            )
+        message = self.skip_monitor.record(skipped, scale)
+        if message and rank_and_world()[0] == 0:
+            log.warning(message)
+        limit = self.max_consecutive_skips
+        if limit is not None and counts.consecutive_skips >= limit:
+            raise ScaleCollapseError(
+                f"{counts.consecutive_skips} compiled steps in a row were skipped for "
+                f"non-finite gradients (loss scale {scale:g}; the count is read every "
+                f"{self.check_every} steps). The run overflows at any scale: look for a "
+                "nan/inf in the data or loss (mixprec.debugging.NonFiniteLocator names the "
+                "first module), lower the learning rate, or train in bf16."
+            )
 
     @property
     def skip_stats(self) -> SkipStats:

@@ -20,6 +20,7 @@ import torch
 
 from mixprec.core import fused_step as fused
 from mixprec.core import lean as lean_step
+from mixprec.core import sync_free
 from mixprec.core.clip import clip_grads_, local_shards
 from mixprec.core.optim_state import place_masters, saved_masters, upgrade_optimizer_checkpoint
 from mixprec.core.policy import UNIT_SCALE, ScalerConfig
@@ -34,6 +35,7 @@ from mixprec.core.scaling import (
 )
 from mixprec.core.skip_monitor import SkipMonitor, SkipStats, scale_text
 from mixprec.core.step_math import clip_coefficient
+from mixprec.core.step_record import StepRecord
 from mixprec.core.validate import check_bool, check_int, check_max_norm, check_norm_type
 
 log = logging.getLogger("mixprec")
@@ -125,25 +127,19 @@ def _route_zero_grad(inner: torch.optim.Optimizer, wrapper: MixedPrecisionOptimi
     inner.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
-SYNC_FREE_CHECK_EVERY = 32
-"""The sync-free step reads its device record every this many steps (the compiled step's
-check_every default): a skip is logged, and a collapse raised, up to 31 steps late."""
-
-
 class _PendingStepResult(StepResult):
-    """A sync-free step's result: its fields read the device record when first read (a sync)."""
+    """A sync-free step's result: its fields read the step's record row when first read (a
+    host sync, paid only by a caller who reads them)."""
 
-    def __init__(self, owner: Any, row: torch.Tensor, norm: torch.Tensor | None) -> None:
-        object.__setattr__(self, "_owner", owner)
+    def __init__(self, row: torch.Tensor, has_norm: bool) -> None:
+        object.__setattr__(self, "_row", row)
+        object.__setattr__(self, "_has_norm", has_norm)
         object.__setattr__(self, "_values", None)
-        object.__setattr__(self, "_row", row.clone())
-        object.__setattr__(self, "_norm", norm)
 
     def _read(self) -> tuple[bool, float, float | None]:
         if self._values is None:
-            flag, scale = self._row.tolist()  # a host sync, when this result is read
-            norm = None if self._norm is None else float(self._norm)
-            object.__setattr__(self, "_values", (flag > 0, scale, norm))
+            flag, scale, norm = self._row.reshape(-1).tolist()  # a host sync, when read
+            object.__setattr__(self, "_values", (flag > 0, scale, norm if self._has_norm else None))
         return self._values
 
     skipped = property(lambda self: self._read()[0])  # type: ignore[assignment]
@@ -269,15 +265,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         # (a grad, its version) as backward() left it: see _warn_if_grads_changed_while_scaled
         self._grad_seen: tuple[torch.Tensor, int] | None = None
         self._warned_scaled_edit = False
-        # The sync-free step's device record of (overflow flag, scale) rows (see _step_sync_free),
-        # read into the counters below every SYNC_FREE_CHECK_EVERY steps or when they are read.
+        # The sync-free step's device record (see _step_sync_free), read into the counters below
+        # every DEFAULT_CHECK_EVERY steps or when they are read; made at its first step.
         self._sync_free: bool | None = None
-        """Private switch: None runs the step with no host sync where it costs one (CUDA) and
-        the inner optimizer takes torch's found_inf (fused Adam/AdamW/SGD); True forces it
-        (tests on CPU); False keeps the one read of the overflow flag per step."""
-        self._record: torch.Tensor | None = None
-        self._recorded = 0
-        self._pending_norms: list[torch.Tensor | None] = []
+        """Private switch: None runs the step with no host sync where it costs one (CUDA; see
+        _runs_sync_free); True forces it (tests on CPU); False keeps the one read of the
+        overflow flag per step."""
+        self._record: StepRecord | None = None
         self._skipped_steps = 0
         self.steps = 0
         self.noop_steps = 0
@@ -657,8 +651,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             return self._fused_step(fused_grads)
         found_inf = self.unscale_grads()  # checks, transfer -> reduce -> unscale+check
         norm = self.clip_grad_norm(self.max_norm) if self.max_norm > 0 else None
-        if self._runs_sync_free():
-            return self._step_sync_free(found_inf, norm)
+        sync_free_inner = self._runs_sync_free()
+        if sync_free_inner is not None:
+            return self._step_sync_free(found_inf, norm, sync_free_inner)
         grad_norm = None if norm is None else float(norm)
         num_zeros = self._count_zeros() if self.log_num_zeros_in_grad else None
         skipped, scale = self._decide(found_inf, self._scale_used())
@@ -994,45 +989,51 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return self._last_result
 
     # ----- the step with no host sync (#27) -----
-    def _runs_sync_free(self) -> bool:
-        """Whether this step runs _step_sync_free (see _sync_free)."""
+    def _runs_sync_free(self) -> sync_free.InnerStep | None:
+        """The inner step that skips on the device, when this step runs _step_sync_free (see
+        _sync_free); None: this step reads the overflow flag on the host.
+
+        On by default on CUDA, wherever it can run (the plain step: no lean write-back, no
+        per-step host log): there a host read of the flag stalls the launch queue every step.
+        torch's fused optimizers take found_inf (free); every other optimizer runs the masked
+        update, which costs an extra copy of the stepped params + state per step (see
+        mixprec.core.sync_free). Off on CPU, where a read costs no stall and the copy is pure
+        cost (measured: benchmarks/results/sync_free_cpu.md); forced on by tests.
+        """
         forced = self._sync_free
         if forced is False:
-            return False
-        takes_found_inf = bool(getattr(self.optim, "_step_supports_amp_scaling", False))
+            return None
         plain = (
             self.lean is None
             and self.carries_grads  # ZeRO, the pipeline, Apex count and report their own way
             and not self.log_num_zeros_in_grad
             and self.verbosity < 2  # the scale-change log reads the scale each step
         )
-        if forced is None:
-            return plain and takes_found_inf and self._device().type == "cuda"
-        if not (plain and takes_found_inf):
-            raise RuntimeError(
-                f"_sync_free=True with {type(self.optim).__name__}"
-                f"{'' if takes_found_inf else ' (which takes no found_inf: use fused=True)'}"
-                f"{'' if plain else ' in a mode that reads the step on the host'}: only "
-                "torch's fused Adam/AdamW/SGD in the core's plain step skip on the device."
-            )
-        return True
+        if forced is None and not (plain and self._device().type == "cuda"):
+            return None
+        step, reason = sync_free.inner_step(self.optim, self.scaler.scale_tensor.device)
+        if forced is None or (plain and step is not None):
+            return step
+        raise RuntimeError(
+            f"_sync_free=True with {type(self.optim).__name__}: "
+            f"{reason or 'a mode that reads the step on the host (lean, log_num_zeros_in_grad, verbosity 2, or a subclass that counts its own way)'}."
+        )
 
-    def _step_sync_free(self, found_inf: torch.Tensor, norm: torch.Tensor | None) -> StepResult:
-        """decide -> update -> commit with no host sync: the inner optimizer gets found_inf
-        (torch's contract for fused optimizers: the kernel writes nothing on an overflow and
-        Adam's step count is put back), the scaler advances by its device-side rule, and the
-        (flag, scale) row goes to a device record that the counters read every
-        SYNC_FREE_CHECK_EVERY steps or when read (skipped_steps, skip_stats, last_result, the
-        returned StepResult's fields): skip reports and ScaleCollapseError come then."""
+    def _step_sync_free(
+        self, found_inf: torch.Tensor, norm: torch.Tensor | None, inner: sync_free.InnerStep
+    ) -> StepResult:
+        """decide -> update -> commit with no host sync: `inner` steps the inner optimizer and
+        leaves everything as it was where found_inf is set (mixprec.core.sync_free), the scaler
+        advances by its device-side rule, and the step's row goes to the device StepRecord that
+        the counters read every DEFAULT_CHECK_EVERY steps or when read (skipped_steps,
+        skip_stats, last_result, the returned StepResult's fields): skip reports and
+        ScaleCollapseError come then. An LR scheduler sees what it sees on the syncing path:
+        step() returns either way, and its scheduler.step() moves the lr by its own count (a
+        skip is a step there too, as on the syncing path)."""
         scale = self.scaler.scale_tensor.clone()  # the scale these grads ran under
         self._update_scale(found_inf)  # no clean_growth: the device-side rule, no read
         self._keep_grads()
-        optim = self.optim
-        optim.found_inf = found_inf.reshape(())  # type: ignore[attr-defined]
-        try:
-            optim.step()
-        finally:
-            del optim.found_inf  # type: ignore[attr-defined]
+        inner(found_inf)
         self._masters_to_params()  # after a skip the masters are unchanged: the same lp values
         self._finish_step()
         if not self._step_had_grads:  # host-known: counted apart, as the syncing step does
@@ -1043,29 +1044,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             )
         self.steps += 1
         if self._record is None:
-            self._record = found_inf.new_zeros(SYNC_FREE_CHECK_EVERY, 2)
-        row = self._record[self._recorded]
-        row[:1].copy_(found_inf)
-        row[1:].copy_(scale)
-        self._pending_norms.append(norm)
-        self._recorded += 1
-        result = _PendingStepResult(self, row, norm)
-        if self._recorded == SYNC_FREE_CHECK_EVERY:
-            self._read_record()
-        return result
+            self._record = StepRecord()
+        row = self._record.write(found_inf, scale, norm)
+        self._record.step_done(self._count_row, has_norm=norm is not None)
+        return _PendingStepResult(row, norm is not None)
+
+    def _count_row(self, skipped: bool, scale: float, grad_norm: float | None) -> None:
+        self._count(StepResult(skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=None))
 
     def _read_record(self) -> None:
         """Count the steps on the device record (one host sync for all of them)."""
-        if not self._recorded:
-            return
-        rows = self._record[: self._recorded].tolist()  # the host sync, once per record
-        norms = self._pending_norms
-        self._recorded, self._pending_norms = 0, []
-        for (flag, scale), norm in zip(rows, norms, strict=True):
-            grad_norm = None if norm is None else float(norm)
-            self._count(
-                StepResult(skipped=flag > 0, scale=scale, grad_norm=grad_norm, num_zeros=None)
-            )
+        if self._record is not None:
+            self._record.read(self._count_row)
 
     def _report_scale_change(self, scale: float, skipped: bool) -> None:
         """verbosity 2 (Colossal's NAIVE verbose=True): say when the scale moved and why."""
