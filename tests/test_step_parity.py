@@ -113,7 +113,8 @@ def _apex(path: str):
     crit = nn.MSELoss()
 
     def step(x, y):
-        with apex_amp.scale_loss(crit(model(x), y), opt, loss_id=0) as scaled:
+        # .float(): torch 2.11's CPU autocast leaves mse_loss's fp16 x fp32 backward unpromoted
+        with apex_amp.scale_loss(crit(model(x).float(), y), opt, loss_id=0) as scaled:
             scaled.backward()
         opt.step()
         opt.zero_grad()

@@ -67,7 +67,7 @@ def gathered(t: torch.Tensor) -> torch.Tensor:
     """(world, n): every rank's flat t."""
     flat = t.detach().reshape(-1).float().contiguous()
     out = torch.empty(dist.get_world_size() * flat.numel())
-    dist.all_gather_single(out, flat)
+    dist.all_gather_into_tensor(out, flat)
     return out.view(dist.get_world_size(), -1)
 
 

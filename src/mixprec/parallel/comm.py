@@ -84,7 +84,7 @@ class PendingFp8ReduceScatter:
         self.scales = torch.empty(world, dtype=torch.float32, device=hp_flat.device)
         self.works = [
             dist.all_to_all_single(self.received, lp_bytes, group=group, async_op=True),
-            dist.all_gather_single(self.scales, scale, group=group, async_op=True),
+            dist.all_gather_into_tensor(self.scales, scale, group=group, async_op=True),
         ]
 
     def wait(self) -> torch.Tensor:
@@ -129,8 +129,8 @@ class PendingFp8AllReduce:
         lp_all = torch.empty(world * lp_chunk.numel(), dtype=torch.uint8, device=device)
         scales = torch.empty(world, dtype=torch.float32, device=device)
         works = [
-            dist.all_gather_single(lp_all, lp_chunk, group=self.group, async_op=True),
-            dist.all_gather_single(scales, scale, group=self.group, async_op=True),
+            dist.all_gather_into_tensor(lp_all, lp_chunk, group=self.group, async_op=True),
+            dist.all_gather_into_tensor(scales, scale, group=self.group, async_op=True),
         ]
 
         def total(_: torch.futures.Future) -> torch.Tensor:

@@ -475,7 +475,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
         elif world > 1 and self.stage == 2 and self.reduce_scatter:
             mine = torch.empty(length, dtype=dtype, device=device)
-            work = dist.reduce_scatter_single(mine, flat, group=group, async_op=True)
+            work = dist.reduce_scatter_tensor(mine, flat, group=group, async_op=True)
 
             def finish() -> torch.Tensor:
                 work.wait()
@@ -543,7 +543,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             send = torch.zeros(length, dtype=dtype, device=device)
             self._pack(chunks[self.rank], send)
             recv = torch.empty(self.world * length, dtype=dtype, device=device)
-            dist.all_gather_single(recv, send, group=self.shard_group)
+            dist.all_gather_into_tensor(recv, send, group=self.shard_group)
             for rank, chunk in enumerate(chunks):
                 if rank != self.rank:
                     self._unpack(chunk, recv[rank * length : (rank + 1) * length])
