@@ -27,6 +27,7 @@ from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
@@ -384,6 +385,30 @@ def run_dist_mem_leak(rank: int, world_size: int) -> None:
     exam_mem_leak(world_size=world_size)
 
 
+# ----- added: dp_process_group is honoured (Colossal's tests pass only None) -----
+def exam_dp_process_group() -> None:
+    """Each rank alone in its dp_process_group: its step is plain SGD on its own batch (no
+    mean over the two ranks), and the ranks' params part ways."""
+    rank = dist.get_rank()
+    own = [dist.new_group([0]), dist.new_group([1])][rank]  # every rank creates both, in order
+    seed_all(7)
+    model = MlpModelCkpt()
+    ref = copy.deepcopy(model)
+    opt = LowLevelZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dp_process_group=own)
+    seed_all(7 + rank)
+    x = torch.rand(4, 12)
+    opt.backward(model(x).sum())
+    opt.step()
+    ref(x).sum().backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        assert_close(p, r)  # fp32 defaults: the same update, no other rank's gradient in it
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    both = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(both, mine)
+    assert not torch.equal(both[0], both[1])
+
+
 def run_dist_all(rank: int, world_size: int) -> None:
     # A failing rank raises and spawn ends the others (a rank going on after a failure could
     # wait forever in a collective its peer never joins).
@@ -391,6 +416,7 @@ def run_dist_all(rank: int, world_size: int) -> None:
     run_dist_grad_acc(rank, world_size)
     run_dist_ckpt(rank, world_size)
     run_dist_mem_leak(rank, world_size)
+    exam_dp_process_group()
 
 
 @pytest.mark.slow  # ~10 s on the shared 2-core machine, most of it the 2-process start
@@ -454,9 +480,19 @@ def test_bad_values_name_the_keyword() -> None:
         ({"reduce_bucket_size": 0}, "reduce_bucket_size"),
         ({"partition_grad": 1}, "partition_grad"),
         ({"backward_context": 3}, "backward_context"),
+        ({"overlap_communication": "yes"}, "overlap_communication"),
+        ({"clip_grad_norm": -1.0}, "clip_grad_norm"),
+        ({"communication_dtype": torch.int8}, "communication_dtype"),
+        ({"fp8_communication": "e3m4"}, "fp8_communication"),
+        ({"fp8_communication": True, "communication_dtype": torch.float16}, "fp8_communication"),
+        ({"min_scale": 0}, "min_scale"),
     ]:
         with pytest.raises((ValueError, TypeError), match=match):
-            LowLevelZeroOptimizer(torch.optim.SGD(model.parameters(), lr=1), **kwargs)
+            # forced_dtype too: a refused call must leave the model's params as they were
+            LowLevelZeroOptimizer(
+                torch.optim.SGD(model.parameters(), lr=1), forced_dtype=torch.float16, **kwargs
+            )
+        assert {p.dtype for p in model.parameters()} == {torch.float32}, kwargs
     model[0].half()  # one layer fp16, one fp32: Colossal asserts one dtype too
     with pytest.raises(ValueError, match="dtypes"):
         LowLevelZeroOptimizer(torch.optim.SGD(model.parameters(), lr=1))
@@ -488,6 +524,51 @@ def test_the_precision_is_the_params_dtype(
         assert opt.loss_scale == 64 and opt.scaler.cfg.dynamic
     masters = {m.dtype for m in opt.hp_masters}
     assert masters == (set() if working == torch.float32 else {torch.float32})
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_the_scaler_keywords_drive_the_fp16_loss_scale(
+    verbose: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """initial_scale ... max_scale as Colossal's (Megatron's hysteresis rule): an overflow spends
+    one unit of hysteresis and backs off (never below min_scale) once it is spent; each
+    growth_interval clean steps grow the scale (never above max_scale) and refill it; an
+    overflowed step changes no param. verbose=True logs every scale change, False none."""
+    model = _mlp(torch.float16)
+    opt = LowLevelZeroOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-3),
+        initial_scale=64,
+        min_scale=8,
+        growth_factor=4,
+        backoff_factor=0.25,
+        growth_interval=1,
+        hysteresis=2,
+        max_scale=128,
+        verbose=verbose,
+    )
+    x = torch.randn(3, 8, dtype=torch.float16)
+    scales = []
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        for overflow in (True, True, True, False, False, False):
+            before = [p.detach().clone() for p in model.parameters()]
+            loss = model(x).float().sum()
+            opt.backward(loss * float("inf") if overflow else loss)
+            opt.step()
+            opt.zero_grad()
+            changed = any(
+                not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)
+            )
+            assert changed != overflow
+            scales.append(opt.loss_scale)
+    # 64 kept (hysteresis 2 -> 1), backed off 64*0.25, 16*0.25 floored at 8, grown 8*4, 32*4,
+    # 128*4 capped at 128
+    assert scales == [64, 16, 8, 32, 128, 128]
+    changes = [
+        r.getMessage().split("loss scale ")[1].split(" after")[0]
+        for r in caplog.records
+        if " after step " in r.getMessage()
+    ]
+    assert changes == (["64 -> 16", "16 -> 8", "8 -> 32", "32 -> 128"] if verbose else [])
 
 
 def test_master_weights_false_steps_the_low_precision_params() -> None:

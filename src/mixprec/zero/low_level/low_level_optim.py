@@ -23,8 +23,14 @@ from mixprec.booster.plugin.low_level_zero import colossal_scaler, zero_policy
 from mixprec.booster.plugin.plugin_base import refuse_non_defaults
 from mixprec.core.prepare import prepare_optimizer
 from mixprec.core.scaling import ProcessGroup
+from mixprec.core.validate import check_bool, check_max_norm
 from mixprec.mixed_precision import OptimizerWrapperAPI
-from mixprec.parallel.zero import ZeroOptimizer, check_cpu_offload
+from mixprec.parallel.zero import (
+    ZeroOptimizer,
+    check_communication_dtype,
+    check_cpu_offload,
+    check_fp8_communication,
+)
 
 PRECISION_OF_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -97,43 +103,37 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
                 ),
             },
         )
+        who = "LowLevelZeroOptimizer"
         for name, value in (
             ("verbose", verbose),
+            ("overlap_communication", overlap_communication),
             ("partition_grad", partition_grad),
             ("cpu_offload", cpu_offload),
             ("master_weights", master_weights),
         ):
-            if not isinstance(value, bool):
-                raise TypeError(f"LowLevelZeroOptimizer({name}={value!r}) must be a bool.")
+            check_bool(f"{who}: {name}", value)
         if backward_context is not None and not callable(backward_context):
             raise TypeError(
-                f"LowLevelZeroOptimizer(backward_context={backward_context!r}) must be a "
-                "callable returning a context manager, or None."
+                f"{who}(backward_context={backward_context!r}) must be a callable returning a "
+                "context manager, or None."
             )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
-                f"LowLevelZeroOptimizer(optimizer=...) must be a torch.optim.Optimizer, got "
+                f"{who}(optimizer=...) must be a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}."
             )
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if not params:
-            raise ValueError("LowLevelZeroOptimizer: the optimizer holds no parameters.")
-        if forced_dtype is not None:
-            if forced_dtype not in PRECISION_OF_DTYPE:
-                raise ValueError(
-                    f"LowLevelZeroOptimizer(forced_dtype={forced_dtype!r}); valid: "
-                    f"{list(PRECISION_OF_DTYPE)} or None."
-                )
-            with torch.no_grad():
-                for p in params:
-                    p.data = p.data.to(forced_dtype)  # as Colossal: the model's params, in place
-        dtypes = sorted({str(p.dtype) for p in params})
-        if len(dtypes) > 1 or params[0].dtype not in PRECISION_OF_DTYPE:
+        if (
+            isinstance(reduce_bucket_size, bool)
+            or not isinstance(reduce_bucket_size, int)
+            or reduce_bucket_size < 1
+        ):
             raise ValueError(
-                f"LowLevelZeroOptimizer: the params have dtypes {dtypes}; they must share one "
-                f"of {list(PRECISION_OF_DTYPE)} (cast the model, or pass forced_dtype=)."
+                f"{who}(reduce_bucket_size={reduce_bucket_size!r}) must be a positive int "
+                "(gradient elements per collective)."
             )
-        precision = PRECISION_OF_DTYPE[params[0].dtype]
+        check_max_norm(f"{who}: clip_grad_norm", clip_grad_norm)
+        check_communication_dtype(communication_dtype, who)
+        check_fp8_communication(fp8_communication, communication_dtype, who)
         scaler = colossal_scaler(
             initial_scale,
             min_scale,
@@ -143,19 +143,29 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
             hysteresis,
             max_scale,
         )  # checked under Colossal's names even where the precision does not scale
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not params:
+            raise ValueError(f"{who}: the optimizer holds no parameters.")
+        if forced_dtype is not None and forced_dtype not in PRECISION_OF_DTYPE:
+            raise ValueError(
+                f"{who}(forced_dtype={forced_dtype!r}); valid: {list(PRECISION_OF_DTYPE)} or None."
+            )
+        check_cpu_offload(cpu_offload, params[0].device)
+        # Every check above runs before the model is touched: a refused call leaves it as it was.
+        if forced_dtype is not None:
+            with torch.no_grad():
+                for p in params:
+                    p.data = p.data.to(forced_dtype)  # as Colossal: the model's params, in place
+        dtypes = sorted({str(p.dtype) for p in params})
+        if len(dtypes) > 1 or params[0].dtype not in PRECISION_OF_DTYPE:
+            raise ValueError(
+                f"{who}: the params have dtypes {dtypes}; they must share one of "
+                f"{list(PRECISION_OF_DTYPE)} (cast the model, or pass forced_dtype=)."
+            )
+        precision = PRECISION_OF_DTYPE[params[0].dtype]
         policy = replace(
             zero_policy(precision, scaler, master_weights), verbosity=2 if verbose else 1
         )
-        check_cpu_offload(cpu_offload, params[0].device)
-        if (
-            isinstance(reduce_bucket_size, bool)
-            or not isinstance(reduce_bucket_size, int)
-            or reduce_bucket_size < 1
-        ):
-            raise ValueError(
-                f"LowLevelZeroOptimizer(reduce_bucket_size={reduce_bucket_size!r}) must be a "
-                "positive int (gradient elements per collective)."
-            )
         self._dtype = params[0].dtype
         self._backward_context = backward_context
 
