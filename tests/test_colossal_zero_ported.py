@@ -631,10 +631,44 @@ def test_backward_context_verbose_bucket_and_offload_are_honoured(
     assert entered == [True]
 
 
-def test_torch_state_without_masters_is_refused_where_masters_are_kept() -> None:
+def test_a_torch_state_loads_the_optimizer_state_and_keeps_masters_params_and_scale() -> None:
+    """As Colossal's load_state_dict: a torch optimizer's state (no masters, no scaler) sets
+    the Adam moments and step; the fp16 params, their fp32 masters and the loss scale stay."""
     model = _mlp(torch.float16)
-    opt = LowLevelZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1))
-    with pytest.raises(ValueError, match="no fp32 master weights"):
-        opt.load_state_dict(torch.optim.Adam(_mlp().parameters(), lr=1).state_dict())
+    opt = LowLevelZeroOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), initial_scale=64, hysteresis=1
+    )
+    x = torch.randn(3, 8, dtype=torch.float16)
+    opt.backward(model(x).float().sum() * float("inf"))  # an overflow: the scale moves to 32
+    opt.step()
+    opt.zero_grad()
+    opt.backward(model(x).float().sum())
+    opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    masters = [m.detach().clone() for m in opt.hp_masters]
+    scale = opt.loss_scale
+    assert scale == 32
+
+    torch_model = _mlp()  # fp32, other values: a torch Adam's state after one step
+    for p in torch_model.parameters():
+        p.data.uniform_(-1, 1)
+    torch_opt = torch.optim.Adam(torch_model.parameters(), lr=1e-2)
+    torch_model(torch.randn(3, 8)).sum().backward()
+    torch_opt.step()
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+
+    for p, before in zip(model.parameters(), params, strict=True):
+        assert torch.equal(p, before)
+    for m, before in zip(opt.hp_masters, masters, strict=True):
+        assert torch.equal(m, before)
+    assert opt.loss_scale == scale
+    loaded = opt.state_dict()["state"]
+    for k, torch_state in torch_opt.state_dict()["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(loaded[k][name], torch_state[name]), (k, name)
+
+
+def test_pinned_state_dicts_is_refused_by_name() -> None:
+    opt = LowLevelZeroOptimizer(torch.optim.Adam(_mlp().parameters(), lr=1))
     with pytest.raises(NotImplementedError, match="pinned_state_dicts"):
         opt.state_dict(pinned_state_dicts={})

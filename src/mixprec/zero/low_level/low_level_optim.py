@@ -278,16 +278,22 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole optimizer state (state_dict()'s, a torch optimizer's over the same
-        params, or a plain mixprec one); each rank keeps its own shard. Every rank passes it."""
-        keeps_masters = self.dtype != torch.float32 and self.master_weights is not False
-        if keeps_masters and "master_weights" not in state_dict:
-            raise ValueError(
-                "LowLevelZeroOptimizer.load_state_dict: this state holds no fp32 master weights "
-                "(a plain torch optimizer's) while this optimizer keeps masters of "
-                f"{self.dtype} params; mixprec's ZeRO would rebuild them from stand-ins, not "
-                "your weights. Load a state_dict() of this optimizer instead."
-            )
+        params, or a plain mixprec one); each rank keeps its own shard. Every rank passes it.
+
+        As Colossal's, a torch optimizer's state (no fp32 masters, no scaler in it) loads the
+        optimizer state only: the params, their masters and the loss scale stay as they are
+        (the masters follow the model's weights: update_master_params after loading those)."""
+        kept: list[torch.Tensor] = []
+        if "master_weights" not in state_dict:
+            kept = [*self.all_params, *self.hp_masters]
+        saved = [t.detach().clone() for t in kept]
+        scaler = None if "scaler" in state_dict else self.scaler.state_dict()
         # As torch's load_state_dict, the loaded state replaces whatever the inner optimizer held
         # (a script may have emptied it by hand, e.g. `optim.state = []`).
         self.optim.state = defaultdict(dict)
         self.load_gathered_state_dict(state_dict)
+        with torch.no_grad():
+            for t, value in zip(kept, saved, strict=True):
+                t.copy_(value)  # not the stand-ins the unsharded load rebuilt them from
+        if scaler is not None:
+            self.scaler.load_state_dict(scaler)
