@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import logging
 from contextlib import contextmanager, nullcontext
+from unittest import mock
 
 import pytest
 import torch
@@ -409,6 +410,30 @@ def exam_dp_process_group() -> None:
     assert not torch.equal(both[0], both[1])
 
 
+# ----- added: reduce_bucket_size is honoured (Colossal's tests only pass it) -----
+def exam_reduce_bucket_size() -> None:
+    """Buckets of at most 64 gradient elements cut the 612 of MlpModelCkpt into more
+    all-reduces than one bucket of 2**20, and the params come out bit-identical (a bucket
+    changes which elements travel together, not any element's sum)."""
+    results = []
+    for size in (64, 2**20):
+        seed_all(11)
+        model = MlpModelCkpt()
+        opt = LowLevelZeroOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), reduce_bucket_size=size
+        )
+        seed_all(11 + dist.get_rank())
+        x = torch.rand(4, 12)
+        with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
+            opt.backward(model(x).sum())
+            opt.step()
+        results.append((all_reduce.call_count, [p.detach().clone() for p in model.parameters()]))
+    (small_calls, small_params), (large_calls, large_params) = results
+    assert small_calls > large_calls, (small_calls, large_calls)
+    for a, b in zip(small_params, large_params, strict=True):
+        assert torch.equal(a, b)
+
+
 def run_dist_all(rank: int, world_size: int) -> None:
     # A failing rank raises and spawn ends the others (a rank going on after a failure could
     # wait forever in a collective its peer never joins).
@@ -417,6 +442,7 @@ def run_dist_all(rank: int, world_size: int) -> None:
     run_dist_ckpt(rank, world_size)
     run_dist_mem_leak(rank, world_size)
     exam_dp_process_group()
+    exam_reduce_bucket_size()
 
 
 @pytest.mark.slow  # ~10 s on the shared 2-core machine, most of it the 2-process start
@@ -606,12 +632,14 @@ def test_clip_grad_norm_clips_as_torch_and_get_grad_norm_reads_it() -> None:
 def test_backward_context_verbose_bucket_and_offload_are_honoured(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    entered = []
+    inside = [False]
+    seen = []
 
     @contextmanager
     def context():  # noqa: ANN202
-        entered.append(torch.is_grad_enabled())
+        inside[0] = True
         yield
+        inside[0] = False
 
     model = _mlp()
     with caplog.at_level(logging.WARNING, logger="mixprec"):
@@ -622,13 +650,42 @@ def test_backward_context_verbose_bucket_and_offload_are_honoured(
             reduce_bucket_size=100,
             cpu_offload=True,
             partition_grad=True,
+            overlap_communication=True,
             communication_dtype=torch.float32,
         )
     assert "cpu_offload=True" in caplog.text  # on CPU: says it has nothing to offload
     assert opt.verbosity == 2 and opt.reduce_bucket_numel == 100 and opt.stage == 2
-    assert opt.communication_dtype == torch.float32
-    opt.backward(model(torch.randn(2, 8)).sum())
-    assert entered == [True]
+    assert opt.communication_dtype == torch.float32 and opt.overlap_communication
+    out = model(torch.randn(2, 8))
+    out.register_hook(lambda grad: seen.append(inside[0]))
+    opt.backward(out.sum())
+    assert seen == [True] and not inside[0]  # the autograd pass ran inside the context
+    fp8 = LowLevelZeroOptimizer(torch.optim.SGD(_mlp().parameters(), lr=1), fp8_communication=True)
+    assert fp8.fp8_communication == torch.float8_e5m2  # True is e5m2, as Colossal's default
+
+
+def test_the_optimizer_must_be_a_torch_optimizer() -> None:
+    with pytest.raises(TypeError, match="optimizer="):
+        LowLevelZeroOptimizer(_mlp().parameters())  # type: ignore[arg-type]
+
+
+def test_backward_by_grad_takes_an_already_scaled_upstream_gradient() -> None:
+    """Colossal's backward_by_grad(tensor, grad): grad already carries the loss scale (a later
+    pipeline stage's), so it is not scaled again: the step equals backward(loss)'s."""
+    models = [_mlp(torch.float16), _mlp(torch.float16)]
+    opts = [
+        LowLevelZeroOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), initial_scale=64)
+        for m in models
+    ]
+    x = torch.randn(3, 8, dtype=torch.float16)
+    opts[0].backward(models[0](x).float().sum())
+    out = models[1](x)
+    opts[1].backward_by_grad(out, torch.full_like(out, opts[1].loss_scale))
+    for opt in opts:
+        opt.step()
+    for a, b in zip(*(m.parameters() for m in models), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(models[0][0].weight, _mlp(torch.float16)[0].weight)  # a real step
 
 
 def test_a_torch_state_loads_the_optimizer_state_and_keeps_masters_params_and_scale() -> None:
