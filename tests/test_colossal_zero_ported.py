@@ -22,6 +22,7 @@ else:
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 from contextlib import contextmanager, nullcontext
 from unittest import mock
@@ -379,6 +380,25 @@ def exam_mem_leak(world_size: int) -> None:
     zero_model = MlpModelLeak()
     zero_optimizer = TestLowLevelZeroOptimizer(torch.optim.SGD(zero_model.parameters(), lr=1))
     del zero_optimizer
+    assert DEL_CALLED
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="parallel/zero.py's overlap hooks hold the optimizer (a bound method on each param) "
+    "and are never removed; Colossal holds itself weakly in them and removes them in __del__",
+)
+def test_mem_leak_with_overlap_communication() -> None:
+    """Colossal's test_mem_leak with overlap_communication=True (added: Colossal's hooks are
+    installed with overlap too; its fix was a weak reference in them)."""
+    global DEL_CALLED
+    DEL_CALLED = False
+    model = MlpModelLeak()
+    opt = TestLowLevelZeroOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1), overlap_communication=True
+    )
+    del opt
+    gc.collect()
     assert DEL_CALLED
 
 
