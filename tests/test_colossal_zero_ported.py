@@ -454,6 +454,31 @@ def exam_reduce_bucket_size() -> None:
         assert torch.equal(a, b)
 
 
+# ----- added: communication_dtype is honoured -----
+def exam_communication_dtype() -> None:
+    """Gradients summed in bf16 give another step than in fp32 (gloo's default), off by at
+    most the bf16 roundings: each rank's grad and their sum, each 2**-9 relative, of a grad
+    below G = max |mean grad| (x 2 for the sum of two ranks), times lr."""
+    lr = 0.1
+    results = []
+    for dtype in (None, torch.bfloat16):
+        seed_all(13)
+        model = MlpModelCkpt()
+        opt = LowLevelZeroOptimizer(
+            torch.optim.SGD(model.parameters(), lr=lr), communication_dtype=dtype
+        )
+        seed_all(13 + dist.get_rank())
+        opt.backward(model(torch.rand(4, 12)).sum())
+        grads = [opt.get_param_grad(p) for p in model.parameters()]
+        opt.step()
+        results.append(([p.detach().clone() for p in model.parameters()], grads))
+    (fp32_params, grads), (bf16_params, _) = results
+    bound = lr * 3 * 2 * 2**-9 * max(g.abs().max().item() for g in grads)
+    assert any(not torch.equal(a, b) for a, b in zip(fp32_params, bf16_params, strict=True))
+    for a, b in zip(fp32_params, bf16_params, strict=True):
+        assert_close(b, a, rtol=0, atol=bound)
+
+
 def run_dist_all(rank: int, world_size: int) -> None:
     # A failing rank raises and spawn ends the others (a rank going on after a failure could
     # wait forever in a collective its peer never joins).
@@ -463,6 +488,7 @@ def run_dist_all(rank: int, world_size: int) -> None:
     run_dist_mem_leak(rank, world_size)
     exam_dp_process_group()
     exam_reduce_bucket_size()
+    exam_communication_dtype()
 
 
 @pytest.mark.slow  # ~10 s on the shared 2-core machine, most of it the 2-process start
@@ -502,10 +528,42 @@ def _mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dtype)
 
 
-def test_the_signature_is_colossals() -> None:
+# where each keyword is honoured (a behaviour check) or refused (NotImplementedError by name)
+KEYWORD_CHECKS = {
+    "optimizer": "test_the_optimizer_must_be_a_torch_optimizer",
+    "pg_to_param_list": "test_unimplemented_keywords_are_refused_by_name",
+    "initial_scale": "test_the_scaler_keywords_drive_the_fp16_loss_scale",
+    "min_scale": "test_the_scaler_keywords_drive_the_fp16_loss_scale",
+    "growth_factor": "test_the_scaler_keywords_drive_the_fp16_loss_scale",
+    "backoff_factor": "test_the_scaler_keywords_drive_the_fp16_loss_scale",
+    "growth_interval": "test_the_scaler_keywords_drive_the_fp16_loss_scale",
+    "hysteresis": "test_the_scaler_keywords_drive_the_fp16_loss_scale",
+    "max_scale": "test_the_scaler_keywords_drive_the_fp16_loss_scale",
+    "clip_grad_norm": "test_clip_grad_norm_clips_as_torch_and_get_grad_norm_reads_it",
+    "verbose": "test_the_scaler_keywords_drive_the_fp16_loss_scale",
+    "reduce_bucket_size": "exam_reduce_bucket_size",
+    "communication_dtype": "exam_communication_dtype",
+    "overlap_communication": "exam_zero_1_torch_ddp",  # against DDP, with and without masters
+    "partition_grad": "exam_zero_1_2",
+    "cpu_offload": "test_backward_context_verbose_bucket_and_offload_are_honoured",
+    "dp_process_group": "exam_dp_process_group",
+    "extra_dp_group": "test_unimplemented_keywords_are_refused_by_name",
+    "forced_dtype": "test_the_precision_is_the_params_dtype",
+    "master_weights": "test_master_weights_false_steps_the_low_precision_params",
+    "overlap_allgather": "test_unimplemented_keywords_are_refused_by_name",
+    "fp8_communication": "exam_zero_1_2",
+    "backward_context": "test_backward_context_verbose_bucket_and_offload_are_honoured",
+}
+
+
+def test_the_signature_is_colossals_and_every_keyword_is_checked() -> None:
     import inspect
 
     assert list(inspect.signature(LowLevelZeroOptimizer).parameters) == COLOSSAL_KEYWORDS
+    assert list(KEYWORD_CHECKS) == COLOSSAL_KEYWORDS
+    for keyword, check in KEYWORD_CHECKS.items():
+        assert callable(globals().get(check)), (keyword, check)
+        assert keyword in inspect.getsource(globals()[check]), (keyword, check)
 
 
 @pytest.mark.parametrize(
