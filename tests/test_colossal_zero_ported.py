@@ -807,3 +807,31 @@ def test_pinned_state_dicts_is_refused_by_name() -> None:
     opt = LowLevelZeroOptimizer(torch.optim.Adam(_mlp().parameters(), lr=1))
     with pytest.raises(NotImplementedError, match="pinned_state_dicts"):
         opt.state_dict(pinned_state_dicts={})
+
+
+def test_state_dict_shard_cuts_the_state_into_blocks_of_at_most_max_shard_size() -> None:
+    """Colossal's state_dict_shard: the per-param state in blocks of at most max_shard_size MB
+    (a larger param alone), together exactly state_dict()'s 'state', sizes in MB."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))  # weights 2 x 32 KiB of moments
+    opt = LowLevelZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    opt.backward(model(torch.randn(2, 64)).sum())
+    opt.step()
+    whole = opt.state_dict()["state"]
+    limit = 40 / 1024  # 40 KiB: a weight's exp_avg + exp_avg_sq (32 KiB) and its bias's (0.5)
+    blocks = list(opt.state_dict_shard(max_shard_size=limit))
+    merged = {k: v for block, _ in blocks for k, v in block.items()}
+    assert list(merged) == list(whole)
+    for k, v in whole.items():
+        for name, t in v.items():
+            assert torch.equal(merged[k][name], t)
+    for block, size in blocks:
+        mb = sum(t.numel() * t.element_size() for s in block.values() for n, t in s.items()
+                 if n != "step") / 1024**2  # fmt: skip
+        assert size == mb and (size <= limit or len(block) == 1)
+    assert [sorted(b) for b, _ in blocks] == [[0, 1], [2, 3]]  # 32.5 KiB each: a weight, a bias
+    small = [sorted(b) for b, _ in opt.state_dict_shard(max_shard_size=20 / 1024)]
+    assert small == [[0], [1], [2], [3]]  # a 32 KiB weight's state alone in its block
+    with pytest.raises(NotImplementedError, match="pinned_state_dicts"):
+        next(opt.state_dict_shard(pinned_state_dicts={}))
+    with pytest.raises(ValueError, match="max_shard_size"):
+        next(opt.state_dict_shard(max_shard_size=0))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -275,6 +275,46 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
         box = [gathered]
         dist.broadcast_object_list(box, src=self._global_rank(0), group=self.shard_group)
         return box[0]
+
+    def state_dict_shard(
+        self,
+        max_shard_size: int = 1024,
+        pinned_state_dicts: dict[str, dict[str, torch.Tensor]] | None = None,
+        only_on_master: bool = False,
+    ) -> Iterator[tuple[dict[int, dict[str, Any]], float]]:
+        """state_dict()'s per-param 'state' in blocks of at most max_shard_size MB (a param
+        whose state is larger alone in its own), each with its size in MB, as Colossal's.
+
+        The state is gathered whole first (a collective: every rank must iterate it); with
+        only_on_master=True the other ranks get one empty block."""
+        if pinned_state_dicts is not None:
+            raise NotImplementedError(
+                "LowLevelZeroOptimizer.state_dict_shard(pinned_state_dicts=...) is not "
+                "supported by mixprec: the gathered state is built in ordinary CPU memory. "
+                "Leave it None."
+            )
+        if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int | float):
+            raise TypeError(f"state_dict_shard(max_shard_size={max_shard_size!r}) must be MB.")
+        if not max_shard_size > 0:
+            raise ValueError(f"state_dict_shard(max_shard_size={max_shard_size!r}) must be > 0.")
+        state = self.state_dict(only_on_master=only_on_master)
+        block: dict[int, dict[str, Any]] = {}
+        size = 0.0
+        for index, param_state in ({} if state is None else state["state"]).items():
+            mb = (
+                sum(
+                    v.numel() * v.element_size()
+                    for k, v in param_state.items()
+                    if torch.is_tensor(v) and k != "step"
+                )
+                / 1024**2
+            )
+            if block and size + mb > max_shard_size:
+                yield block, size
+                block, size = {}, 0.0
+            block[index] = param_state
+            size += mb
+        yield block, size
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole optimizer state (state_dict()'s, a torch optimizer's over the same
