@@ -3,8 +3,9 @@
 A thin face over mixprec.parallel.zero.ZeroOptimizer, the one ZeRO (LowLevelZeroPlugin builds the
 same one): Colossal's keywords become a Policy through the plugin's own translators
 (colossal_scaler, zero_policy) and the optimizer is built by the core's prepare_optimizer. The
-model is not touched: as in Colossal, the precision is the params' dtype (or forced_dtype): fp16
-params get fp32 masters and a dynamic loss scale, bf16 params fp32 masters, fp32 params neither.
+model is not converted: as in Colossal, the precision is the params' dtype (forced_dtype casts
+them first): fp16 params get fp32 masters and a dynamic loss scale, bf16 params fp32 masters,
+fp32 params neither.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
         overlap_communication: reduce each bucket during backward (async), bit-identical to
             reducing at step(); every rank's backward must give grads to the same params.
         partition_grad: ZeRO-2 (gradients kept only by their owner) instead of ZeRO-1.
-        cpu_offload: masters and state in CPU memory (on CPU already: a no-op that says so).
+        cpu_offload: masters and state in CPU memory: with the params on the CPU a no-op that
+            says so (a WARNING); with them on an accelerator refused (not supported yet).
         dp_process_group: the data-parallel group (None: the default group).
         extra_dp_group: must be None (one flat data-parallel group).
         forced_dtype: cast every param to this dtype first (torch.float16 / bfloat16 / float32).
