@@ -33,6 +33,7 @@ COLOSSAL = (
     "logging",
     "utils",
     "nn",
+    "zero",
 )
 FACES = {
     "colossal": COLOSSAL,

@@ -17,10 +17,10 @@ def test_an_old_module_path_is_the_module_it_became(old: str) -> None:
 
 def test_names_import_from_old_paths() -> None:
     from mixprec.policy import Policy as OldPolicy
-    from mixprec.zero import ZeroOptimizer as OldZero
 
     from mixprec.core.policy import Policy
     from mixprec.parallel.zero import ZeroOptimizer
+    from mixprec.zero import ZeroOptimizer as OldZero
 
     assert OldPolicy is Policy and OldZero is ZeroOptimizer
 

@@ -103,8 +103,9 @@ __all__ = [
 
 
 # -- module paths from before the core/ and parallel/ layout --------------------------------
-# `from mixprec.policy import Policy` (as the README once showed), `import mixprec.zero`, ...
+# `from mixprec.policy import Policy` (as the README once showed), `import mixprec.pipeline`, ...
 # still import: each old path is the very module object it became (one module, two names).
+# mixprec.zero is Colossal's package now (colossalai.zero); it forwards the old module's names.
 _MOVED = {
     "policy": "core.policy",
     "validate": "core.validate",
@@ -121,7 +122,6 @@ _MOVED = {
     "skip_monitor": "core.skip_monitor",
     "lean": "core.lean",
     "step_math": "core.step_math",
-    "zero": "parallel.zero",
     "data": "parallel.data",
     "pipeline": "parallel.pipeline.schedule",
     "pipeline_optim": "parallel.pipeline.optim",
