@@ -1,6 +1,7 @@
 """HybridParallelPlugin beyond test_pipeline.py: Colossal's microbatch_size, gradients carried
 across execute_pipeline rounds until zero_grad (g1 + g2), and ZeRO over each stage's
-data-parallel group (zero_stage with pp_size > 1).
+data-parallel group (zero_stage with pp_size > 1: fp8 communication, a checkpoint loaded at
+another data-parallel size).
 
 References are one-process plain loops doing the same micro-batches in the same order: loss /
 m times the scale, gradients summed in fp32 and carried unscaled between steps as torch leaves
@@ -325,19 +326,129 @@ def _gathered_masters(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     }
 
 
+# ----- ZeRO over pipeline stages: fp8 communication, and a checkpoint at another dp size -----
+def _replica_grads(batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One replica's fp32 gradient of the whole model on its batch (M micro-batches summed):
+    what it hands to the data-parallel reduction."""
+    model = _model()
+    x, y = batch
+    for xb, yb in zip(x.chunk(M_), y.chunk(M_), strict=True):
+        (nn.functional.mse_loss(model(xb), yb) / M_).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _zero_fp8_pipeline(rank: int) -> None:
+    """fp8_communication=True under ZeRO-2 over pp=2 x dp=2: one SGD(lr=1) step applies the
+    replicas' mean gradient within test_zero_comm's fp8 bound of the fp32-communicated one."""
+    from test_zero_comm import E5M2, fp8_sum_bound
+
+    replica = rank // PP
+    batches = _batches(2)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=1.0)  # noqa: E731 - the step is the mean gradient
+    deltas = []
+    for fp8 in (False, True):
+        booster, model, optimizer, criterion = _boost(
+            "fp32", optim=sgd, zero_stage=2, fp8_communication=fp8
+        )
+        before = {n: w.clone() for n, w in _gathered_masters(model, optimizer).items()}
+        booster.execute_pipeline(iter([batches[replica]]), model, criterion, optimizer)
+        assert not optimizer.step().skipped
+        after = _gathered_masters(model, optimizer)
+        deltas.append({n: before[n] - after[n] for n in before})
+    # Each rank's fp8 scale comes from the amax of one bucket of its stage's grads, at most the
+    # whole model's amax, which fp8_sum_bound's rows give (a smaller amax only tightens it).
+    grads = [_replica_grads(b) for b in batches]
+    names = list(grads[0])
+    rows = torch.stack([torch.cat([g[n].reshape(-1) for n in names]) for g in grads])
+    bound = fp8_sum_bound(rows, E5M2, requantized=False) / 2  # each owner sums in fp32
+    bounds = dict(zip(names, bound.split([grads[0][n].numel() for n in names]), strict=True))
+    ref, got = deltas
+    assert ref
+    for name, d in got.items():
+        err = (d.double() - ref[name].double()).abs().reshape(-1)
+        slack = 2**-22 * (1 + ref[name].abs().double().reshape(-1))  # w - g rounded in fp32
+        assert (err <= bounds[name] + slack).all(), (name, float(err.max()))
+    assert max(float((d - ref[n]).abs().max()) for n, d in got.items()) > 0  # it went fp8
+
+
+def _zero_save_at_dp2(rank: int, path: str) -> None:
+    """A ZeRO-2 pipeline checkpoint at pp=2 x dp=2, and (rank 0) what it must load back as:
+    the fp32 masters and every rank's optimizer state, by name."""
+    from mixprec.parallel.pipeline.checkpoint import pipeline_optimizer_state
+
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=LR)  # noqa: E731
+    booster, model, optimizer, criterion = _boost("fp16_naive", optim=adamw, zero_stage=2)
+    batches = _batches(4)
+    for step in range(2):
+        booster.execute_pipeline(
+            iter([batches[2 * step + rank // PP]]), model, criterion, optimizer
+        )
+        assert not optimizer.step().skipped
+        optimizer.zero_grad()
+    booster.save_model(model, f"{path}/dp2_model")
+    booster.save_optimizer(optimizer, f"{path}/dp2_optim")
+    mine = {
+        "masters": {n: w.clone() for n, w in _gathered_masters(model, optimizer).items()},
+        "state": {
+            k: v for k, v in pipeline_optimizer_state(model, optimizer).items() if "state." in k
+        },
+    }
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        merged: dict[str, dict[str, Any]] = {"masters": {}, "state": {}}
+        for part in everyone:
+            for kind in merged:
+                merged[kind].update(part[kind])
+        merged["steps"] = optimizer.steps
+        merged["scaler"] = scaler_state(optimizer)
+        torch.save(merged, f"{path}/dp2_expected.pt")
+
+
+def _zero_load_at_dp1(rank: int, world: int, path: str) -> None:
+    """That checkpoint loads at pp=2 x dp=1 (state stored by parameter name): every master and
+    state tensor as saved, bit for bit, the scaler and step count too; training goes on."""
+    from mixprec.parallel.pipeline.checkpoint import pipeline_optimizer_state
+
+    expected = torch.load(f"{path}/dp2_expected.pt", weights_only=True)
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=LR)  # noqa: E731
+    booster, model, optimizer, criterion = _boost("fp16_naive", optim=adamw, zero_stage=2)
+    booster.load_model(model, f"{path}/dp2_model")
+    booster.load_optimizer(optimizer, f"{path}/dp2_optim")
+    masters = _gathered_masters(model, optimizer)
+    assert masters
+    for name, w in masters.items():
+        torch.testing.assert_close(w, expected["masters"][name], **EXACT, msg=name)
+    state = {k: v for k, v in pipeline_optimizer_state(model, optimizer).items() if "state." in k}
+    assert state and any(k.endswith("exp_avg") for k in state)
+    for key, value in state.items():
+        torch.testing.assert_close(value, expected["state"][key], **EXACT, msg=key)
+    assert optimizer.steps == expected["steps"] == 2
+    for a, b in zip(scaler_state(optimizer), expected["scaler"], strict=True):
+        torch.testing.assert_close(a, b, **EXACT)
+    booster.execute_pipeline(iter(_batches(1)), model, criterion, optimizer)
+    assert not optimizer.step().skipped
+
+
 def _four_worker(rank: int, world: int, path: str) -> None:
     _zero_equals_pipeline(rank)
     _zero_carries_grads(rank)
     _zero_clips_globally(rank)
     _check_skip_together(rank, "fp16_naive", functools.partial(_boost, zero_stage=1))
     _zero_checkpoint_resume(rank, path)
+    _zero_fp8_pipeline(rank)
+    fp8_zero = functools.partial(_boost, zero_stage=1, fp8_communication=True)
+    _check_skip_together(rank, "fp16_naive", fp8_zero)  # skips agree bit for bit
+    _zero_save_at_dp2(rank, path)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero_over_each_pipeline_stages_data_parallel_group(tmp_path: Any) -> None:
-    """pp=2 x dp=2 in one spawn (4 processes start slowly on 2 cores)."""
+    """pp=2 x dp=2 in one spawn (4 processes start slowly on 2 cores), fp8 communication
+    included; then pp=2 x dp=1 loads the checkpoint it saved at dp=2."""
     spawn(_four_worker, 2 * PP, str(tmp_path))
+    spawn(_zero_load_at_dp1, PP, str(tmp_path))
 
 
 def test_zero_with_tensor_parallel_is_refused() -> None:
