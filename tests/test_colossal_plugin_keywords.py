@@ -218,7 +218,8 @@ CHECKED_BY = {
         "pp_size": "test_pipeline.py",
         "precision": "test_hybrid_precision_is_colossals",
         "zero_stage": "test_distributed_keywords (equals LowLevelZeroPlugin); "
-        "test_hybrid_parallel.py (pp x dp: equals the loop, skips, checkpoints)",
+        "test_hybrid_parallel.py (pp x dp and tp x dp: equal the loop and the plugin without "
+        "ZeRO, clip, skip, checkpoint)",
         "num_microbatches": "test_pipeline.py",
         "microbatch_size": "test_hybrid_parallel.py (equals num_microbatches, bad batches)",
         "initial_scale": "test_hybrid_precision_is_colossals",
@@ -381,10 +382,9 @@ def test_hybrid_zero_keywords_need_zero() -> None:
     )
     assert plugin._zero is None and plugin._stage_zero.stage == 2
     assert plugin._stage_zero.reduce_bucket_numel == 4 * 2**20 and plugin._stage_zero.cpu_offload
-    with pytest.raises(NotImplementedError, match="tp_size=2.*DTensors"):
-        HybridParallelPlugin(
-            pp_size=2, tp_size=2, tp_plan={"0": object()}, num_microbatches=2, zero_stage=1
-        )
+    # with tensor parallelism (any pp_size), over each tp index's data-parallel group
+    plugin = HybridParallelPlugin(tp_size=2, tp_plan={"0": object()}, zero_stage=1)
+    assert plugin._zero is None and plugin._stage_zero.stage == 1
 
 
 def test_hybrid_pp_style_and_layers_per_stage() -> None:

@@ -1,6 +1,8 @@
 """HybridParallelPlugin beyond test_pipeline.py: Colossal's microbatch_size, gradients carried
-across execute_pipeline rounds until zero_grad (g1 + g2), and ZeRO over each stage's
-data-parallel group (zero_stage with pp_size > 1).
+across execute_pipeline rounds until zero_grad (g1 + g2), ZeRO over each stage's
+data-parallel group (zero_stage with pp_size > 1: fp8 communication, a checkpoint loaded at
+another data-parallel size), and ZeRO with tensor parallelism (over each tp index's
+data-parallel group, on the DTensors' local shards).
 
 References are one-process plain loops doing the same micro-batches in the same order: loss /
 m times the scale, gradients summed in fp32 and carried unscaled between steps as torch leaves
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import assert_same_on_every_rank, scaler_state, spawn
+from dist_utils import assert_same_on_every_rank, local_shard, scaler_state, spawn
 from test_pipeline import (
     BATCH,
     LR,
@@ -26,8 +28,10 @@ from test_pipeline import (
     _check_skip_together,
     _local_weights,
     _model,
+    _precision,
     _reference,
     _snapshot,
+    _tp_plan,
 )
 from test_pipeline import M as M_
 from tolerances import EXACT
@@ -325,27 +329,364 @@ def _gathered_masters(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     }
 
 
+# ----- ZeRO over pipeline stages: fp8 communication, and a checkpoint at another dp size -----
+def _replica_grads(batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One replica's fp32 gradient of the whole model on its batch (M micro-batches summed):
+    what it hands to the data-parallel reduction."""
+    model = _model()
+    x, y = batch
+    for xb, yb in zip(x.chunk(M_), y.chunk(M_), strict=True):
+        (nn.functional.mse_loss(model(xb), yb) / M_).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _zero_fp8_pipeline(rank: int) -> None:
+    """fp8_communication=True under ZeRO-2 over pp=2 x dp=2: one SGD(lr=1) step applies the
+    replicas' mean gradient within test_zero_comm's fp8 bound of the fp32-communicated one."""
+    from test_zero_comm import E5M2, fp8_sum_bound
+
+    replica = rank // PP
+    batches = _batches(2)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=1.0)  # noqa: E731 - the step is the mean gradient
+    deltas = []
+    for fp8 in (False, True):
+        booster, model, optimizer, criterion = _boost(
+            "fp32", optim=sgd, zero_stage=2, fp8_communication=fp8
+        )
+        before = {n: w.clone() for n, w in _gathered_masters(model, optimizer).items()}
+        booster.execute_pipeline(iter([batches[replica]]), model, criterion, optimizer)
+        assert not optimizer.step().skipped
+        after = _gathered_masters(model, optimizer)
+        deltas.append({n: before[n] - after[n] for n in before})
+    # Each rank's fp8 scale comes from the amax of one bucket of its stage's grads, at most the
+    # whole model's amax, which fp8_sum_bound's rows give (a smaller amax only tightens it).
+    grads = [_replica_grads(b) for b in batches]
+    names = list(grads[0])
+    rows = torch.stack([torch.cat([g[n].reshape(-1) for n in names]) for g in grads])
+    bound = fp8_sum_bound(rows, E5M2, requantized=False) / 2  # each owner sums in fp32
+    bounds = dict(zip(names, bound.split([grads[0][n].numel() for n in names]), strict=True))
+    ref, got = deltas
+    assert ref
+    for name, d in got.items():
+        err = (d.double() - ref[name].double()).abs().reshape(-1)
+        slack = 2**-22 * (1 + ref[name].abs().double().reshape(-1))  # w - g rounded in fp32
+        assert (err <= bounds[name] + slack).all(), (name, float(err.max()))
+    assert max(float((d - ref[n]).abs().max()) for n, d in got.items()) > 0  # it went fp8
+
+
+def _zero_save_at_dp2(rank: int, path: str) -> None:
+    """A ZeRO-2 pipeline checkpoint at pp=2 x dp=2, and (rank 0) what it must load back as:
+    the fp32 masters and every rank's optimizer state, by name."""
+    from mixprec.parallel.pipeline.checkpoint import pipeline_optimizer_state
+
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=LR)  # noqa: E731
+    booster, model, optimizer, criterion = _boost("fp16_naive", optim=adamw, zero_stage=2)
+    batches = _batches(4)
+    for step in range(2):
+        booster.execute_pipeline(
+            iter([batches[2 * step + rank // PP]]), model, criterion, optimizer
+        )
+        assert not optimizer.step().skipped
+        optimizer.zero_grad()
+    booster.save_model(model, f"{path}/dp2_model")
+    booster.save_optimizer(optimizer, f"{path}/dp2_optim")
+    mine = {
+        "masters": {n: w.clone() for n, w in _gathered_masters(model, optimizer).items()},
+        "state": {
+            k: v for k, v in pipeline_optimizer_state(model, optimizer).items() if "state." in k
+        },
+    }
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        merged: dict[str, dict[str, Any]] = {"masters": {}, "state": {}}
+        for part in everyone:
+            for kind in merged:
+                merged[kind].update(part[kind])
+        merged["steps"] = optimizer.steps
+        merged["scaler"] = scaler_state(optimizer)
+        torch.save(merged, f"{path}/dp2_expected.pt")
+
+
+def _zero_load_at_dp1(rank: int, world: int, path: str) -> None:
+    """That checkpoint loads at pp=2 x dp=1 (state stored by parameter name): every master and
+    state tensor as saved, bit for bit, the scaler and step count too; training goes on."""
+    from mixprec.parallel.pipeline.checkpoint import pipeline_optimizer_state
+
+    expected = torch.load(f"{path}/dp2_expected.pt", weights_only=True)
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=LR)  # noqa: E731
+    booster, model, optimizer, criterion = _boost("fp16_naive", optim=adamw, zero_stage=2)
+    booster.load_model(model, f"{path}/dp2_model")
+    booster.load_optimizer(optimizer, f"{path}/dp2_optim")
+    masters = _gathered_masters(model, optimizer)
+    assert masters
+    for name, w in masters.items():
+        torch.testing.assert_close(w, expected["masters"][name], **EXACT, msg=name)
+    state = {k: v for k, v in pipeline_optimizer_state(model, optimizer).items() if "state." in k}
+    assert state and any(k.endswith("exp_avg") for k in state)
+    for key, value in state.items():
+        torch.testing.assert_close(value, expected["state"][key], **EXACT, msg=key)
+    assert optimizer.steps == expected["steps"] == 2
+    for a, b in zip(scaler_state(optimizer), expected["scaler"], strict=True):
+        torch.testing.assert_close(a, b, **EXACT)
+    booster.execute_pipeline(iter(_batches(1)), model, criterion, optimizer)
+    assert not optimizer.step().skipped
+
+
 def _four_worker(rank: int, world: int, path: str) -> None:
     _zero_equals_pipeline(rank)
     _zero_carries_grads(rank)
     _zero_clips_globally(rank)
     _check_skip_together(rank, "fp16_naive", functools.partial(_boost, zero_stage=1))
     _zero_checkpoint_resume(rank, path)
+    _zero_fp8_pipeline(rank)
+    fp8_zero = functools.partial(_boost, zero_stage=1, fp8_communication=True)
+    _check_skip_together(rank, "fp16_naive", fp8_zero)  # skips agree bit for bit
+    _zero_save_at_dp2(rank, path)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero_over_each_pipeline_stages_data_parallel_group(tmp_path: Any) -> None:
-    """pp=2 x dp=2 in one spawn (4 processes start slowly on 2 cores)."""
+    """pp=2 x dp=2 in one spawn (4 processes start slowly on 2 cores), fp8 communication
+    included; then pp=2 x dp=1 loads the checkpoint it saved at dp=2."""
     spawn(_four_worker, 2 * PP, str(tmp_path))
+    spawn(_zero_load_at_dp1, PP, str(tmp_path))
 
 
-def test_zero_with_tensor_parallel_is_refused() -> None:
-    with pytest.raises(NotImplementedError, match="zero_stage=1, tp_size=2.*DTensors"):
-        HybridParallelPlugin(
-            pp_size=2, tp_size=2, tp_plan={"0": object()}, num_microbatches=2, zero_stage=1
+# ----- ZeRO with tensor parallelism: tp=2 x dp=2 (pp=1), on each DTensor's local shard -----
+TP = 2
+# A row-parallel layer sums two partial products where one process sums one: fp32 roundings of
+# the reordered sums, a few ulps a step (test_pipeline's pp x tp bound against the same loop).
+TP_ROUNDING = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _tp_boost(mode: str, zero_stage: int = 0, max_norm: float = 0.0, optim: Any = None) -> tuple:
+    """HybridParallelPlugin(pp_size=1, tp_size=2) over 4 ranks: (dp, pp, tp) = (2, 1, 2)."""
+    plugin = HybridParallelPlugin(
+        pp_size=1,
+        tp_size=TP,
+        tp_plan=_tp_plan(),
+        num_microbatches=M_,
+        precision=None,
+        max_norm=max_norm,
+        zero_stage=zero_stage,
+    )
+    booster = Booster(plugin=plugin, mixed_precision=_precision(mode))
+    model = _model()
+    make = optim or (lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9))
+    model, optimizer, criterion, _, _ = booster.boost(model, make(model.parameters()), nn.MSELoss())
+    assert isinstance(optimizer, PipelineZeroOptimizer) == (zero_stage > 0)
+    return booster, model, optimizer, criterion
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _tp_train(run: tuple, batches: list, steps: range, replica: int) -> list[torch.Tensor]:
+    """Steps on this replica's batches (alternating entries); returns each step's grad norm."""
+    booster, model, optimizer, criterion = run
+    norms = []
+    for step in steps:
+        booster.execute_pipeline(iter([batches[2 * step + replica]]), model, criterion, optimizer)
+        result = optimizer.step()
+        assert not result.skipped
+        norms.append(result.grad_norm)
+        optimizer.zero_grad()
+    return norms
+
+
+def _tp_weights(run: tuple) -> dict[str, torch.Tensor]:
+    """Every param's whole fp32 value (masters gathered from their owners, then over tp)."""
+    _, model, optimizer, _ = run
+    zero = isinstance(optimizer, PipelineZeroOptimizer)
+    weights = _gathered_masters(model, optimizer) if zero else _local_weights(model, optimizer)
+    return {n: _full(w).detach().clone() for n, w in weights.items()}
+
+
+def _tp_local_state(run: tuple) -> dict[str, torch.Tensor]:
+    """This rank's local shards of params, held masters and optimizer state, by name."""
+    from mixprec.parallel.pipeline.checkpoint import pipeline_optimizer_state
+
+    _, model, optimizer, _ = run
+    names = {id(p): n for n, p in _params(model).items()}
+    out = {f"param {n}": p for n, p in _params(model).items()}
+    for lp, hp in zip(optimizer.lp_params, optimizer.hp_masters, strict=True):
+        out[f"master {names[id(lp)]}"] = hp
+    for key, value in pipeline_optimizer_state(model, optimizer).items():
+        if key.startswith("state.") and torch.is_tensor(value):  # the scaler is checked apart
+            out[key] = value
+    return {k: local_shard(v).detach().clone() for k, v in out.items()}
+
+
+def _zero_tp_equals(rank: int) -> None:
+    """ZeRO-1/2 over each tp index's data-parallel group equals the same plugin without ZeRO
+    (fp32: bit for bit, the same sums in the same order; fp16 params: within
+    FP16_ACCUMULATION) and the one-process loop (TP_ROUNDING); each rank holds half of its tp
+    index's masters, replicas agree bit for bit."""
+    from torch.distributed.tensor import DTensor
+
+    replica = rank // TP
+    batches = _batches(2 * ZERO_STEPS)
+    for mode in ("fp32", "fp16_naive"):
+        runs = {}
+        for stage in (0, 1, 2) if mode == "fp32" else (0, 2):
+            run = _tp_boost(mode, zero_stage=stage)
+            assert any(isinstance(p, DTensor) for p in run[1].parameters())
+            _tp_train(run, batches, range(ZERO_STEPS), replica)
+            runs[stage] = _tp_weights(run)
+            if stage:
+                names: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(names, sorted(_held_names(run[1], run[2])))
+                twin = names[(rank + TP) % len(names)]  # this tp index, the other replica
+                assert names[rank] and twin and not set(names[rank]) & set(twin), names
+                assert set(names[rank]) | set(twin) == set(runs[stage])
+                assert names[rank] == names[rank ^ 1]  # tp peers own the same params
+        expected = _reference(mode, batches, replicas=2) if mode == "fp32" else None
+        for stage in runs:
+            for name, w in runs[stage].items():
+                if stage:
+                    tol = EXACT if mode == "fp32" else FP16_ACCUMULATION
+                    msg = f"{mode} tp z{stage} vs no ZeRO: {name}"
+                    torch.testing.assert_close(w, runs[0][name], **tol, msg=msg)
+                if expected is not None:
+                    msg = f"{mode} tp z{stage} vs one process: {name}"
+                    torch.testing.assert_close(w, expected[name], **TP_ROUNDING, msg=msg)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, runs[2])
+        for name, w in runs[2].items():
+            torch.testing.assert_close(everyone[(rank + TP) % 4][name], w, **EXACT, msg=name)
+
+
+def _zero_tp_clips(rank: int) -> None:
+    """max_norm under ZeRO x tp: the norm counts each element once (a sharded param's shards
+    summed over tp, a tp-replicated one not twice), as the plugin without ZeRO and the
+    one-process clip."""
+    replica = rank // TP
+    batches = _batches(2 * 3)
+    max_norm = 0.05  # far below these gradients' norm: every step clips
+    expected = _reference("fp32", batches, max_norm=max_norm, replicas=2)
+    plain = _tp_boost("fp32", max_norm=max_norm)
+    zero = _tp_boost("fp32", zero_stage=2, max_norm=max_norm)
+    plain_norms = _tp_train(plain, batches, range(3), replica)
+    zero_norms = _tp_train(zero, batches, range(3), replica)
+    for a, b in zip(zero_norms, plain_norms, strict=True):
+        assert float(b) > max_norm
+        # the same squares summed in another order (per shard, then over the ranks)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    for name, w in _tp_weights(zero).items():
+        torch.testing.assert_close(w, expected[name], **TP_ROUNDING, msg=f"clipped: {name}")
+
+
+def _zero_tp_skips(rank: int) -> None:
+    """An inf in one local shard on one rank (tp 1 of replica 1): all four ranks skip, nothing
+    moves bit for bit (params, masters, AdamW state), the scalers agree."""
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=LR)  # noqa: E731 - state with a step count
+    run = _tp_boost("fp16_naive", zero_stage=2, optim=adamw)
+    booster, model, optimizer, criterion = run
+    batches = _batches(2)
+    _tp_train(run, batches, range(1), replica=0)  # a clean step first: AdamW has state
+    before = _tp_local_state(run)
+    if rank == 3:
+        first = next(model.parameters())
+        first.register_hook(lambda g: local_shard(g).view(-1).__setitem__(0, float("inf")) or g)
+    booster.execute_pipeline(iter([batches[1]]), model, criterion, optimizer)
+    result = optimizer.step()
+    optimizer.zero_grad()
+    assert result.skipped, f"rank {rank} stepped although rank 3 overflowed"
+    after = _tp_local_state(run)
+    assert after.keys() == before.keys() and any(k.endswith("exp_avg") for k in after)
+    for key, value in after.items():
+        torch.testing.assert_close(value, before[key], **EXACT, msg=f"{key} moved on a skip")
+    assert_same_on_every_rank(
+        [torch.tensor([float(result.skipped), float(optimizer.steps)]), *scaler_state(optimizer)],
+        "tp x ZeRO skip flag, step count and scaler",
+    )
+
+
+def _zero_tp_checkpoint_resume(rank: int, path: str) -> None:
+    """A ZeRO x tp checkpoint (each owner's DTensor shards under the unsplit names) resumes bit
+    for bit, and the whole model loads it in one piece."""
+    from mixprec.booster.plugin import Plugin
+
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=LR)  # noqa: E731
+    replica = rank // TP
+    batches = _batches(2 * 4)
+    first = _tp_boost("fp16_naive", zero_stage=2, optim=adamw)
+    booster = first[0]
+    _tp_train(first, batches, range(2), replica)
+    booster.save_model(first[1], f"{path}/tp_model")
+    booster.save_optimizer(first[2], f"{path}/tp_optim")
+    saved = _tp_weights(first)
+    _tp_train(first, batches, range(2, 4), replica)
+
+    second = _tp_boost("fp16_naive", zero_stage=2, optim=adamw)
+    second[0].load_model(second[1], f"{path}/tp_model")
+    second[0].load_optimizer(second[2], f"{path}/tp_optim")
+    assert second[2].steps == 2 and second[2].state
+    _tp_train(second, batches, range(2, 4), replica)
+    ours, theirs = _tp_local_state(second), _tp_local_state(first)
+    assert ours.keys() == theirs.keys() and any(k.endswith("exp_avg") for k in ours)
+    for key, value in ours.items():
+        torch.testing.assert_close(value, theirs[key], **EXACT, msg=f"resumed {key}")
+    assert_same_on_every_rank(scaler_state(second[2]), "resumed scaler")
+    whole = _model()
+    Plugin().load_model(whole, f"{path}/tp_model", None)
+    for name, p in whole.named_parameters():  # the owners' fp32 masters, not the fp16 params
+        torch.testing.assert_close(p.detach(), saved[name], **EXACT, msg=f"whole model: {name}")
+
+
+def _zero_pp_tp(rank: int) -> None:
+    """pp=2 x tp=2 x dp=1 on the same four processes: the pp x tp x dp path with one replica
+    (each shard group is one rank). The clip norm's parts are summed over both stages of a tp
+    index: ZeRO-2 with clipping equals the plugin without ZeRO and the one-process clip."""
+    tp = {"tp_size": TP, "tp_plan": _tp_plan()}
+    batches = _batches(3)
+    max_norm = 0.05  # every step clips, by the norm over stages and shards
+    expected = _reference("fp32", batches, max_norm=max_norm)
+    norms, weights = {}, {}
+    for stage in (0, 2):
+        booster, model, optimizer, criterion = _boost(
+            "fp32", max_norm=max_norm, zero_stage=stage, **tp
         )
-    with pytest.raises(ValueError, match="overlap_communication=True, pp_size=2"):
-        HybridParallelPlugin(
-            pp_size=2, num_microbatches=2, zero_stage=1, overlap_communication=True
-        )
+        assert isinstance(optimizer, PipelineZeroOptimizer) == (stage > 0)
+        norms[stage] = []
+        for batch in batches:
+            booster.execute_pipeline(iter([batch]), model, criterion, optimizer)
+            result = optimizer.step()
+            assert not result.skipped
+            norms[stage].append(result.grad_norm)
+            optimizer.zero_grad()
+        weights[stage] = {n: _full(w).clone() for n, w in _local_weights(model, optimizer).items()}
+    for a, b in zip(norms[2], norms[0], strict=True):
+        assert float(b) > max_norm
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)  # the same squares, reordered
+    assert weights[2]
+    for name, w in weights[2].items():
+        torch.testing.assert_close(w, weights[0][name], **TP_ROUNDING, msg=f"pp x tp z2: {name}")
+        torch.testing.assert_close(w, expected[name], **TP_ROUNDING, msg=f"pp x tp clip: {name}")
+
+
+def _tp_four_worker(rank: int, world: int, path: str) -> None:
+    _zero_tp_equals(rank)
+    _zero_pp_tp(rank)
+    _zero_tp_clips(rank)
+    _zero_tp_skips(rank)
+    _zero_tp_checkpoint_resume(rank, path)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero_with_tensor_parallel_over_each_tp_index(tmp_path: Any) -> None:
+    """tp=2 x dp=2, then pp=2 x tp=2 x dp=1, in one spawn (4 processes start slowly on 2
+    cores)."""
+    spawn(_tp_four_worker, 2 * TP, str(tmp_path))
+
+
+def test_zero_with_a_pipeline_or_tp_refuses_overlap_communication() -> None:
+    for sizes in ({"pp_size": 2}, {"tp_size": 2, "tp_plan": {"0": object()}}):
+        with pytest.raises(ValueError, match="overlap_communication=True, pp_size=.*tp_size="):
+            HybridParallelPlugin(
+                **sizes, num_microbatches=2, zero_stage=1, overlap_communication=True
+            )

@@ -31,7 +31,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from mixprec.core.clip import clip_grads_
+from mixprec.core.clip import clip_grads_, local_shards
 from mixprec.core.lean import LeanConfig, state_bytes
 from mixprec.core.optim import LOW_DTYPES, MixedPrecisionOptimizer, StepResult
 from mixprec.core.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
@@ -169,6 +169,10 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         shard_group: the ranks the params are sharded over and their gradients reduced over
             (None: process_group). A pipeline stage's data-parallel group: process_group (every
             rank of every stage) then only agrees on overflow and sums the clip norm.
+        norm_group: the ranks the clip norm's parts are summed over (None: process_group).
+            Tensor-parallel (DTensor) params are sharded over the local shards of this rank's
+            tp index (each DTensor's norm is completed over its tp mesh first), so here the
+            ranks of this rank's tp index: a param replicated over tp is counted once.
         Others: as MixedPrecisionOptimizer (the fused step is off: it reads unreduced grads).
     """
 
@@ -194,6 +198,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         overlap_communication: bool = False,
         fp8_communication: bool | str = False,
         shard_group: ProcessGroup | None = None,
+        norm_group: ProcessGroup | None = None,
     ) -> None:
         if isinstance(stage, bool) or stage not in STAGES:
             raise ValueError(
@@ -229,6 +234,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         group = process_group or default_group()
         shard = group if shard_group is None else shard_group
         self.shard_group = group_to_hold(shard)  # None: the default group, looked up at use
+        self.norm_group = group_to_hold(group if norm_group is None else norm_group)
         self.stage = stage
         self.norm_type = check_norm_type("norm_type", norm_type)
         self.rank, self.world = group_rank_and_world(shard)
@@ -250,6 +256,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             raise ValueError("A parameter appears twice in the optimizer's param_groups.")
         if self.world > 1:
             _broadcast_from_first(self.all_params, shard)  # every rank starts from rank 0's
+        # A DTensor's numel is its global one: every tp rank picks the same owners (the clip
+        # norm's collectives over the tp mesh need a param's owners to be tp peers).
         self.owners = partition_params([p.numel() for p in self.all_params], self.world)
         mine = {id(p) for p, r in zip(self.all_params, self.owners, strict=True) if r == self.rank}
         for g in optimizer.param_groups:  # an emptied group keeps its hyperparameters (LR)
@@ -298,9 +306,11 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                 continue
             hp, mean = lp_to_hp.get(id(p)), reduced.get(i)
             if hp is None:  # None when no rank produced a gradient: no update
-                p.grad = mean if mean is None or mean.dtype == p.dtype else mean.to(p.dtype)
-                if p.grad is not None:
-                    self._stepped[i] = p.grad
+                if mean is not None and mean.dtype != p.dtype:
+                    mean = mean.to(p.dtype)
+                p.grad = None if mean is None else _shaped_like(p, mean)
+                if mean is not None:
+                    self._stepped[i] = mean  # p.grad's local shard (the same storage)
                 continue
             p.grad = None
             if mean is None:
@@ -308,9 +318,9 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                 continue
             if hp.grad is None:  # kept between steps on CPU (MixedPrecisionOptimizer's rule)
                 hp.grad = torch.empty_like(hp)
-            masters.append(hp.grad)
+            masters.append(_local(hp.grad))
             means.append(mean)
-            self._stepped[i] = hp.grad
+            self._stepped[i] = masters[-1]
         if masters:
             torch._foreach_copy_(masters, means)  # lp -> fp32 is exact
 
@@ -432,7 +442,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         """
         params, world = self.all_params, self.world
         chunks = [[i for i in indices if self.owners[i] == rank] for rank in range(world)]
-        sizes = [sum(params[i].numel() for i in c) for c in chunks]
+        sizes = [sum(self._local_param(i).numel() for i in c) for c in chunks]
         length = max(s + len(c) for s, c in zip(sizes, chunks, strict=True))
         if length == 0:
             return _LaunchedBucket(self, [], 0, None, lambda: None)
@@ -445,6 +455,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             start, end = rank * length, rank * length + sizes[rank]
             views = self._views(chunk, flat[start:])
             grads = [params[i].grad for i in chunk]
+            grads = [None if g is None else _local(g) for g in grads]
             given = [(v, g) for v, g in zip(views, grads, strict=True) if g is not None]
             if given:
                 torch._foreach_copy_([v for v, _ in given], [g for _, g in given])
@@ -500,10 +511,12 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         check_max_norm("max_norm", max_norm)
         p = self.norm_type if norm_type is None else check_norm_type("norm_type", norm_type)
         self.unscale_grads()
-        group = self.process_group or default_group()  # each rank holds its own shard (of
-        # its pipeline stage, when sharded over a stage's data-parallel group)
+        # Each rank holds its own shard (of its pipeline stage, when sharded over a stage's
+        # data-parallel group); DTensor grads complete their norm over their tp mesh first.
+        group = self.norm_group or default_group()
+        grads = [q.grad for g in self.optim.param_groups for q in g["params"] if q.grad is not None]
         device = self.scaler.scale_tensor.device
-        return clip_grads_(self._hp_grads(), max_norm, p, group=group, device=device)
+        return clip_grads_(grads, max_norm, p, group=group, device=device)
 
     # ----- the step: this rank's shard, then the updated lp params to every rank -----
     def _after_update(self, result: StepResult) -> None:
@@ -522,9 +535,9 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         if not self._stepped:
             return
         factor = self.scaler.scale_tensor * self.world  # device tensors: no sync
-        for i, grad in self._stepped.items():
+        for i, grad in self._stepped.items():  # local shards: DTensor grads rebuilt around them
             p = self.all_params[i]
-            p.grad = (grad * factor).to(p.dtype)
+            p.grad = _shaped_like(p, (grad * factor).to(p.dtype))
         self._stepped = {}
 
     def _all_gather_params(self) -> None:
@@ -569,21 +582,22 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
     def _pack(self, chunk: list[int], buffer: torch.Tensor) -> None:
         if chunk:
-            torch._foreach_copy_(
-                self._views(chunk, buffer), [self.all_params[i].detach() for i in chunk]
-            )
+            torch._foreach_copy_(self._views(chunk, buffer), [self._local_param(i) for i in chunk])
 
     def _unpack(self, chunk: list[int], buffer: torch.Tensor) -> None:
         if chunk:
-            torch._foreach_copy_(
-                [self.all_params[i].detach() for i in chunk], self._views(chunk, buffer)
-            )
+            torch._foreach_copy_([self._local_param(i) for i in chunk], self._views(chunk, buffer))
+
+    def _local_param(self, index: int) -> torch.Tensor:
+        """The param's values this rank holds (a DTensor's local shard), detached: ZeRO's flat
+        buffers pack, reduce and gather local shards over the shard group (one tp index)."""
+        return _local(self.all_params[index].detach())
 
     def _views(self, chunk: list[int], buffer: torch.Tensor) -> list[torch.Tensor]:
         """Views of buffer shaped as the params of chunk, back to back from its start."""
         views, offset = [], 0
         for i in chunk:
-            p = self.all_params[i]
+            p = self._local_param(i)
             views.append(buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         return views
@@ -635,9 +649,9 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             value = (
                 hp.detach().clone() if hp is not None else torch.empty_like(p, dtype=torch.float32)
             )
-            if self.world > 1:
+            if self.world > 1:  # a DTensor's local shard, over this tp index's shard group
                 src = self._global_rank(self.owners[i])
-                dist.broadcast(value, src=src, group=self.shard_group)
+                dist.broadcast(_local(value), src=src, group=self.shard_group)
             out.append(value)
         return out
 
@@ -754,7 +768,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             for t in s.values()
             if isinstance(t, torch.Tensor)
         )
-        masters = sum(m.numel() * m.element_size() for m in self.hp_masters)
+        masters = sum(m.numel() * m.element_size() for m in local_shards(self.hp_masters))
         return {"optimizer_state": state, "master_weights": masters}
 
 
@@ -784,7 +798,7 @@ class _LaunchedBucket:
         out: dict[int, torch.Tensor] = {}
         offset = 0
         for i, has_grad in zip(chunk, present, strict=True):
-            p = self.zero.all_params[i]
+            p = self.zero._local_param(i)
             if has_grad:
                 out[i] = mine[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
@@ -794,8 +808,30 @@ class _LaunchedBucket:
 def _broadcast_from_first(params: list[torch.Tensor], group: ProcessGroup) -> None:
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
-        for p in params:
-            dist.broadcast(p.detach(), src=src, group=group)
+        for p in local_shards([p.detach() for p in params]):
+            dist.broadcast(p, src=src, group=group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage), else t."""
+    return local_shards([t])[0]
+
+
+def _shaped_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A gradient for param from this rank's values of it: local itself for a plain param, a
+    DTensor laid out as param around local (no copy, no communication) for a DTensor one."""
+    if local_shards([param])[0] is param:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local,
+        param.device_mesh,  # type: ignore[attr-defined]
+        param.placements,  # type: ignore[attr-defined]
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
 
 
 def prepare_zero_optimizer(

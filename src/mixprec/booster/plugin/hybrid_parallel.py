@@ -79,9 +79,9 @@ class HybridParallelPlugin(Plugin):
             mode name ('fp16_naive', 'fp8', ...), a MixedPrecision, or None for the
             Booster's mixed_precision.
         zero_stage: 0, or 1 / 2: ZeRO over the data-parallel group (pp_size = tp_size = 1:
-            LowLevelZeroPlugin), or with pp_size > 1 over each stage's replicas: each stage's
-            masters and optimizer state sharded there (PipelineZeroOptimizer); not with tp_size
-            > 1.
+            LowLevelZeroPlugin), or with pp_size > 1 or tp_size > 1 over each stage's replicas
+            of each tp index: each stage's masters and optimizer state (a DTensor's local
+            shard) sharded there (PipelineZeroOptimizer).
         num_microbatches: micro-batches per batch (>= pp_size for '1f1b' and 'interleaved').
         microbatch_size: samples per micro-batch instead (the count is the batch size over it,
             fixed at the first batch); exactly one of the two with pp_size > 1.
@@ -313,21 +313,17 @@ class HybridParallelPlugin(Plugin):
         self.zero_stage = zero_stage
         self.fp8_communication = to_fp8_comm_dtype(fp8_communication, "HybridParallelPlugin")
         self._zero: LowLevelZeroPlugin | None = None  # pp = tp = 1: ZeRO over the world
-        self._stage_zero: LowLevelZeroPlugin | None = None  # pp > 1: ZeRO settings per stage
-        if zero_stage and tp_size != 1:
-            raise NotImplementedError(
-                f"HybridParallelPlugin(zero_stage={zero_stage}, tp_size={tp_size}): ZeRO with "
-                "tensor parallelism is not implemented (ZeRO's flat gradient buckets hold "
-                "plain tensors, a tensor-parallel stage's params are DTensors). Use "
-                "tp_size=1 (ZeRO over each pipeline stage's data-parallel group) or zero_stage=0."
-            )
-        if zero_stage and pp_size != 1:
+        # pp > 1 or tp > 1: ZeRO settings per stage (over each stage's data-parallel group of
+        # each tp index, on the DTensors' local shards)
+        self._stage_zero: LowLevelZeroPlugin | None = None
+        if zero_stage and (pp_size != 1 or tp_size != 1):
             if overlap_communication:
                 raise ValueError(
-                    f"HybridParallelPlugin(overlap_communication=True, pp_size={pp_size}): each "
-                    "micro-batch's backward would redo its buckets' reduction (num_microbatches "
-                    "times the communication); with a pipeline ZeRO reduces once, at step(). "
-                    "Leave overlap_communication False."
+                    f"HybridParallelPlugin(overlap_communication=True, pp_size={pp_size}, "
+                    f"tp_size={tp_size}): each micro-batch's backward would redo its buckets' "
+                    "reduction (num_microbatches times the communication); with a pipeline or "
+                    "tensor parallelism ZeRO reduces once, at step(). Leave "
+                    "overlap_communication False."
                 )
             # ZeRO's settings, checked as LowLevelZeroPlugin checks them; only they are read
             # from it (the stages run this plugin's precision and scaler, any mode).

@@ -170,7 +170,9 @@ class PipelineZeroOptimizer(ZeroOptimizer):
 
     Args (beyond ZeroOptimizer's):
         pp_group: the ranks holding the other stages of this replica.
-        dp_group: this stage's replicas, the ranks its params are sharded over.
+        dp_group: this stage's replicas (of this tp index), the ranks its params (a DTensor's
+            local shards) are sharded over.
+        norm_group: with tensor parallelism, the ranks of this tp index (ZeroOptimizer's).
     """
 
     whole_step_refusal = PipelineOptimizer.whole_step_refusal

@@ -363,11 +363,6 @@ def prepare_pipeline(
     """
     if zero is not None and fp8_communication is not None:
         raise ValueError("fp8_communication with zero: pass it among zero's arguments.")
-    if zero is not None and config.tp_size > 1:
-        raise ValueError(
-            f"ZeRO with tp_size={config.tp_size}: ZeRO's flat gradient buckets hold plain "
-            "tensors, a tensor-parallel stage's params are DTensors; use zero with tp_size=1."
-        )
     from torch.distributed.device_mesh import init_device_mesh
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -419,6 +414,7 @@ def prepare_pipeline(
             optimizer_cls=PipelineZeroOptimizer,
             pp_group=pp_group,
             dp_group=dp_group,
+            norm_group=_tp_index_group(mesh) if tp > 1 else None,
             **zero,  # fp8_communication among them (ZeRO's own buckets)
         )
     else:
@@ -435,6 +431,21 @@ def prepare_pipeline(
     for stage in wrapped:
         mp_optimizer.name_params(stage.module)
     return piped, mp_optimizer
+
+
+def _tp_index_group(mesh: Any) -> dist.ProcessGroup:
+    """The ranks of the (dp, pp, tp) mesh at this rank's tp index (every dp replica of every
+    stage): under ZeRO with tensor parallelism the clip norm's parts are summed over them, each
+    DTensor's norm having been completed over its tp mesh (a tp-replicated param counted once).
+    Every rank creates every group, in the same order (torch's new_group rule)."""
+    ranks = mesh.mesh  # (dp, pp, tp) global ranks
+    mine = None
+    for t in range(ranks.shape[2]):
+        group = dist.new_group(ranks[:, :, t].flatten().tolist())
+        if t == mesh.get_local_rank("tp"):
+            mine = group
+    assert mine is not None
+    return mine
 
 
 def _narrow_optimizer(
