@@ -575,3 +575,38 @@ def test_zero_accumulates_across_steps_as_ddp() -> None:
     from dist_utils import spawn
 
     spawn(_accumulation_worker, 2)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_plain_torch_optimizer_state_loads_into_zero_keeping_params_masters_and_scale(
+    precision: str, tmp_path
+) -> None:  # noqa: ANN001
+    """A plain torch optimizer's state_dict (no fp32 masters, no scaler) loads its moments into
+    ZeRO; the params, their fp32 masters and the loss scale stay, by the unsharded optimizer's
+    rules (its load rebuilt them from zeroed stand-ins: the model's weights became 0)."""
+    x, y = _data(8)
+    model = zero_model()
+    booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision=precision))
+    model, opt, criterion, *_ = booster.boost(
+        model, torch.optim.Adam(model.parameters(), lr=1e-2), nn.MSELoss()
+    )
+    for _ in range(2):
+        booster.backward(criterion(model(x), y), opt)
+        opt.step()
+        opt.zero_grad()
+    params = [p.detach().clone() for p in model.parameters()]
+    masters = [m.detach().clone() for m in opt.hp_masters]
+    scale = opt.loss_scale
+    plain = torch.optim.Adam([torch.zeros_like(p, dtype=torch.float32) for p in params], lr=1e-2)
+    for p in plain.param_groups[0]["params"]:
+        p.grad = torch.full_like(p, 0.5)
+    plain.step()  # moments of a constant 0.5 gradient
+    torch.save(plain.state_dict(), tmp_path / "plain.pt")
+    booster.load_optimizer(opt, str(tmp_path / "plain.pt"))
+    for p, q in zip(model.parameters(), params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    for m, q in zip(opt.hp_masters, masters, strict=True):
+        torch.testing.assert_close(m, q, rtol=0, atol=0)
+    assert opt.loss_scale == scale
+    for state in opt.optim.state.values():  # the loaded moments
+        torch.testing.assert_close(state["exp_avg"], torch.full_like(state["exp_avg"], 0.05))

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, cast
@@ -365,9 +366,17 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         self._expected = [
             sum(self.all_params[i].requires_grad for i in bucket) for _, bucket in self._plan
         ]
-        for i, p in enumerate(self.all_params):
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+        # The hooks live on the model's params, which outlive the optimizer: they hold it weakly
+        # (a bound method would keep it, and its hooks firing, as long as the model) and are
+        # removed when it is collected.
+        handles = [
+            p.register_post_accumulate_grad_hook(
+                functools.partial(_grad_ready_if_alive, weakref.ref(self), i)
+            )
+            for i, p in enumerate(self.all_params)
+            if p.requires_grad
+        ]
+        weakref.finalize(self, _remove_hooks, handles)
 
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
         if not self._sync_grads:
@@ -656,11 +665,23 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         return out
 
     # ----- gathered checkpoints: an unsharded MixedPrecisionOptimizer's state_dict -----
-    def _unsharded_twin(self) -> tuple[MixedPrecisionOptimizer, list[torch.Tensor]]:
+    def _unsharded_twin(
+        self, *, current: bool = False
+    ) -> tuple[MixedPrecisionOptimizer, list[torch.Tensor]]:
         """An unsharded MixedPrecisionOptimizer over CPU stand-ins of every param, and what its
         inner optimizer holds for each (master or param). Gathered checkpoints go through its
-        own state_dict/load_state_dict, so they are ordinary mixprec optimizer checkpoints."""
-        stand_ins = [torch.zeros_like(p, device="cpu") for p in self.all_params]
+        own state_dict/load_state_dict, so they are ordinary mixprec optimizer checkpoints.
+
+        current=True (for a load): the stand-ins hold the params' current values, the masters
+        this rank owns their current fp32 values, the scaler and counters this optimizer's, so
+        what a checkpoint lacks (a plain torch optimizer's has no masters, no scaler) stays as
+        it is, by the unsharded load's own rules, instead of coming back as zeros."""
+        stand_ins = [  # a DTensor's stand-in stays zeros: its values live over its tp mesh
+            p.detach().to("cpu", copy=True)
+            if current and _local(p) is p
+            else torch.zeros_like(p, device="cpu")
+            for p in self.all_params
+        ]
         groups = [
             {
                 **{k: v for k, v in group.items() if k != "params"},
@@ -685,7 +706,15 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             max_consecutive_skips=None,
             fused_step=False,
         )
-        return twin, [p for g in inner.param_groups for p in g["params"]]  # all_params order
+        twin_held = [p for g in inner.param_groups for p in g["params"]]  # all_params order
+        if current:
+            with torch.no_grad():
+                for i, mine in self._held().items():
+                    if _local(mine) is mine:
+                        twin_held[i].copy_(mine)  # an owned fp32 master (or the param itself)
+            twin.scaler.load_state_dict(self.scaler.state_dict())
+            twin.steps, twin.skipped_steps = self.steps, self.skipped_steps
+        return twin, twin_held
 
     def _held(self) -> dict[int, torch.Tensor]:
         """index -> the tensor this rank's inner optimizer steps for it (master or param)."""
@@ -732,7 +761,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     def load_gathered_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load an unsharded optimizer's state_dict (gathered_state_dict's, or a plain
         MixedPrecisionOptimizer's): each rank keeps its own shard of it."""
-        twin, twin_held = self._unsharded_twin()
+        twin, twin_held = self._unsharded_twin(current=True)
         twin.load_state_dict(state_dict)  # the unsharded optimizer's own checks and layout
         for mine, loaded in zip(self.optim.param_groups, twin.optim.param_groups, strict=True):
             mine.update({k: v for k, v in loaded.items() if k != "params"})  # lr, betas, ...
@@ -770,6 +799,17 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         )
         masters = sum(m.numel() * m.element_size() for m in local_shards(self.hp_masters))
         return {"optimizer_state": state, "master_weights": masters}
+
+
+def _grad_ready_if_alive(ref: weakref.ref, index: int, param: torch.Tensor) -> None:
+    zero = ref()
+    if zero is not None:
+        zero._grad_ready(index, param)
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class _LaunchedBucket:
