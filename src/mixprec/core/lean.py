@@ -230,6 +230,7 @@ class LeanUpdate:
         skipped step, advanced on the device (no sync)."""
         self.batch_max = BATCH_MAX_ELEMENTS
         """Tensors up to this size are stepped in batches (0: every tensor on its own)."""
+        self._batch_layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ----- the step -----
     @torch.no_grad()
@@ -323,16 +324,31 @@ class LeanUpdate:
         joined = [_join(col) for col in columns]
         key = None
         if keys is not None and hp.dtype == torch.bfloat16:
-            sizes = torch.tensor([t.numel() for t in params], device=hp.device)
-            starts = torch.cumsum(sizes, 0) - sizes
-            where = torch.tensor([i for i, _, _, _ in batch], device=hp.device)
-            index = torch.arange(hp.numel(), device=hp.device) - starts.repeat_interleave(sizes)
-            key = torch.stack([keys[where].repeat_interleave(sizes), index.to(torch.int32)])
+            key = self._batch_keys(batch, keys)
         s = batch[0][3]
         fused.update(kind, hp, grad, joined, s, flags, key=key, compiled=self.compiled)
         torch._foreach_copy_(params, hp.split([t.numel() for t in params]))
         for col, whole in zip(columns, joined, strict=True):
             _split_into(col, whole)
+
+    def _batch_keys(self, batch, keys) -> torch.Tensor:
+        """A batch's [2, n] int32 rounding keys: each element's tensor's key (this step's) and
+        its index in its own tensor. The layout (which key each element takes, its index) is
+        built once per batch layout and kept (12 bytes per batched element, small tensors
+        only); each step fills in its keys with one index_select."""
+        layout = tuple((i, _local(p).numel()) for i, p, _, _ in batch)
+        cached = self._batch_layouts.get(layout)
+        if cached is None:
+            device = keys.device
+            sizes = torch.tensor([n for _, n in layout], device=device)
+            starts = torch.cumsum(sizes, 0) - sizes
+            owner = torch.tensor([i for i, _ in layout], device=device).repeat_interleave(sizes)
+            key = torch.empty((2, owner.numel()), dtype=torch.int32, device=device)
+            key[1] = torch.arange(owner.numel(), device=device) - starts.repeat_interleave(sizes)
+            cached = self._batch_layouts[layout] = (owner.to(torch.int32), key)
+        owner, key = cached
+        torch.index_select(keys, 0, owner, out=key[0])
+        return key
 
     def _sgd_group(self, optimizer, group, items, keys) -> None:
         momentum = group["momentum"]
