@@ -607,7 +607,7 @@ def spread(values: list[float]) -> tuple[float, float]:
 
 
 def markdown(record: dict) -> str:
-    args, mem, q, t = record["args"], record["memory"], record["quality"], record["time"]
+    args, mem = record["args"], record["memory"]
     fp32_peak, naive_peak = mem["fp32"]["peak_rss_mib"], mem["NAIVE (bf16)"]["peak_rss_mib"]
     lines = [
         f"# Lean precision, {record['machine']}",
@@ -634,10 +634,16 @@ def markdown(record: dict) -> str:
             f"{m['master_grads'] / n:.2f} | {m['peak_rss_mib']:.0f} | "
             f"{m['peak_rss_mib'] / fp32_peak:.2f} | {m['peak_rss_mib'] / naive_peak:.2f} |"
         )
+    return "\n".join(lines + quality_lines(record)) + "\n"
+
+
+def quality_lines(record: dict) -> list[str]:
+    """The quality table (and step time, when the record has it) of a run."""
+    args, q, t = record["args"], record["quality"], record.get("time")
     d_lo, d_hi = spread([r["val_acc"] for r in q["digits"]["fp32"]])
     dl_lo, dl_hi = spread([r["val_loss"] for r in q["digits"]["fp32"]])
     g_lo, g_hi = spread([r["val_loss"] for r in q["gpt"]["fp32"]])
-    lines += [
+    lines = [
         "",
         f"Quality after fixed steps (AdamW, cosine schedule). Digits: {args['digits_steps']} "
         f"steps, lr {args['digits_lr']}, seeds {args['seeds']}; GPT: width {args['gpt_width']}, "
@@ -645,15 +651,20 @@ def markdown(record: dict) -> str:
         f"{args['context']} bytes of the standard library's source, lr {args['gpt_lr']}, seeds "
         f"{args['gpt_seeds']} (fp32: {args['fp32_seeds']} seeds for the spread). In: the mode's "
         "mean loss is no worse than fp32's worst seed (<= the largest fp32 loss; fp32's own "
-        "mean always is). Step time: the median "
-        f"GPT step over {args['time_rounds']} interleaved rounds; speed = NAIVE / mode "
-        "(goal >= 0.95).",
+        "mean always is)."
+        + (
+            f" Step time: the median GPT step over {args['time_rounds']} interleaved rounds; "
+            "speed = NAIVE / mode (goal >= 0.95)."
+            if t
+            else " Step time: not measured in this run (--quality-only)."
+        ),
         "",
         f"fp32 spread: digits accuracy {d_lo:.2f}-{d_hi:.2f} %, digits loss {dl_lo:.4f}-"
         f"{dl_hi:.4f}, GPT val loss {g_lo:.4f}-{g_hi:.4f}.",
         "",
-        "| mode | digits acc % | digits loss | in | GPT val loss | in | step ms | speed vs NAIVE |",
-        "|---|---|---|:-:|---|:-:|---:|---:|",
+        "| mode | digits acc % | digits loss | in | GPT val loss | in |"
+        + (" step ms | speed vs NAIVE |" if t else ""),
+        "|---|---|---|:-:|---|:-:|" + ("---:|---:|" if t else ""),
     ]
     for name in QUALITY_MODES:
         d = q["digits"][name]
@@ -662,13 +673,14 @@ def markdown(record: dict) -> str:
         d_in = sum(r["val_loss"] for r in d) / len(d) <= dl_hi
         gl = [r["val_loss"] for r in q["gpt"][name]]
         g_in = sum(gl) / len(gl) <= g_hi
-        ms = t[name] * 1e3
-        lines.append(
+        row = (
             f"| {name} | {acc} | {dloss} | {'yes' if d_in else 'no'} | "
-            f"{', '.join(f'{v:.4f}' for v in gl)} | {'yes' if g_in else 'no'} | {ms:.1f} | "
-            f"{t['NAIVE (bf16)'] / t[name]:.2f} |"
+            f"{', '.join(f'{v:.4f}' for v in gl)} | {'yes' if g_in else 'no'} |"
         )
-    return "\n".join(lines) + "\n"
+        if t:
+            row += f" {t[name] * 1e3:.1f} | {t['NAIVE (bf16)'] / t[name]:.2f} |"
+        lines.append(row)
+    return lines
 
 
 def chart(record: dict, path: Path) -> None:
@@ -762,6 +774,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--time-only", action="store_true", help="only the interleaved step times (time.md)"
     )
+    parser.add_argument(
+        "--quality-only",
+        action="store_true",
+        help="only the digits and GPT quality runs (quality.md): no memory workers, no timing",
+    )
     args = parser.parse_args(argv)
     unknown = [a for a in args.allocators if a not in ALLOCATORS]
     if unknown:
@@ -778,6 +795,8 @@ def main(argv: list[str] | None = None) -> int:
     text = (text[:split], text[split:])
     if args.time_only:
         return time_only(args, argv, out, text, start, load0)
+    if args.quality_only:
+        return quality_only(args, argv, out, text, start, load0)
     mem_modes = list(policies())
     gpt_runs = args.fp32_seeds + (len(QUALITY_MODES) - 1) * args.gpt_seeds
     total = (
@@ -788,22 +807,13 @@ def main(argv: list[str] | None = None) -> int:
         + 2
     )
     record: dict[str, Any] = {"argv": argv, "args": vars(args) | {"out": str(out)}}
-    quality: dict[str, dict[str, list]] = {"digits": {}, "gpt": {}}
     with progress_bar(total=total, enabled=not args.no_progress, desc="bench_lean") as bar:
         memory = {}
         for mode in mem_modes:
             bar.set_postfix_str(f"memory {mode}")
             memory[mode] = run_memory(mode, args)
             bar.update(1)
-        for name in QUALITY_MODES:
-            bar.set_postfix_str(f"digits {name}")
-            policy = policies()[name]
-            quality["digits"][name] = [run_digits(policy, s, args, bar) for s in range(args.seeds)]
-        for name in QUALITY_MODES:
-            bar.set_postfix_str(f"gpt {name}")
-            seeds = args.fp32_seeds if name == "fp32" else args.gpt_seeds
-            policy = policies()[name]
-            quality["gpt"][name] = [run_gpt(policy, s, args, text, bar) for s in range(seeds)]
+        quality = run_quality(args, text, bar)
         bar.set_postfix_str("step time")
         samples = time_steps(args, text, bar)
     timing = {n: median(t) for n, t in samples.items()}
@@ -824,6 +834,49 @@ def main(argv: list[str] | None = None) -> int:
     (out / "lean.json").write_text(json.dumps(record, indent=2) + "\n")
     chart(record, out / "lean.png")
     print(f"wrote {out}/lean.md, .json, .png", file=sys.stderr)
+    return 0
+
+
+def run_quality(args: argparse.Namespace, text: tuple, bar: Any) -> dict[str, dict[str, list]]:
+    """Each quality mode's digits and GPT runs, seed by seed."""
+    quality: dict[str, dict[str, list]] = {"digits": {}, "gpt": {}}
+    for name in QUALITY_MODES:
+        bar.set_postfix_str(f"digits {name}")
+        policy = policies()[name]
+        quality["digits"][name] = [run_digits(policy, s, args, bar) for s in range(args.seeds)]
+    for name in QUALITY_MODES:
+        bar.set_postfix_str(f"gpt {name}")
+        seeds = args.fp32_seeds if name == "fp32" else args.gpt_seeds
+        policy = policies()[name]
+        quality["gpt"][name] = [run_gpt(policy, s, args, text, bar) for s in range(seeds)]
+    return quality
+
+
+def quality_only(args, argv, out: Path, text: tuple, start: float, load0: float) -> int:
+    runs = args.fp32_seeds + (len(QUALITY_MODES) - 1) * args.gpt_seeds
+    total = len(QUALITY_MODES) * args.seeds * args.digits_steps + runs * args.gpt_steps
+    with progress_bar(total=total, enabled=not args.no_progress, desc="bench_lean quality") as bar:
+        quality = run_quality(args, text, bar)
+    record = {
+        "argv": argv,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": machine_name(torch.device("cpu")),
+        "seconds": time.perf_counter() - start,
+        "load": [load0, os.getloadavg()[0]],
+        "quality": quality,
+    }
+    head = [
+        f"# Lean quality, {record['machine']}",
+        "",
+        f"`python benchmarks/bench_lean.py {' '.join(argv)}` ({record['seconds']:.0f} s, load "
+        f"average {record['load'][0]:.1f} -> {record['load'][1]:.1f} on {os.cpu_count()} cores)",
+    ]
+    table = "\n".join(head + quality_lines(record)) + "\n"
+    print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality.md").write_text(table)
+    (out / "quality.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}/quality.md, .json", file=sys.stderr)
     return 0
 
 

@@ -373,6 +373,56 @@ def test_ranks_get_distinct_seeds(monkeypatch) -> None:
     assert seeds[0] != seeds[1]
 
 
+def _several_small_tensors(seed: int) -> torch.nn.Module:
+    """Two quantized weights (64 x 128), one too small to quantize, biases of odd sizes."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 128),
+        torch.nn.Tanh(),
+        torch.nn.Linear(128, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 7),
+        torch.nn.Tanh(),
+        torch.nn.Linear(7, 8),
+    ).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("state", ["fp32", "bf16", "int8", "int4", "fp8"])
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_batched_small_tensors_step_as_one_at_a_time_bitwise(monkeypatch, state, name) -> None:
+    """Small tensors stepped together (one flat buffer per state format) write the same bits as
+    each tensor through its own kernel: weights, state (codes and scales) and the stream."""
+    from mixprec.core import fused_step
+
+    calls = []
+    update = fused_step.update
+    monkeypatch.setattr(fused_step, "update", lambda *a, **k: calls.append(1) or update(*a, **k))
+    runs = []
+    for batch_max in (0, None):  # 0: every tensor on its own
+        model = _several_small_tensors(0)
+        opt = MixedPrecisionOptimizer(
+            OPTIMIZERS[name](model.parameters()),
+            master_weights=False,
+            lean=LeanConfig(rounding="stochastic", state=state, seed=7),
+        )
+        if batch_max is None:
+            assert opt.lean.batch_max >= 128 * 64  # this model's tensors all batch
+        else:
+            opt.lean.batch_max = batch_max
+        calls.clear()
+        for x, y in batches(3):
+            loss = torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        runs.append((snapshot(model, opt), len(calls)))
+    (alone, alone_calls), (batched, batched_calls) = runs
+    assert alone_calls == 3 * 8  # one kernel call per tensor per step
+    assert batched_calls < alone_calls
+    for a, b in zip(alone, batched, strict=True):
+        torch.testing.assert_close(b, a, **EXACT)
+
+
 def test_fp32_masters_with_int8_state() -> None:
     """optimizer_state next to a masters mode: the masters step with int8 moments."""
     model = mlp()

@@ -229,3 +229,22 @@ def _resume_bitwise(booster, model, opt, x, y, held) -> None:
 @pytest.mark.distributed
 def test_fsdp2_lean_matches_one_process_and_halves_memory_per_rank() -> None:
     spawn(_fsdp_lean_worker, 2)
+
+
+def test_lean_checkpoint_on_another_rank_count_is_refused_naming_both(tmp_path) -> None:
+    """A lean FSDP optimizer checkpoint is per-rank shards; loading it on another number of
+    ranks (here 1, saved by 2) is refused, naming both rank counts and the files."""
+    from mixprec.core.lean import LeanConfig
+    from mixprec.core.optim import MixedPrecisionOptimizer
+
+    model = _model().to(torch.bfloat16)
+    opt = MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters()), master_weights=False, lean=LeanConfig()
+    )
+    for rank in range(2):
+        torch.save({}, tmp_path / f"lean_rank{rank}_of_2.pt")
+    with pytest.raises(
+        ValueError,
+        match=r"saved by 2 ranks \(lean_rank0_of_2.pt, lean_rank1_of_2.pt\); this run has 1 rank\.",
+    ):
+        TorchFSDPPlugin().load_optimizer(opt, tmp_path, model)

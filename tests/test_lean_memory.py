@@ -9,7 +9,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {"width": 64, "depth": 1, "heads": 1, "context": 8, "batch": 1}
+TINY = {"width": 32, "depth": 1, "heads": 1, "context": 8, "batch": 1}
 
 
 @pytest.fixture(scope="module")

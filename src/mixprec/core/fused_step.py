@@ -120,9 +120,15 @@ def check_grads(grads: list[torch.Tensor], inv_scale: torch.Tensor, norm: bool) 
 # hp is what the optimizer steps: an fp32 master (its lp twin then gets the new value too), or a
 # lean param of any dtype (no master) written back by _write; `.float()` of fp32 is a no-op.
 def _write(hp, new, key, stochastic):
-    """new (fp32) into hp: to bf16 with stochastic rounding (noise from key), else a cast."""
+    """new (fp32) into hp: to bf16 with stochastic rounding (noise from key), else a cast. key:
+    one tensor's 0-d key, or for tensors stepped together in one flat buffer (lean's batches)
+    a [2, n] int32 tensor of each element's key and its index in its own tensor."""
     if stochastic:
-        new = sm.round_bf16_stochastic(new, sm.rounding_noise(key, new.shape))
+        if key.dim() == 0:
+            noise = sm.rounding_noise(key, new.shape)
+        else:
+            noise = sm.rounding_noise(key[0], new.shape, index=key[1])
+        new = sm.round_bf16_stochastic(new, noise)
     hp.copy_(new)
 
 
@@ -183,7 +189,8 @@ def update(
     the same kernel function eagerly (no compile: a small step, see LeanUpdate)."""
     stochastic = key is not None
     kinds = tuple((type(t).__name__, t.dtype) for t in (hp, *state))
-    variant = (*_variant(kind, grad, lp, *flags, stochastic), *kinds)
+    per_element_keys = stochastic and key.dim() > 0
+    variant = (*_variant(kind, grad, lp, *flags, stochastic, per_element_keys), *kinds)
     # quantized state (torchao's subclasses) keeps its shape: its blocks are not views
     shape = _flat if all(type(t) is torch.Tensor for t in state) else _local
     args = (shape(hp), _opt(lp), shape(grad), *(shape(t) for t in state), s, key)

@@ -188,8 +188,13 @@ def unpack_to_fp32(value: Any) -> Any:
     return dequant_with_qmap(codes, qmap, scale).view(shape)
 
 
-LOW_BIT_MIN_ELEMENTS = 1 << 18
-"""Low-bit state compiles its kernels from this many held elements (see LeanUpdate.step)."""
+COMPILE_MIN_ELEMENTS = 1 << 16
+"""A lean step compiles its kernels from this many held elements (see LeanUpdate.step)."""
+BATCH_MAX_ELEMENTS = 1 << 16
+"""Tensors of at most this many elements are stepped together, flattened into one buffer per
+batch (LeanUpdate.step): one kernel call instead of one per tensor."""
+BATCH_CHUNK_ELEMENTS = 1 << 20
+"""At most this many elements per batch: bounds the batch's fp32 temporaries (a few MiB)."""
 
 
 class LeanUpdate:
@@ -223,25 +228,31 @@ class LeanUpdate:
         """The rounding's random stream: steps written back so far (step_math.rounding_keys).
         With the seed it is the stream's whole state: saved in checkpoints, unchanged by a
         skipped step, advanced on the device (no sync)."""
+        self.batch_max = BATCH_MAX_ELEMENTS
+        """Tensors up to this size are stepped in batches (0: every tensor on its own)."""
+        self._batch_layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ----- the step -----
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """One update of every held param with a grad (grads already unscaled and clipped): the
-        core's step math in fused_step's compiled per-tensor kernels, with the write-back's
-        rounding in the same kernel; then the rounding's step counter advances (on device)."""
+        core's step math in fused_step's kernels, with the write-back's rounding in the same
+        kernel; then the rounding's step counter advances (on device). Small tensors are
+        stepped in batches: concatenated into one flat buffer per (state format, dtype,
+        scalars), one kernel call each, results copied back: the same elementwise math (and
+        for quantized state the same blocks, as torchao's blocks never straddle two tensors),
+        at a fraction of the per-tensor calls."""
         held = [p for g in optimizer.param_groups for p in g["params"]]
         count = len(held)
-        # Compile the kernels where that pays (as fused_step's AUTO rule): low-bit state of
-        # LOW_BIT_MIN_ELEMENTS (its eager dequantize / quantize is ~6x slower than in a kernel),
-        # any GPU, or a CPU step of AUTO_MIN_ELEMENTS; else the same kernels run eagerly, with the
-        # same bits (compiling costs 20-50 s on a 2-core CPU and ~150 MiB of host memory once:
-        # more than a small model's whole run).
+        # Compile the kernels from COMPILE_MIN_ELEMENTS held elements or on a GPU: eagerly, each
+        # of the ~60 elementwise ops of an update (the rounding's hash, torchao's binary search
+        # of its code map) is a separate pass over memory, ~4x a foreach AdamW step's time; a
+        # kernel does them in one. Smaller steps run the same kernels eagerly (the same math;
+        # compiling costs 20-50 s on a 2-core CPU and ~150 MiB of host memory once per
+        # variant: more than a small model's whole run, and most of the tests' time).
         numel = sum(_local(p).numel() for p in held)
-        self.compiled = (
-            (self.cfg.state in LOW_BIT and numel >= LOW_BIT_MIN_ELEMENTS)
-            or any(_local(p).device.type != "cpu" for p in held[:1])
-            or numel >= fused.AUTO_MIN_ELEMENTS
+        self.compiled = numel >= COMPILE_MIN_ELEMENTS or any(
+            _local(p).device.type != "cpu" for p in held[:1]
         )
         keys = None
         if self.cfg.rounding == "stochastic":
@@ -264,6 +275,29 @@ class LeanUpdate:
         """A new state tensor in this config's format (step_math's initial state calls it)."""
         return new_state(_local(like), self.cfg.state, signed=key not in UNSIGNED_KEYS)
 
+    def _run(self, kind, flags, keys, work) -> None:
+        """Run `work` (index, param, state tensors, scalar vector) through fused_step's kernel:
+        tensors above batch_max one by one, the rest in batches (see step)."""
+        batches: dict[tuple, list] = {}
+        for i, p, state, s in work:
+            local = _local(p)
+            if local.numel() > self.batch_max or not local.is_contiguous():
+                self._update(kind, p, state, s, flags, keys, i)
+                continue
+            stochastic = keys is not None and local.dtype == torch.bfloat16
+            layout = (id(s), local.dtype, p.grad.dtype, stochastic, *map(_layout, state))
+            batches.setdefault(layout, []).append((i, p, state, s))
+        for batch in batches.values():
+            chunk: list = []
+            size = 0
+            for entry in batch:
+                if chunk and size + _local(entry[1]).numel() > BATCH_CHUNK_ELEMENTS:
+                    self._update_batch(kind, chunk, flags, keys)
+                    chunk, size = [], 0
+                chunk.append(entry)
+                size += _local(entry[1]).numel()
+            self._update_batch(kind, chunk, flags, keys)
+
     def _update(self, kind, p, state, s, flags, keys, index) -> None:
         """p's update in fused_step's kernel: low-bit state dequantized and quantized again
         inside it (torchao's copy_: nearest code), a bf16 p rounded stochastically there."""
@@ -274,6 +308,48 @@ class LeanUpdate:
         state = [_local(t) for t in state]
         fused.update(kind, local, _local(p.grad), state, s, flags, key=key, compiled=self.compiled)
 
+    def _update_batch(self, kind, batch, flags, keys) -> None:
+        """Several tensors' updates as one: params, grads and each state (torchao's codes and
+        scales for quantized state) concatenated, one kernel call, the results copied back."""
+        if len(batch) == 1:
+            i, p, state, s = batch[0]
+            self._update(kind, p, state, s, flags, keys, i)
+            return
+        params = [_local(p).view(-1) for _, p, _, _ in batch]
+        hp = torch.cat(params)
+        grad = torch.cat([_local(p.grad).view(-1) for _, p, _, _ in batch])
+        columns = [
+            [_local(t) for t in col] for col in zip(*(st for _, _, st, _ in batch), strict=True)
+        ]
+        joined = [_join(col) for col in columns]
+        key = None
+        if keys is not None and hp.dtype == torch.bfloat16:
+            key = self._batch_keys(batch, keys)
+        s = batch[0][3]
+        fused.update(kind, hp, grad, joined, s, flags, key=key, compiled=self.compiled)
+        torch._foreach_copy_(params, hp.split([t.numel() for t in params]))
+        for col, whole in zip(columns, joined, strict=True):
+            _split_into(col, whole)
+
+    def _batch_keys(self, batch, keys) -> torch.Tensor:
+        """A batch's [2, n] int32 rounding keys: each element's tensor's key (this step's) and
+        its index in its own tensor. The layout (which key each element takes, its index) is
+        built once per batch layout and kept (12 bytes per batched element, small tensors
+        only); each step fills in its keys with one index_select."""
+        layout = tuple((i, _local(p).numel()) for i, p, _, _ in batch)
+        cached = self._batch_layouts.get(layout)
+        if cached is None:
+            device = keys.device
+            sizes = torch.tensor([n for _, n in layout], device=device)
+            starts = torch.cumsum(sizes, 0) - sizes
+            owner = torch.tensor([i for i, _ in layout], device=device).repeat_interleave(sizes)
+            key = torch.empty((2, owner.numel()), dtype=torch.int32, device=device)
+            key[1] = torch.arange(owner.numel(), device=device) - starts.repeat_interleave(sizes)
+            cached = self._batch_layouts[layout] = (owner.to(torch.int32), key)
+        owner, key = cached
+        torch.index_select(keys, 0, owner, out=key[0])
+        return key
+
     def _sgd_group(self, optimizer, group, items, keys) -> None:
         momentum = group["momentum"]
         values = (group["lr"], group["weight_decay"], momentum, group["dampening"])
@@ -281,37 +357,40 @@ class LeanUpdate:
         device = _local(items[0][1]).device
         if momentum == 0:
             s = sm.scalar_vector(sm.sgd_scalars(*values), device=device)
-            for i, p in items:
-                self._update("sgd", p, [], s, flags, keys, i)
+            self._run("sgd", flags, keys, [(i, p, [], s) for i, p in items])
             return
         flags = (*flags, bool(group["nesterov"]))
         vectors: dict[bool, torch.Tensor] = {}
+        work = []
         for i, p in items:
             buf, first = sm.momentum_buffer(optimizer.state[p], p, self._zeros)
             if first not in vectors:
                 vectors[first] = sm.scalar_vector(
                     sm.sgd_scalars(*values, first=first), None, device
                 )
-            self._update("sgd_momentum", p, [buf], vectors[first], flags, keys, i)
+            work.append((i, p, [buf], vectors[first]))
+        self._run("sgd_momentum", flags, keys, work)
 
     def _adam_group(self, optimizer, group, items, keys) -> None:
         beta1, beta2 = group["betas"]
         decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
         flags = (False, bool(group.get("maximize")), group["weight_decay"] != 0, bool(decoupled))
         device = _local(items[0][1]).device
-        by_step: dict[float, torch.Tensor] = {}  # params almost always share one step count
-        for i, p in items:
-            state = optimizer.state[p]
+        states = [optimizer.state[p] for _, p in items]
+        for (_, p), state in zip(items, states, strict=True):
             sm.adam_state(state, p, self._zeros)
-            state["step"] += 1
+        torch._foreach_add_([state["step"] for state in states], 1.0)
+        by_step: dict[float, torch.Tensor] = {}  # params almost always share one step count
+        work = []
+        for (i, p), state in zip(items, states, strict=True):
             step = float(state["step"])  # a CPU scalar, as torch's non-capturable Adam keeps it
             if step not in by_step:
                 values = sm.adam_scalars(
                     group["lr"], group["weight_decay"], beta1, beta2, group["eps"], step
                 )
                 by_step[step] = sm.scalar_vector(values, device=device)
-            moments = [state["exp_avg"], state["exp_avg_sq"]]
-            self._update("adam", p, moments, by_step[step], flags, keys, i)
+            work.append((i, p, [state["exp_avg"], state["exp_avg_sq"]], by_step[step]))
+        self._run("adam", flags, keys, work)
 
     # ----- checkpoints -----
     def state_dict_into(self, state_dict: dict[str, Any]) -> None:
@@ -375,6 +454,44 @@ def _same_format(target: torch.Tensor, value: Any) -> bool:
         and value["codes"].shape == target.codes.shape
         and value["scale"].shape == target.scale.shape
     )
+
+
+def _layout(state: torch.Tensor) -> tuple:
+    """What must agree for state tensors to be stepped in one batch: kind, dtype, and for
+    torchao's quantized state its signedness and block size (and so its code map)."""
+    if type(state) is torch.Tensor:
+        return (torch.Tensor, state.dtype)
+    return (type(state), bool(getattr(state, "signed", True)), state.block_size)
+
+
+def _join(column: list[torch.Tensor]) -> torch.Tensor:
+    """One state tensor of all of a batch's state tensors (same _layout), flattened and
+    concatenated: a plain tensor, or torchao's quantized tensor over the joined codes and
+    scales (whole blocks each, so every block and its scale stay as they were)."""
+    first = column[0]
+    if type(first) is torch.Tensor:
+        return torch.cat([t.view(-1) for t in column])
+    codes = torch.cat([t.codes.view(-1) for t in column])
+    scale = torch.cat([t.scale for t in column])
+    kind = type(first).__name__
+    if kind == "OptimState8bit":
+        return type(first)(codes, scale, first.qmap, first.signed, dtype=first.dtype)
+    if kind == "OptimState4bit":
+        numel = sum(t.numel() for t in column)
+        return type(first)(codes, scale, first.qmap, first.signed, (numel,), dtype=first.dtype)
+    return type(first)(codes, scale, dtype=first.dtype)  # OptimStateFp8
+
+
+def _split_into(column: list[torch.Tensor], whole: torch.Tensor) -> None:
+    """Copy a joined state tensor (see _join) back into the batch's own state tensors."""
+    if type(whole) is torch.Tensor:
+        flat = [t.view(-1) for t in column]
+        torch._foreach_copy_(flat, whole.split([t.numel() for t in flat]))
+        return
+    codes = [t.codes.view(-1) for t in column]
+    torch._foreach_copy_(codes, whole.codes.split([c.numel() for c in codes]))
+    scales = [t.scale for t in column]
+    torch._foreach_copy_(scales, whole.scale.split([c.numel() for c in scales]))
 
 
 def split_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int, dict], Any]:

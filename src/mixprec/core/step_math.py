@@ -221,8 +221,13 @@ def rounding_keys(seed: int, counter: torch.Tensor, count: int) -> torch.Tensor:
     return _mix32(step + index * _GOLDEN)
 
 
-def rounding_noise(key: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def rounding_noise(
+    key: torch.Tensor, shape: torch.Size, index: torch.Tensor | None = None
+) -> torch.Tensor:
     """16 uniform random bits per element of `shape` (int32 in [0, 2**16)) from a key: two
-    rounds of the hash over the element's row-major index, the top 16 bits kept."""
-    index = torch.arange(shape.numel(), dtype=torch.int32, device=key.device).view(shape)
+    rounds of the hash over the element's row-major index, the top 16 bits kept. Tensors
+    stepped together in one flat buffer pass each element's key (an int32 tensor of `shape`)
+    and its row-major index in its own tensor: the same bits as one tensor at a time."""
+    if index is None:
+        index = torch.arange(shape.numel(), dtype=torch.int32, device=key.device).view(shape)
     return (_mix32(_mix32(index ^ key)) >> 16) & 0xFFFF

@@ -408,10 +408,17 @@ def _load_lean_state(optimizer: MixedPrecisionOptimizer, path: Path, saved: list
         )
     mine = path / _lean_file()
     if not mine.is_file():
+        world = rank_and_world()[1]
+        worlds = sorted({int(name.rsplit("_of_", 1)[1].removesuffix(".pt")) for name in saved})
+        if worlds:
+            held = f"saved by {' or '.join(map(str, worlds))} ranks ({', '.join(saved)})"
+        else:
+            held = "it holds no lean_rank*_of_*.pt file"
         raise ValueError(
-            f"{path} is no lean optimizer checkpoint for {rank_and_world()[1]} ranks (it holds "
-            f"{saved or 'no lean_rank*_of_*.pt file'}); a lean FSDP optimizer loads the "
-            "per-rank files it saved, on as many ranks as saved them."
+            f"{path} is a lean FSDP optimizer checkpoint {held}; this run has {world} "
+            f"rank{'s' if world != 1 else ''}. Each file holds one rank's local shard of the "
+            "low-bit state and its rounding stream, which mixprec does not reshard: load it "
+            "on as many ranks as saved it (or restart the optimizer state)."
         )
     optimizer.load_state_dict(torch.load(mine, map_location="cpu", weights_only=True))
 
