@@ -300,12 +300,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _device(self) -> torch.device:
         return self.transfer.device()
 
-    def _layout(self) -> Layout:
-        return self.transfer.layout()
-
-    def _local(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self.transfer.local(tensors)
-
     def _master_to_lp(self) -> dict[int, torch.Tensor]:
         return self.transfer.master_to_lp()
 
@@ -417,9 +411,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if (
             self._grads_came_through_backward()
             or not self.scales_loss
-            or not (
-                self._grads_on_masters or self.transfer.step_grads()
-            )  # masters' grads may be stale
+            # the masters' grads may be stale: this step's lp grads are what backward left
+            or not (self._grads_on_masters or self.transfer.step_grads())
         ):
             return
         raise unscaled_grads_error(type(self).__name__, self.scaler.cfg, self.scaled_backward_hint)
@@ -537,7 +530,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.transfer.rescale_carried(self.scaler)
         self._reuse_outside_check()
         if not self.watch.warned_no_grads:
-            self.watch.warn_no_grads(itertools.chain(self.lp_params, self._layout().held))
+            self.watch.warn_no_grads(itertools.chain(self.lp_params, self.transfer.layout().held))
         if self.watch.seen is not None:
             unscaled = self._found_inf is not None
             self.watch.check_edit(self._model_probe(), unscaled=unscaled, scale=self.scaler)
@@ -604,8 +597,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         # mixprec's GradScaler reduced it already; torch's did not (MAX twice changes nothing)
         self._found_inf = all_reduce_found_inf_(flag, self.process_group or default_group())
         self.transfer.inv_used = self.scaler.inv_scale()
-        self.transfer.note_unscaled(version=-2)  # the lp grads hold the outside scale: never
-        # kept as they are
+        # the lp grads hold the outside scale: never kept as they are
+        self.transfer.note_unscaled(version=-2)
 
     def _shares_steps(self) -> bool:
         """True when other ranks take this step too: a rank without grads then counts it as a
