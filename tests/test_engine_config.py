@@ -85,6 +85,20 @@ def test_zero_plugin_from_a_config_keeps_the_configs_whole_policy() -> None:
     plugin = plugin_for(spec, 1)
     assert isinstance(plugin, LowLevelZeroPlugin)
     assert plugin.policy == spec.policy and plugin.stage == 2
+    assert plugin.precision == spec.policy.name and plugin.max_norm == spec.policy.max_norm
+
+
+def test_zero_plugin_policy_refuses_a_precision_keyword_beside_it() -> None:
+    """policy= replaces the precision keywords in __init__: one set beside it would be ignored."""
+    policy = parse_config({"fp16": {"mode": AMP_TYPE.NAIVE}}).policy
+    plugin = LowLevelZeroPlugin(stage=1, cpu_offload=True, policy=policy)
+    assert plugin.policy == policy and plugin.cpu_offload and plugin.precision == policy.name
+    with pytest.raises(ValueError, match=r"LowLevelZeroPlugin\(precision='bf16', policy="):
+        LowLevelZeroPlugin(precision="bf16", policy=policy)
+    with pytest.raises(ValueError, match=r"LowLevelZeroPlugin\(max_norm=1.0, policy="):
+        LowLevelZeroPlugin(max_norm=1.0, policy=policy)
+    with pytest.raises(TypeError, match="must be a mixprec Policy"):
+        LowLevelZeroPlugin(policy="fp16")
 
 
 @pytest.mark.parametrize(

@@ -95,14 +95,37 @@ def test_getters_match_torch() -> None:
 
 def test_setters_reject_values_torch_would_misuse(device: str) -> None:
     # mixprec validates what torch's setters store blindly (a factor <= 1 would shrink on growth).
+    # The messages name the call the user made (a torch user never sees mixprec's ScalerConfig).
     scaler = GradScaler(device)
-    with pytest.raises(ValueError, match="growth_factor=1.0 must be > 1"):
+    with pytest.raises(
+        ValueError, match=r"GradScaler.set_growth_factor: new_factor=1.0 must be > 1"
+    ):
         scaler.set_growth_factor(1.0)
-    with pytest.raises(ValueError, match="backoff_factor=2.0 must be in"):
+    with pytest.raises(ValueError, match=r"set_backoff_factor: new_factor=2.0 must be in \(0, 1\)"):
         scaler.set_backoff_factor(2.0)
-    with pytest.raises(TypeError, match="growth_interval must be an int"):
+    with pytest.raises(
+        TypeError, match="set_growth_interval: new_interval must be an int, got 2.5"
+    ):
         scaler.set_growth_interval(2.5)
     assert scaler.get_growth_factor() == 2.0  # a refused value is not stored
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error"),
+    [
+        ("hysteresis", 0, ValueError),
+        ("growth_factor", 0.5, ValueError),
+        ("dynamic", "no", TypeError),
+    ],
+)
+def test_load_state_dict_names_the_bad_entry(key: str, value: object, error: type) -> None:
+    # A bad entry in a loaded state_dict is named as the user passed it, and nothing is loaded.
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    state = scaler.state_dict() | {"scale": 4.0, key: value}
+    with pytest.raises(error, match=rf"GradScaler.load_state_dict: state_dict\['{key}'\]") as info:
+        scaler.load_state_dict(state)
+    assert "ScalerConfig" not in str(info.value)
+    assert scaler.get_scale() == 2.0**10 and scaler.state_dict()["hysteresis"] == 1
 
 
 @pytest.mark.parametrize("direction", ["mixprec->torch", "torch->mixprec"])

@@ -53,3 +53,16 @@ def test_names_that_left_the_core_for_a_face_import_from_their_old_paths() -> No
 
     assert core_path is old_path is AMP_TYPE is mixprec.AMP_TYPE is mixprec.amp.AMP_TYPE
     assert old_naive is naive_amp_policy and old_torch is torch_amp_policy
+
+
+def test_names_that_left_core_optim_import_from_it() -> None:
+    """MixedPrecisionOptimizer's split (#29): the gradient transfer, the step counter and the
+    checkpoint code moved to their own core modules; the names kept their old import path."""
+    from mixprec.core import optim
+    from mixprec.core.clip import local_shards
+    from mixprec.core.grad_transfer import LOW_DTYPES, Carry, Layout
+    from mixprec.core.skip_monitor import ScaleCollapseError
+
+    assert optim.ScaleCollapseError is ScaleCollapseError is mixprec.ScaleCollapseError
+    assert optim.Layout is Layout and optim._Carry is Carry and optim.LOW_DTYPES is LOW_DTYPES
+    assert optim.local_shards is local_shards

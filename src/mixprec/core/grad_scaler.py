@@ -24,7 +24,12 @@ from mixprec.core.scaling import (
     group_to_hold,
     update_scale_,
 )
-from mixprec.core.validate import check_bool, check_scaler_values
+from mixprec.core.validate import (
+    SCALER_FIELDS,
+    check_bool,
+    check_scaler_value,
+    check_scaler_values,
+)
 
 
 def default_device() -> str:
@@ -147,16 +152,21 @@ class GradScaler(torch.amp.GradScaler):
             growth_interval=self._growth_interval,
         )
 
+    def _check_setting(self, call: str, field: str, value: Any) -> None:
+        """A value torch's setter would store blindly, checked by its field's rule and named as
+        the user called it ("GradScaler.set_growth_factor: new_factor=1.0 must be > 1 ...")."""
+        check_scaler_value(field, value, name=f"{type(self).__name__}.{call}")
+
     def set_growth_factor(self, new_factor: float) -> None:
-        replace(self.cfg, growth_factor=new_factor)  # validates: raises ValueError if <= 1
+        self._check_setting("set_growth_factor: new_factor", "growth_factor", new_factor)
         super().set_growth_factor(new_factor)
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        replace(self.cfg, backoff_factor=new_factor)  # validates: must lie in (0, 1)
+        self._check_setting("set_backoff_factor: new_factor", "backoff_factor", new_factor)
         super().set_backoff_factor(new_factor)
 
     def set_growth_interval(self, new_interval: int) -> None:
-        replace(self.cfg, growth_interval=new_interval)  # validates: an int >= 1
+        self._check_setting("set_growth_interval: new_interval", "growth_interval", new_interval)
         super().set_growth_interval(new_interval)
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -253,9 +263,16 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         extras = ("hysteresis", "min_scale", "max_scale", "consecutive_hysteresis", "dynamic")
-        base = replace(self._base_cfg, **{k: state_dict[k] for k in extras if k in state_dict})
         factors = ("growth_factor", "backoff_factor", "growth_interval")
-        replace(base, **{k: state_dict[k] for k in factors if k in state_dict})  # validates
+        # Checked before anything is loaded, named as the user passed them (state_dict[...]).
+        where = f"{type(self).__name__}.load_state_dict: state_dict"
+        for key in ("consecutive_hysteresis", "dynamic"):
+            if key in state_dict:
+                check_bool(f"{where}[{key!r}]", state_dict[key])
+        given = {k: state_dict[k] for k in SCALER_FIELDS if k in state_dict}
+        check_scaler_values(given, {k: f"{where}[{k!r}]" for k in given})
+        base = replace(self._base_cfg, **{k: state_dict[k] for k in extras if k in state_dict})
+        replace(base, **{k: state_dict[k] for k in factors if k in state_dict})  # min <= max
         super().load_state_dict(state_dict)
         self._base_cfg = base
         hyst = int(state_dict.get("_hysteresis_tracker", base.hysteresis))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -21,8 +20,11 @@ import torch
 from mixprec.core import fused_step as fused
 from mixprec.core import lean as lean_step
 from mixprec.core import sync_free
+from mixprec.core.backward_watch import BackwardWatch, unscaled_grads_error
 from mixprec.core.clip import clip_grads_, local_shards
-from mixprec.core.optim_state import place_masters, saved_masters, upgrade_optimizer_checkpoint
+from mixprec.core.grad_transfer import LOW_DTYPES, GradTransfer, Layout
+from mixprec.core.grad_transfer import Carry as _Carry
+from mixprec.core.optim_state import load_optimizer_state, optimizer_state
 from mixprec.core.policy import UNIT_SCALE, ScalerConfig
 from mixprec.core.scaling import (
     LossScaler,
@@ -33,13 +35,26 @@ from mixprec.core.scaling import (
     rank_and_world,
     unscale_and_check_,
 )
-from mixprec.core.skip_monitor import SkipMonitor, SkipStats, scale_text
+from mixprec.core.skip_monitor import (
+    ScaleCollapseError,
+    SkipMonitor,
+    SkipStats,
+    StepCounter,
+)
 from mixprec.core.step_math import clip_coefficient
 from mixprec.core.step_record import StepRecord
-from mixprec.core.validate import check_bool, check_int, check_max_norm, check_norm_type
+from mixprec.core.validate import check_bool, check_max_norm, check_norm_type
 
 log = logging.getLogger("mixprec")
-LOW_DTYPES = (torch.float16, torch.bfloat16)
+__all__ = [  # the names below StepResult were imported from here before the split
+    "MixedPrecisionOptimizer",
+    "StepResult",
+    "LOW_DTYPES",
+    "Layout",
+    "ScaleCollapseError",
+    "_Carry",
+    "local_shards",
+]
 
 
 @dataclass(frozen=True)
@@ -57,56 +72,6 @@ class StepResult:
     noop: bool = False
     """True when this rank's optimizer had no gradient at all: nothing moved, and the step is
     counted in noop_steps, not in steps."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What an optimizer's held params are, read once per param_groups layout."""
-
-    probe: torch.Tensor | None
-    """The first held param: its .device (which follows .to()) says where the step runs."""
-    numel: int
-    """Elements of every held param: a bound on a step's gradients."""
-    uniform: bool
-    """Every held param on the probe's device with the probe's dtype (grads alike)."""
-    sharded: bool
-    """Some held param is a DTensor: its grad is checked through its local shard."""
-
-    @staticmethod
-    def of(params: list[torch.Tensor]) -> Layout:
-        probe = params[0] if params else None
-        return Layout(
-            probe=probe,
-            numel=sum(p.numel() for p in params),
-            uniform=probe is not None
-            and all(p.device == probe.device and p.dtype == probe.dtype for p in params),
-            sharded=any(hasattr(p, "to_local") for p in params),
-        )
-
-
-@dataclass(frozen=True)
-class _Carry:
-    """The gradients a step leaves in .grad, for a backward that comes before zero_grad().
-
-    torch's contract (DDP's, Colossal's): a step leaves its gradients in .grad, so backward +
-    step twice with no zero_grad() steps on g1 + g2 the second time. The model's lp grads stay
-    as backward left them (scaled, in lp), own params' grads as the step used them (unscaled,
-    clipped, in fp32, or as read by the fused step); before the next backward adds to them, each
-    is multiplied by its factor and by that backward's scale, so the next unscale gives g1 + g2
-    (exact for power-of-two scales; the lp sum rounds as micro-batch accumulation does).
-    model.zero_grad() or the optimizer's drops them as in torch; a grad set by hand in their
-    place is taken as it is (each kept grad is known by a weak reference).
-    """
-
-    lp_grads: list[weakref.ref[torch.Tensor]]
-    """The lp grads kept."""
-    own_grads: list[weakref.ref[torch.Tensor]]
-    """The own params' grads kept."""
-    lp_factor: torch.Tensor | None
-    """What unscales the kept lp grads (the inverse scale they carry, times a fused clip; None:
-    they are unscaled already)."""
-    own_factor: torch.Tensor | None
-    """The same for own params' grads (None: unscaled and clipped in place already)."""
 
 
 def _route_zero_grad(inner: torch.optim.Optimizer, wrapper: MixedPrecisionOptimizer) -> None:
@@ -149,12 +114,32 @@ class _PendingStepResult(StepResult):
     noop = False
 
 
-class ScaleCollapseError(RuntimeError):
-    """Too many consecutive steps were skipped: the run cannot make progress."""
-
-
 def _is_rank_zero() -> bool:
     return rank_and_world()[0] == 0
+
+
+class _Counted:
+    """A MixedPrecisionOptimizer attribute that lives in its StepCounter (self.counts); with
+    read_record, the sync-free step's device record is counted first (a host sync, if any)."""
+
+    def __init__(self, *, read_record: bool = False) -> None:
+        self.read_record = read_record
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        if self.read_record:
+            obj._read_record()
+        return getattr(obj.counts, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if self.read_record:
+            obj._read_record()
+        setattr(obj.counts, self.name, value)
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
@@ -216,7 +201,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 "This optimizer is already wrapped by mixprec; wrap the inner one once."
             )
         check_max_norm("max_norm", max_norm)
-        check_int("max_consecutive_skips", max_consecutive_skips, optional=True)
         check_bool("log_num_zeros_in_grad", log_num_zeros_in_grad)
         for name, flag in (
             ("master_weights", master_weights),
@@ -226,13 +210,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             check_bool(name, flag, optional=True)  # None: decided per device / per step
         if not isinstance(loss_scale, ScalerConfig):
             raise TypeError(f"loss_scale={loss_scale!r} must be a mixprec.ScalerConfig.")
-        if max_consecutive_skips is not None and max_consecutive_skips < 1:
-            raise ValueError(
-                f"max_consecutive_skips={max_consecutive_skips!r} must be >= 1 or None."
-            )
         reason = fused.unsupported_reason(optimizer)
         if fused_step and reason:
             raise ValueError(f"fused_step=True cannot run this optimizer: {reason}.")
+        self.counts = StepCounter(max_consecutive_skips)  # checks it before anything changes
+        """steps, skips, the skip monitor and the collapse guard (core.skip_monitor)."""
         self.optim = optimizer
         _route_zero_grad(optimizer, self)
         self.fused_step = fused_step
@@ -240,48 +222,30 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.max_norm = float(max_norm)
         self.process_group = group_to_hold(process_group)
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
-        self.max_consecutive_skips = max_consecutive_skips
         self.keep_master_grads = keep_master_grads
         self.param_names: dict[int, str] = {}  # id(param as the optimizer holds it) -> name
         self.verbosity = 1
         """0: silent; 1: log skipped steps; 2: also log every loss-scale change (a host sync)."""
-        # (lp param, fp32 master) pairs; the master sits in param_groups where lp was.
-        self.lp_params: list[torch.Tensor] = []
-        self.hp_masters: list[torch.Tensor] = []
+        self.transfer = GradTransfer(optimizer)
+        """lp params, their fp32 masters and the grads between them (core.grad_transfer)."""
         for group in optimizer.param_groups:
             group["params"] = self._masters_for(group["params"])
             self._check_eps(group)
-        self._layout_key: tuple[tuple[int, int], ...] | None = None  # see _layout
-        self._layout_value = Layout.of([])
-        device = self._device()
-        self.scaler = LossScaler(loss_scale, device)
+        self.scaler = LossScaler(loss_scale, self._device())
         self._found_inf: torch.Tensor | None = None  # set once grads are unscaled this step
         self._grads_on_masters = False  # set once this step's lp grads reached the masters
-        self._carry: _Carry | None = None  # the last step's gradients, left in .grad: see _Carry
-        self._unscaled_version = -1  # a master grad's version once unscaled: see _keep_grads
-        self._inv_used: torch.Tensor | None = None  # the inverse scale the last unscale used
-        self._backward_scaled = False  # set by backward()/scale_loss(), cleared by the step
+        self.watch = BackwardWatch()
+        """The last backward() and the misuse seen before the step (core.backward_watch)."""
         self._step_had_grads = True  # cleared when this step's unscale found no gradient
-        # (a grad, its version) as backward() left it: see _warn_if_grads_changed_while_scaled
-        self._grad_seen: tuple[torch.Tensor, int] | None = None
-        self._warned_scaled_edit = False
-        # The sync-free step's device record (see _step_sync_free), read into the counters below
+        # The sync-free step's device record (see _step_sync_free), read into the counters
         # every DEFAULT_CHECK_EVERY steps or when they are read; made at its first step.
         self._sync_free: bool | None = None
         """Private switch: None runs the step with no host sync where it costs one (CUDA; see
         _runs_sync_free); True forces it (tests on CPU); False keeps the one read of the
         overflow flag per step."""
         self._record: StepRecord | None = None
-        self._skipped_steps = 0
-        self.steps = 0
-        self.noop_steps = 0
-        """step() calls that found no gradient (not counted in steps)."""
-        self._consecutive_skips = 0
-        self._last_result: StepResult | None = None
-        self._warned_no_grads = False
         self._clean_growth: float | None = None  # see _decide
         self.lean = None if lean is None else lean_step.LeanUpdate(lean, optimizer)
-        self.skip_monitor = SkipMonitor()  # says when a run starts by skipping, or skips too often
         # torch.optim.Optimizer's bookkeeping, for hooks and LR schedulers.
         self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Any] = OrderedDict()
@@ -316,10 +280,26 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"MixedPrecisionOptimizer({self.optim!r}, scaler={self.scaler.cfg})"
 
+    # ----- the params: lp params and their fp32 masters, held by self.transfer -----
+    @property
+    def lp_params(self) -> list[torch.Tensor]:
+        """The low-precision params that have fp32 masters (hp_masters, in the same order)."""
+        return self.transfer.lp_params
+
+    @property
+    def hp_masters(self) -> list[torch.Tensor]:
+        """The fp32 masters the inner optimizer steps in place of lp_params."""
+        return self.transfer.hp_masters
+
     def _device(self) -> torch.device:
-        """Where the held params live: the first one's device (cached with the layout)."""
-        probe = self._layout().probe
-        return probe.device if probe is not None else torch.device("cpu")
+        return self.transfer.device()
+
+    def _master_to_lp(self) -> dict[int, torch.Tensor]:
+        return self.transfer.master_to_lp()
+
+    def _own_params(self) -> list[torch.Tensor]:
+        """Params the inner optimizer steps directly (fp32, or low precision without masters)."""
+        return list(self.transfer.layout().own)
 
     def _check_eps(self, group: dict[str, Any]) -> None:
         """Adam-style eps below fp16's smallest normal is 0 in fp16 state: updates divide by 0."""
@@ -335,20 +315,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             )
 
     def _masters_for(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        use_masters = self.master_weights is not False
-        out = []
-        for p in params:
-            if use_masters and p.dtype in LOW_DTYPES:
-                master = p.detach().clone().float()
-                master.requires_grad_(True)
-                if p in self.optim.state:  # keep any state the optimizer already had
-                    self.optim.state[master] = self.optim.state.pop(p)
-                self.lp_params.append(p)
-                self.hp_masters.append(master)
-                out.append(master)
-            else:
-                out.append(p)
-        return out
+        return self.transfer.masters_for(params, use_masters=self.master_weights is not False)
 
     def name_params(self, model: torch.nn.Module) -> None:
         """Learn the model's parameter names, so errors can say which parameters overflowed."""
@@ -372,9 +339,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     )
         return bad
 
-    def _master_to_lp(self) -> dict[int, torch.Tensor]:
-        return {id(hp): lp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
         params = group["params"]
@@ -383,36 +347,20 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.optim.add_param_group(group)
         self._check_eps(self.optim.param_groups[-1])
 
-    # ----- counters: host values, or read from the sync-free step's device record -----
-    @property
-    def skipped_steps(self) -> int:
-        self._read_record()
-        return self._skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self._read_record()
-        self._skipped_steps = value
-
-    @property
-    def consecutive_skips(self) -> int:
-        self._read_record()
-        return self._consecutive_skips
-
-    @consecutive_skips.setter
-    def consecutive_skips(self, value: int) -> None:
-        self._read_record()
-        self._consecutive_skips = value
+    # ----- counters (self.counts): host values, or read from the sync-free step's record -----
+    steps = _Counted()
+    """Optimizer steps taken, skipped ones included (no-op steps not)."""
+    noop_steps = _Counted()
+    """step() calls that found no gradient (not counted in steps)."""
+    max_consecutive_skips = _Counted()
+    skipped_steps = _Counted(read_record=True)
+    consecutive_skips = _Counted(read_record=True)
+    last_result = _Counted(read_record=True)
 
     @property
-    def last_result(self) -> StepResult | None:
-        self._read_record()
-        return self._last_result
-
-    @last_result.setter
-    def last_result(self, value: StepResult | None) -> None:
-        self._read_record()
-        self._last_result = value
+    def skip_monitor(self) -> SkipMonitor:
+        """Says when a run starts by skipping, or skips too often."""
+        return self.counts.monitor
 
     # ----- scaling, unscaling, checking -----
     @property
@@ -422,26 +370,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     @property
     def skip_stats(self) -> SkipStats:
         """Steps, skipped steps (in a row, in the warm-up) and the last scale: no host sync."""
-        last = self.last_result
-        return SkipStats(
-            steps=self.steps,
-            noop_steps=self.noop_steps,
-            skipped_steps=self.skipped_steps,
-            consecutive_skips=self.consecutive_skips,
-            warmup_skips=self.skip_monitor.warmup_skips,
-            last_scale=None if last is None else last.scale,
-        )
+        self._read_record()
+        return self.counts.stats()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss (as fp32) times the current scale; call .backward() on the result."""
-        self._backward_scaled = True
-        self._rescale_carried()
+        self.watch.scaled = True
+        self.transfer.rescale_carried(self.scaler)
         return loss.float() * self.scaler.scale_tensor
 
     def note_scaled_backward(self) -> None:
         """Say that this step's grads come from a loss scaled by this optimizer's scale that a
         face multiplied itself (Lightning's backward runs before the optimizer is wrapped)."""
-        self._backward_scaled = True
+        self.watch.scaled = True
 
     @property
     def scales_loss(self) -> bool:
@@ -452,7 +393,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def _grads_came_through_backward(self) -> bool:
         """Whether this step's grads were produced by this optimizer's scaled backward."""
-        return self._backward_scaled
+        return self.watch.scaled
 
     def _check_scaled_backward(self) -> None:
         """Refuse grads that did not come through the scaled backward (plain loss.backward(), or
@@ -464,19 +405,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if (
             self._grads_came_through_backward()
             or not self.scales_loss
-            or not (self._grads_on_masters or self._step_grads())  # masters' grads may be stale
+            # the masters' grads may be stale: this step's lp grads are what backward left
+            or not (self._grads_on_masters or self.transfer.step_grads())
         ):
             return
-        raise RuntimeError(
-            f"{type(self).__name__}.step(): the gradients did not come through this "
-            "optimizer's scaled backward (a plain loss.backward(), or an outside GradScaler's "
-            "scaler.scale(loss).backward()), but this mode scales the loss itself "
-            f"({'dynamic' if self.scaler.cfg.dynamic else 'static'} loss scale, starting at "
-            f"{self.scaler.cfg.init_scale:g}). Unscaling them would make the update that many "
-            f"times too small. Call {self.scaled_backward_hint} instead of loss.backward(), and "
-            "use no outside GradScaler with it (this optimizer is the loss scaler). Plain "
-            "loss.backward() is fine in modes without loss scaling (bf16, fp32)."
-        )
+        raise unscaled_grads_error(type(self).__name__, self.scaler.cfg, self.scaled_backward_hint)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward of the scaled loss; several calls before one step() accumulate."""
@@ -488,74 +421,26 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         # x 1.0 is exact: skip its op and its backward node (bitwise); a `gradient=` keeps the
         # scaled loss's shape (1,) it was given for
         if self.scaler.is_unit and "gradient" not in kwargs:
-            self._backward_scaled = True
-            self._rescale_carried()
+            self.watch.scaled = True
+            self.transfer.rescale_carried(self.scaler)
             loss.float().backward(**kwargs)
         else:
             self.scale_loss(loss).backward(**kwargs)
-            if not self._warned_scaled_edit:
-                self._grad_seen = self._probe_grad_version()
+            self.watch.note_scaled(self._model_probe())
 
-    def _probe_grad_version(self) -> tuple[torch.Tensor, int] | None:
-        """One model gradient and its version counter (host ints: no sync, ~2 attribute reads)."""
-        probe = self.lp_params[0] if self.lp_params else self._layout().probe
-        grad = None if probe is None else probe.grad
-        return None if grad is None else (grad, grad._version)
-
-    def _warn_if_grads_changed_while_scaled(self) -> None:
-        """torch.nn.utils.clip_grad_norm_ between backward() and step() clips the *scaled*
-        grads (the update then comes out ~scale times too small): say so once, at WARNING.
-        Seen as an in-place write to a model grad after the last scaled backward."""
-        seen, self._grad_seen = self._grad_seen, None
-        if seen is None or self._found_inf is not None:
-            return  # unscaled by this optimizer (its own clip): what comes after is unscaled
-        now = self._probe_grad_version()
-        if now is None or now[0] is not seen[0] or now[1] == seen[1]:
-            return
-        self._warned_scaled_edit = True
-        if _is_rank_zero():
-            log.warning(
-                "mixprec: the gradients were changed in place between backward() and step() "
-                "while they were still multiplied by the loss scale (%s). If that was "
-                "torch.nn.utils.clip_grad_norm_, it clipped the scaled gradients and the update "
-                "comes out about that many times too small: clip with optimizer.clip_grad_norm"
-                "(max_norm) (it unscales first), or set the clipping in the mode/plugin "
-                "(max_norm), instead. (Warned once.)",
-                scale_text(self.scaler.scale),
-            )
+    def _model_probe(self) -> torch.Tensor | None:
+        """A model param whose grad tells an in-place edit (see BackwardWatch.check_edit)."""
+        return self.lp_params[0] if self.lp_params else self.transfer.layout().probe
 
     def _hp_grads(self) -> list[torch.Tensor]:
-        """Gradients of everything the wrapped optimizer steps (fp32 masters and fp32 params).
-
-        Sharded (DTensor) grads are checked through their local shard: the same storage, and
-        the overflow flag is reduced over the group afterwards, so the check stays exact.
-        """
-        grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-        return self._local(grads)
-
-    def _local(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """local_shards(tensors) of held params (or their masters, lp params, grads, which shard
-        alike), skipping the walk when no held param is sharded (the cached layout says so)."""
-        return local_shards(tensors) if self._layout().sharded else tensors
+        """Gradients of everything the wrapped optimizer steps (local shards of DTensors)."""
+        return self.transfer.held_grads()
 
     def _lp_grads_to_masters(self) -> None:
-        """The transfer at step: each lp grad, as backward left it, into its master's fp32 grad.
-
-        The lp grad stays in .grad after the step (torch's contract: see _Carry); an optimizer
-        that does not carry gradients (carries_grads False) frees it here, as before."""
-        lp_grads, hp_grads = [], []
-        for lp, hp in zip(self.lp_params, self.hp_masters, strict=True):
-            if lp.grad is None:
-                hp.grad = None  # this param took no part: no stale gradient may be applied
-                continue
-            if hp.grad is None:
-                hp.grad = torch.empty_like(hp)
-            lp_grads.append(lp.grad)
-            hp_grads.append(hp.grad)
-            if not self.carries_grads:
-                lp.grad = None  # the lp gradient lives only from backward to step
-        if hp_grads:
-            torch._foreach_copy_(self._local(hp_grads), self._local(lp_grads))
+        """The transfer at step (GradTransfer.to_masters); a subclass that moves the grads its
+        own way (Paddle's and the pipeline's hooks, ZeRO's buckets) overrides this. The lp grad
+        stays in .grad after the step unless this optimizer does not carry grads."""
+        self.transfer.to_masters(free_lp=not self.carries_grads)
 
     def grads_to_masters(self) -> None:
         """Hand this step's lp grads to the fp32 masters, once (an outside GradScaler calls this
@@ -573,32 +458,25 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if self._found_inf is not None:
             return self._found_inf
         self._check_scaled_backward()
-        self._rescale_carried()  # a second step() with no backward through this optimizer
+        # a second step() with no backward through this optimizer
+        self.transfer.rescale_carried(self.scaler)
         self.grads_to_masters()  # transfer + reduce (subclasses reduce here)
         found_inf = self._unscale_and_check()
         self._found_inf = all_reduce_found_inf_(found_inf, self.process_group or default_group())
-        self._unscaled_version = self._held_grad_version()
+        self.transfer.note_unscaled()
         return self._found_inf
 
     def _unscale_and_check(self) -> torch.Tensor:
         """Unscale the held grads in place and check them: this rank's overflow flag."""
         found_inf = self.scaler.scale_tensor.new_zeros(1)  # fp32, on the scale's device
-        self._inv_used = self.scaler.inv_scale()  # a new tensor once the scale moves: kept
+        inv_scale = self.transfer.inv_used = self.scaler.inv_scale()  # kept: see GradTransfer
         grads = self._hp_grads()
         self._step_had_grads = bool(grads) or self._shares_steps()
         if grads:
-            layout = self._layout()
+            layout = self.transfer.layout()
             one_bucket = layout.uniform and layout.probe.device == found_inf.device
-            unscale_and_check_(grads, self._inv_used, found_inf, one_bucket=one_bucket)
+            unscale_and_check_(grads, inv_scale, found_inf, one_bucket=one_bucket)
         return found_inf
-
-    def _held_grad_version(self) -> int:
-        """The version counter of the first held grad (a host int: no sync), -1 without one.
-        An in-place write (a clip) after the unscale bumps it: see _keep_grads."""
-        for hp in self.hp_masters:
-            if hp.grad is not None:
-                return hp.grad._version
-        return -1
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the unscaled gradients to max_norm; returns their total norm before clipping."""
@@ -632,19 +510,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 f"Closures are not supported with loss scaling ({type(self).__name__}.step)."
             )
+        self.transfer.pin_layout()  # a step changes no param group: its layout is read once
         try:
             result = self._run_step()
             self._after_update(result)
             return result
         finally:
+            self.transfer.unpin_layout()
             self._end_step()
 
     def _run_step(self) -> StepResult:
-        self._rescale_carried()  # a step() again with no backward through this optimizer
+        # a step() again with no backward through this optimizer
+        self.transfer.rescale_carried(self.scaler)
         self._reuse_outside_check()
-        self._warn_once_if_no_grads()
-        if self._grad_seen is not None:
-            self._warn_if_grads_changed_while_scaled()
+        if not self.watch.warned_no_grads:
+            self.watch.warn_no_grads(itertools.chain(self.lp_params, self.transfer.layout().held))
+        if self.watch.seen is not None:
+            unscaled = self._found_inf is not None
+            self.watch.check_edit(self._model_probe(), unscaled=unscaled, scale=self.scaler)
         fused_grads = self._grads_if_fused()
         if fused_grads is not None:
             self._check_scaled_backward()  # unscale_grads' first check, on the fused path
@@ -684,71 +567,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     follows its peer's rule instead (Apex clears the master grads after every step; the
     pipeline's schedule zeroes each step)."""
 
-    def _own_params(self) -> list[torch.Tensor]:
-        """Params the inner optimizer steps directly (fp32, or low precision without masters)."""
-        master_ids = {id(m) for m in self.hp_masters}
-        return [p for g in self.optim.param_groups for p in g["params"] if id(p) not in master_ids]
-
     def _keep_grads(self, *, fused: bool = False, factor: torch.Tensor | None = None) -> None:
-        """Leave this step's gradients where a backward before zero_grad() adds to them (see
-        _Carry). fused: the lp and own grads were read, not unscaled: factor (None: 1) unscales
-        and clips them. Unfused, the lp grads are kept as backward left them, unless the
-        masters' grads were written after the unscale (a clip): then the lp grads take the
-        masters' values (times the next scale: fp16 keeps its range), one pass."""
-        if not self.carries_grads:
-            return
-        unit = self.scaler.is_unit
-        if fused:
-            lp_factor, own_factor = factor, factor
-        elif self._held_grad_version() == self._unscaled_version:
-            lp_factor, own_factor = None if unit else self._inv_used, None
-        else:
-            pairs = [
-                (lp.grad, hp.grad)
-                for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)
-                if lp.grad is not None and hp.grad is not None
-            ]
-            if pairs:
-                lp_grads = self._local([lp for lp, _ in pairs])
-                hp_grads = self._local([hp for _, hp in pairs])
-                if not unit:
-                    hp_grads = torch._foreach_mul(hp_grads, self.scaler.scale_tensor.reshape(()))
-                torch._foreach_copy_(lp_grads, hp_grads)
-            lp_factor, own_factor = None if unit else self.scaler.inv_scale(), None
-        if unit and lp_factor is None and own_factor is None:
-            return  # kept as they are: nothing to bring to any scale
-        self._carry = _Carry(
-            lp_grads=[weakref.ref(lp.grad) for lp in self.lp_params if lp.grad is not None],
-            own_grads=[weakref.ref(p.grad) for p in self._own_params() if p.grad is not None],
-            lp_factor=lp_factor,
-            own_factor=own_factor,
-        )
-        if unit:  # no scaled backward need come first (plain loss.backward()): apply it now
-            self._rescale_carried()
-
-    def _rescale_carried(self) -> None:
-        """Bring the gradients the last step left to the current loss scale, before a backward
-        adds to them or a step reads them (device ops, no sync), once."""
-        carry, self._carry = self._carry, None
-        if carry is None:
-            return
-        scale = None if self.scaler.is_unit else self.scaler.scale_tensor.reshape(())
-        for kept, params, factor in (
-            (carry.lp_grads, self.lp_params, carry.lp_factor),
-            (carry.own_grads, self._own_params(), carry.own_factor),
-        ):
-            if factor is None and scale is None:
-                continue
-            held = {id(p.grad) for p in params if p.grad is not None}
-            grads = [g for ref in kept if (g := ref()) is not None and id(g) in held]
-            if not grads:
-                continue
-            if factor is None:
-                times = scale
-            else:
-                factor = factor.reshape(())
-                times = factor if scale is None else scale * factor
-            torch._foreach_mul_(self._local(grads), times)
+        """Leave this step's gradients in .grad for a backward before zero_grad()
+        (GradTransfer.keep: fused, factor as there), unless this optimizer does not carry them."""
+        if self.carries_grads:
+            self.transfer.keep(self.scaler, fused=fused, factor=factor)
 
     def _reuse_outside_check(self) -> None:
         """An outside GradScaler's overflow flag taken as this step's: one check, one host sync
@@ -768,44 +591,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         flag = found_inf.reshape(1).float().to(self.scaler.scale_tensor.device)
         # mixprec's GradScaler reduced it already; torch's did not (MAX twice changes nothing)
         self._found_inf = all_reduce_found_inf_(flag, self.process_group or default_group())
-        self._inv_used = self.scaler.inv_scale()
-        self._unscaled_version = -2  # the lp grads hold the outside scale: never kept as they are
+        self.transfer.inv_used = self.scaler.inv_scale()
+        # the lp grads hold the outside scale: never kept as they are
+        self.transfer.note_unscaled(version=-2)
 
     def _shares_steps(self) -> bool:
         """True when other ranks take this step too: a rank without grads then counts it as a
         step like theirs (its counters, and the LR schedule that follows them, stay in step)."""
         group = self.process_group or default_group()
         return group is not None and torch.distributed.get_world_size(group) > 1
-
-    def _warn_once_if_no_grads(self) -> None:
-        """torch's optimizers step nothing, silently, when no param has a grad; we say it once.
-
-        Python attribute reads only (no host sync); any() stops at the first grad it finds.
-        """
-        if self._warned_no_grads:
-            return
-        held = (p for g in self.optim.param_groups for p in g["params"])
-        # Checked until a step has gradients: a misconfigured run shows at its first step, and
-        # a healthy one pays this loop once, not every step.
-        self._warned_no_grads = True
-        if any(p.grad is not None for p in itertools.chain(self.lp_params, held)):
-            return
-        warnings.warn(
-            "MixedPrecisionOptimizer.step(): no parameter has a gradient, so nothing is "
-            "updated (torch's optimizers do the same without a word). Call backward(loss) "
-            "before step(), and check the parameters passed to the optimizer are the model's.",
-            stacklevel=3,
-        )
-
-    def _step_grads(self) -> list[torch.Tensor]:
-        """This step's grads as backward left them: lp grads, and fp32 params' own."""
-        grads = [lp.grad for lp in self.lp_params if lp.grad is not None]
-        master_ids = {id(m) for m in self.hp_masters}
-        for group in self.optim.param_groups:
-            grads += [
-                p.grad for p in group["params"] if id(p) not in master_ids and p.grad is not None
-            ]
-        return grads
 
     def _grads_if_fused(self) -> list[torch.Tensor] | None:
         """This step's grads when it runs fused (see fused_step in the class docstring), else
@@ -815,13 +609,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if self.lean is not None:  # the lean write-back is its own pass
             return None
         if self.fused_step is None:
-            layout = self._layout()
+            layout = self.transfer.layout()
             if layout.numel < fused.AUTO_MIN_ELEMENTS or layout.probe.device.type != "cpu":
                 return None  # too small to fuse whatever has grads: gather nothing (~8 us a step)
         if self.log_num_zeros_in_grad or fused.unsupported_reason(self.optim):
             return None
-        grads = self._step_grads()
-        params = [p for g in self.optim.param_groups for p in g["params"]] + self.lp_params
+        grads = self.transfer.step_grads()
+        params = [*self.transfer.layout().held, *self.lp_params]
         if any(not t.is_contiguous() or t.layout != torch.strided for t in grads + params):
             return None
         if self.max_norm > 0 and any(hasattr(p, "to_local") for p in params):
@@ -831,17 +625,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         ):
             return None
         return grads
-
-    def _layout(self) -> Layout:
-        """What the held params are, cached per param_groups layout (the groups' lists and
-        lengths) and looked at again when a group is added, replaced or resized: the walk
-        over every param is not paid per step."""
-        groups = self.optim.param_groups
-        key = tuple((id(g["params"]), len(g["params"])) for g in groups)
-        if self._layout_key != key:
-            self._layout_value = Layout.of([p for g in groups for p in g["params"]])
-            self._layout_key = key
-        return self._layout_value
 
     def _fused_step(self, grads: list[torch.Tensor]) -> StepResult:
         """Check the lp grads (read only), agree on overflow, then update in one fused pass."""
@@ -947,46 +730,32 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         )
 
     def _masters_to_params(self) -> None:
-        if self.hp_masters:
-            torch._foreach_copy_(self._local(self.lp_params), self._local(self.hp_masters))
+        self.transfer.masters_to_params()
 
     def _finish_step(self) -> None:
         """Free the master grads (unless kept) and clear this step's flags."""
         keep = self.keep_master_grads
         if self.hp_masters and not (self._device().type == "cpu" if keep is None else keep):
-            for hp in self.hp_masters:
-                hp.grad = None
+            self.transfer.free_master_grads()
+        self._clear_step_flags()
+
+    def _clear_step_flags(self) -> None:
         self._found_inf = None
         self._grads_on_masters = False
-        self._backward_scaled = False
-        self._grad_seen = None
+        self.watch.clear()
 
     def _count(self, result: StepResult) -> StepResult:
-        """Count a step (steps itself is counted by the caller), report skips, guard against a
-        collapse. Raises ScaleCollapseError after max_consecutive_skips skipped steps in a row."""
-        skipped, scale = result.skipped, result.scale
-        self._skipped_steps += skipped
-        self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
-        self._last_result = result
-        message = self.skip_monitor.record(skipped, scale)  # host values: no extra sync
+        """Count a step (steps itself is counted by the caller) in self.counts, report skips.
+        Raises ScaleCollapseError after max_consecutive_skips skipped steps in a row."""
+        message = self.counts.record(result)  # host values: no extra sync
         if message:
             self._report_skip_pattern(message)
-        limit = self.max_consecutive_skips
-        if limit is not None and self._consecutive_skips >= limit:
-            bad = self.nonfinite_params()
-            raise ScaleCollapseError(
-                f"{self._consecutive_skips} steps in a row were skipped for non-finite gradients "
-                f"(loss scale now {self.scaler.scale:g}, floor {self.scaler.cfg.min_scale:g}). "
-                f"Non-finite gradients this step in: {bad[:10] or 'another rank'}"
-                f"{' ...' if len(bad) > 10 else ''}. The run overflows at any scale: look for a "
-                "nan/inf in the data or loss (mixprec.debugging.NonFiniteLocator names the first "
-                "module), lower the learning rate, or train in bf16, which has fp32's range."
-            )
-        if skipped and self.verbosity > 0:
-            self._report_skip(scale)
+        self.counts.check_collapse(self.scaler, self.nonfinite_params)
+        if result.skipped and self.verbosity > 0:
+            self._report_skip(result.scale)
         if self.verbosity >= 2:
-            self._report_scale_change(scale, skipped)
-        return self._last_result
+            self._report_scale_change(result.scale, result.skipped)
+        return result
 
     # ----- the step with no host sync (#27) -----
     def _runs_sync_free(self) -> sync_free.InnerStep | None:
@@ -1082,94 +851,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             log.warning(message)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.lp_params:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
-        # Masters' grads are overwritten each step (or set to None): zeroing them is wasted work.
-        master_ids = {id(m) for m in self.hp_masters}
-        for group in self.optim.param_groups:
-            for p in group["params"]:
-                if id(p) not in master_ids and p.grad is not None:
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad.zero_()
-        self._found_inf = None
-        self._grads_on_masters = False
-        self._backward_scaled = False
-        self._grad_seen = None
-        self._carry = None  # the last step's gradients are dropped with the rest
+        """torch's zero_grad over the model's params (GradTransfer.zero_grad); the grads a
+        step left in .grad are dropped with the rest, and this step's flags cleared."""
+        self.transfer.zero_grad(set_to_none)
+        self._clear_step_flags()
 
-    # ----- checkpoints -----
+    # ----- checkpoints (mixprec.core.optim_state) -----
     def state_dict(self) -> dict[str, Any]:
-        """torch's layout ({'state', 'param_groups'} of the params the inner optimizer steps,
-        fp32 masters included) with mixprec's additions beside it (see mixprec.core.optim_state):
-        'master_weights', 'master_index', 'scaler', 'steps', 'skipped_steps'. A plain torch
-        optimizer over the fp32 model loads it as is (torch reads only its own two keys)."""
-        state = self.optim.state_dict()
-        held = [p for g in self.optim.param_groups for p in g["params"]]
-        master_ids = {id(m) for m in self.hp_masters}
-        state["master_weights"] = [m.detach().clone() for m in self.hp_masters]
-        state["master_index"] = [i for i, p in enumerate(held) if id(p) in master_ids]
-        state["scaler"] = self.scaler.state_dict()
-        state["steps"] = self.steps
-        state["skipped_steps"] = self.skipped_steps
-        if self.lean is not None:  # compact low-bit state and the rounding's random stream
-            self.lean.state_dict_into(state)
-        return state
-
-    def _load_scaler_state(self, saved: dict[str, Any]) -> None:
-        """Take a saved scaler's state, unless it came from a mode that scales differently: a
-        mode without loss scaling keeps its 1.0 (a scale carried over would multiply every
-        backward); a loss-scaling mode resumed from one without keeps its own first scale (a
-        dynamic scale restarted at 1.0 would underflow fp16 grads for thousands of steps)."""
-        saved_scale = float(torch.as_tensor(saved["scale"]).reshape(-1)[0])
-        saved_scales = bool(saved.get("dynamic", saved_scale != 1.0)) or saved_scale != 1.0
-        if saved_scales == self.scales_loss:
-            self.scaler.load_state_dict(saved)
-        elif saved_scales and _is_rank_zero():
-            log.warning(
-                "mixprec: dropped the checkpoint's loss scale %s: this optimizer's mode does not "
-                "scale the loss (bf16, fp32), so it keeps 1.0",
-                scale_text(saved_scale),
-            )
+        """torch's layout with mixprec's additions beside it: see optim_state.optimizer_state."""
+        return optimizer_state(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint of this class (any mode), of a plain torch optimizer or of Apex.
-
-        Masters the checkpoint lacks (torch, Apex, a mode without them) are rebuilt from the
-        model's current params (load the model first); its scaler and counters, if absent, stay.
-        """
-        state_dict = upgrade_optimizer_checkpoint(state_dict)
-        held = [p for g in self.optim.param_groups for p in g["params"]]
-        master_to_lp = self._master_to_lp()
-        own = [i for i, p in enumerate(held) if id(p) in master_to_lp]
-        saved = saved_masters(state_dict, held, own)
-        if self.lean is not None:  # loads its own state: torch would cast it to the params'
-            state_dict, lean_saved, lean_entry = lean_step.split_state(state_dict)
-            self.optim.load_state_dict(state_dict)
-            self.lean.load_state(self.optim, lean_saved, lean_entry)
-        else:
-            self.optim.load_state_dict(lean_step.unpack_state_dict(state_dict))
-        rebuilt = place_masters(held, master_to_lp, saved)
-        if rebuilt and _is_rank_zero():
-            log.warning(
-                "mixprec: the optimizer checkpoint holds no fp32 master weights for %d of this "
-                "optimizer's %d (a plain torch optimizer's, Apex's, or another mode's), and the "
-                "model's low-precision params were loaded apart from them: rebuilt them from "
-                "those params (their rounding, not the fp32 values). To resume exactly, load "
-                "the model with booster.load_model or mixprec's load_hp_model_state_dict (they "
-                "write the masters too), before or after this optimizer",
-                rebuilt,
-                len(own),
-            )
-        if "scaler" in state_dict:
-            self._load_scaler_state(state_dict["scaler"])
-        self.steps = int(state_dict.get("steps", self.steps))
-        self.skipped_steps = int(state_dict.get("skipped_steps", self.skipped_steps))
-        self.skip_monitor.resume(self.steps)
+        """Load a checkpoint of this class (any mode), of a plain torch optimizer or of Apex:
+        see optim_state.load_optimizer_state."""
+        load_optimizer_state(self, state_dict)
         self._found_inf = None
         self._grads_on_masters = False

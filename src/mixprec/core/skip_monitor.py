@@ -8,7 +8,11 @@ host sync), so watching adds no synchronisation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from mixprec.core.validate import check_int
 
 DEFAULT_WINDOW = 100
 """Steps per window over which the later skip rate is measured."""
@@ -108,4 +112,72 @@ class SkipMonitor:
             f"(last loss scale {scale_text(scale)}), more than the {self.warn_rate:.0%} a healthy "
             "dynamic loss scale skips: the loss or some gradients overflow at any scale "
             "(mixprec.debugging.NonFiniteLocator names the first module), or try bf16."
+        )
+
+
+class ScaleCollapseError(RuntimeError):
+    """Too many consecutive steps were skipped: the run cannot make progress."""
+
+
+class StepCounter:
+    """One optimizer's step counts, its skip monitor and its guard against a collapsing scale.
+
+    Args:
+        max_consecutive_skips: check_collapse raises ScaleCollapseError after this many skipped
+            steps in a row (None: never).
+    """
+
+    def __init__(self, max_consecutive_skips: int | None) -> None:
+        check_int("max_consecutive_skips", max_consecutive_skips, optional=True)
+        if max_consecutive_skips is not None and max_consecutive_skips < 1:
+            raise ValueError(
+                f"max_consecutive_skips={max_consecutive_skips!r} must be >= 1 or None."
+            )
+        self.steps = 0
+        """Optimizer steps taken, skipped ones included (counted by the step itself)."""
+        self.noop_steps = 0
+        """step() calls that found no gradient (not counted in steps)."""
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.last_result: Any = None
+        """The last counted step's StepResult (None before the first)."""
+        self.max_consecutive_skips = max_consecutive_skips
+        self.monitor = SkipMonitor()
+
+    def record(self, result: Any) -> str | None:
+        """Count one step's result (a StepResult: .skipped, .scale); the skip monitor's message
+        to log now, or None."""
+        skipped = result.skipped
+        self.skipped_steps += skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        self.last_result = result
+        return self.monitor.record(skipped, result.scale)
+
+    def check_collapse(self, scaler: Any, nonfinite_params: Callable[[], list[str]]) -> None:
+        """Raise ScaleCollapseError once max_consecutive_skips steps in a row were skipped,
+        naming the scaler's scale and floor and the params with non-finite grads (read only
+        then: a host sync per param)."""
+        limit = self.max_consecutive_skips
+        if limit is None or self.consecutive_skips < limit:
+            return
+        bad = nonfinite_params()
+        raise ScaleCollapseError(
+            f"{self.consecutive_skips} steps in a row were skipped for non-finite gradients "
+            f"(loss scale now {scaler.scale:g}, floor {scaler.cfg.min_scale:g}). "
+            f"Non-finite gradients this step in: {bad[:10] or 'another rank'}"
+            f"{' ...' if len(bad) > 10 else ''}. The run overflows at any scale: look for a "
+            "nan/inf in the data or loss (mixprec.debugging.NonFiniteLocator names the first "
+            "module), lower the learning rate, or train in bf16, which has fp32's range."
+        )
+
+    def stats(self) -> SkipStats:
+        """The counts as SkipStats (host values: no sync)."""
+        last = self.last_result
+        return SkipStats(
+            steps=self.steps,
+            noop_steps=self.noop_steps,
+            skipped_steps=self.skipped_steps,
+            consecutive_skips=self.consecutive_skips,
+            warmup_skips=self.monitor.warmup_skips,
+            last_scale=None if last is None else last.scale,
         )

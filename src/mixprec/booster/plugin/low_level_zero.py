@@ -8,6 +8,7 @@ flag is agreed over the group, so a step skips on every rank together.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from dataclasses import replace
 from typing import Any
@@ -74,6 +75,10 @@ class LowLevelZeroPlugin(Plugin):
             owner (mixprec.parallel.comm); communication_dtype must then stay None.
         use_fp8: eligible Linear layers compute in float8 (mixprec.fp8) under this precision.
         extra_dp_size: must be 1 (one flat data-parallel group).
+        policy: (mixprec) a Policy parsed elsewhere (the config Engine's, any mode: see
+            from_policy) instead of the precision keywords; it sets the precision, scaler and
+            clip, so precision, the scaler keywords, max_norm, master_weights, update_rounding,
+            optimizer_state, verbose, cast_inputs and use_fp8 must then stay at their defaults.
     """
 
     def __init__(
@@ -102,6 +107,8 @@ class LowLevelZeroPlugin(Plugin):
         fp8_communication: bool = False,
         use_fp8: bool = False,
         extra_dp_size: int = 1,
+        *,
+        policy: Policy | None = None,
     ) -> None:
         refuse_non_defaults(
             "LowLevelZeroPlugin",
@@ -153,22 +160,19 @@ class LowLevelZeroPlugin(Plugin):
             max_scale,
         )  # validated here, so a bad scaler argument fails at construction
         self.stage = stage
-        self.precision = precision
-        self.policy = replace(
-            zero_policy(precision, scaler, master_weights),
-            verbosity=2 if verbose else 1,
-            cast_inputs=cast_inputs,
-            fp8=use_fp8,
-        )
-        if update_rounding is None and precision == "bf16" and not master_weights:
-            update_rounding = "stochastic"
-        if update_rounding is not None or optimizer_state is not None:
+        if policy is not None:
+            _check_policy_alone(policy, locals())
+            self.precision = policy.name
+            self.policy = policy
+            max_norm = policy.max_norm
+        else:
+            self.precision = precision
+            self.policy = colossal_zero_policy(
+                precision, scaler, master_weights, update_rounding, optimizer_state
+            )
             self.policy = replace(
-                self.policy,
-                update_rounding=update_rounding or "nearest",
-                optimizer_state=optimizer_state
-                or ("fp32" if update_rounding == "stochastic" else None),
-            )  # Policy validates both, naming the value and the valid ones
+                self.policy, verbosity=2 if verbose else 1, cast_inputs=cast_inputs, fp8=use_fp8
+            )
         self.max_norm = float(max_norm)
         self.norm_type = norm_type
         self.cpu_offload = cpu_offload
@@ -189,11 +193,7 @@ class LowLevelZeroPlugin(Plugin):
         """The plugin over a Policy parsed elsewhere (the config Engine's fp16 section, any
         mode): stage and offload as given, precision, scaler and clip (policy.max_norm) from
         the policy, where Colossal's keywords can name only fp16 / bf16 / fp32 ZeRO."""
-        plugin = cls(stage=stage, precision="fp32", max_norm=policy.max_norm)
-        plugin.policy = policy
-        plugin.precision = policy.name
-        plugin.cpu_offload = cpu_offload  # checked against the device in configure()
-        return plugin
+        return cls(stage=stage, cpu_offload=cpu_offload, policy=policy)
 
     @property
     def process_group(self):  # noqa: ANN201 - a torch ProcessGroup or None
@@ -297,6 +297,60 @@ def colossal_scaler(
         hysteresis=hysteresis,
         max_scale=max_scale,
     )
+
+
+POLICY_KEYWORDS = (
+    "precision",
+    "initial_scale",
+    "min_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "max_scale",
+    "max_norm",
+    "master_weights",
+    "update_rounding",
+    "optimizer_state",
+    "verbose",
+    "cast_inputs",
+    "use_fp8",
+)
+"""LowLevelZeroPlugin's keywords a `policy=` sets instead."""
+
+
+def _check_policy_alone(policy: Policy, given: dict[str, Any]) -> None:
+    """policy= replaces the precision keywords: one of them set beside it would be ignored."""
+    if not isinstance(policy, Policy):
+        raise TypeError(f"LowLevelZeroPlugin(policy={policy!r}) must be a mixprec Policy.")
+    defaults = inspect.signature(LowLevelZeroPlugin.__init__).parameters
+    for name in POLICY_KEYWORDS:
+        default = defaults[name].default
+        if given[name] is not default and given[name] != default:
+            raise ValueError(
+                f"LowLevelZeroPlugin({name}={given[name]!r}, policy={policy.name!r}): the policy "
+                f"sets {name}; leave {name} at its default ({default!r}), or set it in the policy."
+            )
+
+
+def colossal_zero_policy(
+    precision: str,
+    scaler: ScalerConfig,
+    master_weights: bool,
+    update_rounding: str | None,
+    optimizer_state: str | None,
+) -> Policy:
+    """The Policy Colossal's precision keywords mean, lean update settings included."""
+    policy = zero_policy(precision, scaler, master_weights)
+    if update_rounding is None and precision == "bf16" and not master_weights:
+        update_rounding = "stochastic"
+    if update_rounding is None and optimizer_state is None:
+        return policy
+    return replace(
+        policy,
+        update_rounding=update_rounding or "nearest",
+        optimizer_state=optimizer_state or ("fp32" if update_rounding == "stochastic" else None),
+    )  # Policy validates both, naming the value and the valid ones
 
 
 def zero_policy(precision: str, scaler: ScalerConfig, master_weights: bool) -> Policy:
