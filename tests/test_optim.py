@@ -587,3 +587,28 @@ def test_sync_free_step_on_cuda_makes_no_host_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert opt.skipped_steps == 0 and opt.steps == 3
+
+
+def test_state_an_optimizer_built_at_construction_moves_to_the_master_in_fp32() -> None:
+    """Adagrad makes its `sum` at construction, like the fp16 param: the state moves onto the
+    fp32 master in fp32 (torch 2.11's Adagrad divided by sqrt(fp16 sum) + 1e-10, which is 0 in
+    fp16: inf weights after one clean step), and a step equals Adagrad on fp32 params."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(8, 4)
+    model = copy.deepcopy(ref).half()
+    ref.load_state_dict({k: v.half().float() for k, v in ref.state_dict().items()})
+    opt = MixedPrecisionOptimizer(
+        torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.5),
+        loss_scale=ScalerConfig(init_scale=2.0**4),
+    )
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.1, initial_accumulator_value=0.5)
+    for master in opt.hp_masters:
+        assert opt.optim.state[master]["sum"].dtype == torch.float32
+    x = torch.randn(16, 8)
+    opt.backward(model(x.half()).float().square().mean())
+    ref(x).square().mean().backward()
+    assert not opt.step().skipped
+    ref_opt.step()
+    # the fp16 forward's rounding of the grads is the only difference (no overflow, no inf)
+    for master, p in zip(opt.hp_masters, ref.parameters(), strict=True):
+        torch.testing.assert_close(master, p, rtol=0, atol=2e-3)

@@ -119,8 +119,12 @@ class GradTransfer:
             if use_masters and p.dtype in LOW_DTYPES:
                 master = p.detach().clone().float()
                 master.requires_grad_(True)
-                if p in state:  # keep any state the optimizer already had
-                    state[master] = state.pop(p)
+                if p in state:  # keep any state the optimizer already had, as the master's:
+                    # state shaped and typed like the lp param (Adagrad's `sum`, built at
+                    # construction) becomes fp32 as the master, as torch makes it like its param
+                    state[master] = {
+                        k: v.float() if _like(v, p) else v for k, v in state.pop(p).items()
+                    }
                 self.lp_params.append(p)
                 self.hp_masters.append(master)
                 out.append(master)
@@ -291,3 +295,12 @@ class GradTransfer:
                 factor = factor.reshape(())
                 times = factor if scale is None else scale * factor
             torch._foreach_mul_(self.local(grads), times)
+
+
+def _like(value: Any, param: torch.Tensor) -> bool:
+    """value is a tensor of param's shape and dtype (per-element optimizer state)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dtype == param.dtype
+        and value.shape == param.shape
+    )
