@@ -564,8 +564,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # ----- gradients left in .grad after a step (torch's contract) -----
     carries_grads = True
     """False where the subclass keeps torch's contract its own way (ZeRO, across ranks) or
-    follows its peer's rule instead (Apex clears the master grads after every step; the
-    pipeline's schedule zeroes each step)."""
+    follows its peer's rule instead (Apex clears the master grads after every step)."""
+
+    steps_on_device = True
+    """False where a subclass's step reads its outcome on the host, so the sync-free step
+    (_runs_sync_free) must not run it: ZeRO and the pipeline (their reductions, owners and
+    stage bookkeeping follow the host's decision) and Apex's per-loss scalers."""
 
     def _keep_grads(self, *, fused: bool = False, factor: torch.Tensor | None = None) -> None:
         """Leave this step's gradients in .grad for a backward before zero_grad()
@@ -767,14 +771,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         torch's fused optimizers take found_inf (free); every other optimizer runs the masked
         update, which costs an extra copy of the stepped params + state per step (see
         mixprec.core.sync_free). Off on CPU, where a read costs no stall and the copy is pure
-        cost (measured: benchmarks/results/sync_free_cpu.md); forced on by tests.
+        cost (measured: benchmarks/results/sync_free_cpu/); forced on by tests.
         """
         forced = self._sync_free
         if forced is False:
             return None
         plain = (
             self.lean is None
-            and self.carries_grads  # ZeRO, the pipeline, Apex count and report their own way
+            and self.steps_on_device  # ZeRO, the pipeline, Apex decide on the host
             and not self.log_num_zeros_in_grad
             and self.verbosity < 2  # the scale-change log reads the scale each step
         )

@@ -64,6 +64,7 @@ class StashingOptimizer(MixedPrecisionOptimizer):
         "optimizer.backward(loss)"
     )
     carries_grads = False  # Apex: the master grads hold only what was unscaled since the step
+    steps_on_device = False  # decides on the host: see MixedPrecisionOptimizer
 
     def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)

@@ -179,6 +179,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
     whole_step_refusal = "ZeRO reduces gradients and gathers the owners' params inside step()"
     carries_grads = False  # kept by _carry_grads, on the model's params, across ranks
+    steps_on_device = False  # decides on the host: see MixedPrecisionOptimizer
 
     def __init__(
         self,

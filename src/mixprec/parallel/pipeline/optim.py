@@ -42,6 +42,7 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
     whole_step_refusal = "a pipeline's backward runs inside torch.distributed.pipelining's schedule"
     # The core's carry (_keep_grads / _rescale_carried) over the masters' grads: see _own_params.
     carries_grads = True
+    steps_on_device = False  # decides on the host: see MixedPrecisionOptimizer
 
     def __init__(
         self,
