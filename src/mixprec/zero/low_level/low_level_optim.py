@@ -22,6 +22,7 @@ from torch import nn
 
 from mixprec.booster.plugin.low_level_zero import colossal_scaler, zero_policy
 from mixprec.booster.plugin.plugin_base import refuse_non_defaults
+from mixprec.core.policy import APEX_SCALER
 from mixprec.core.prepare import prepare_optimizer
 from mixprec.core.scaling import ProcessGroup
 from mixprec.core.validate import check_bool, check_max_norm
@@ -67,13 +68,13 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
         self,
         optimizer: torch.optim.Optimizer,
         pg_to_param_list: dict[Any, list[nn.Parameter]] | None = None,
-        initial_scale: float = 2**16,
+        initial_scale: float = APEX_SCALER.init_scale,  # Colossal's: Apex's 2**16 ... 2**24
         min_scale: float = 1,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        growth_factor: float = APEX_SCALER.growth_factor,
+        backoff_factor: float = APEX_SCALER.backoff_factor,
+        growth_interval: int = APEX_SCALER.growth_interval,
         hysteresis: int = 2,
-        max_scale: float = 2**24,
+        max_scale: float = APEX_SCALER.max_scale,
         clip_grad_norm: float = 0.0,
         verbose: bool = False,
         reduce_bucket_size: int = 1024 * 1024,
