@@ -108,6 +108,9 @@ class GradTransfer:
         self.carry: Carry | None = None  # the last step's gradients, left in .grad: see Carry
         self.unscaled_version = -1  # a master grad's version once unscaled: see keep()
         self.inv_used: torch.Tensor | None = None  # the inverse scale the last unscale used
+        self.carry_masters = False
+        """The masters' grads are what backward sums into (a pipeline stage's hook frees each lp
+        grad into its master's): the carry is then over every held param, masters included."""
 
     # ----- pairing -----
     def masters_for(self, params: list[torch.Tensor], use_masters: bool) -> list[torch.Tensor]:
@@ -265,12 +268,17 @@ class GradTransfer:
             return  # kept as they are: nothing to bring to any scale
         self.carry = Carry(
             lp_grads=[weakref.ref(lp.grad) for lp in self.lp_params if lp.grad is not None],
-            own_grads=[weakref.ref(p.grad) for p in self.layout().own if p.grad is not None],
+            own_grads=[weakref.ref(p.grad) for p in self._carried_own() if p.grad is not None],
             lp_factor=lp_factor,
             own_factor=own_factor,
         )
         if unit:  # no scaled backward need come first (plain loss.backward()): apply it now
             self.rescale_carried(scaler)
+
+    def _carried_own(self) -> tuple[torch.Tensor, ...]:
+        """The params whose own grads a step leaves (see carry_masters)."""
+        layout = self.layout()
+        return layout.held if self.carry_masters else layout.own
 
     def rescale_carried(self, scaler: LossScaler) -> None:
         """Bring the gradients the last step left to the current loss scale, before a backward
@@ -281,7 +289,7 @@ class GradTransfer:
         scale = None if scaler.is_unit else scaler.scale_tensor.reshape(())
         for kept, params, factor in (
             (carry.lp_grads, self.lp_params, carry.lp_factor),
-            (carry.own_grads, self.layout().own, carry.own_factor),
+            (carry.own_grads, self._carried_own(), carry.own_factor),
         ):
             if factor is None and scale is None:
                 continue

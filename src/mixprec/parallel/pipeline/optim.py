@@ -40,7 +40,8 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
     """
 
     whole_step_refusal = "a pipeline's backward runs inside torch.distributed.pipelining's schedule"
-    # The core's carry (_keep_grads / _rescale_carried) over the masters' grads: see _own_params.
+    # The core's carry (GradTransfer.keep / rescale_carried) over the masters' grads, which the
+    # hook below sums each micro-batch into: GradTransfer.carry_masters.
     carries_grads = True
     steps_on_device = False  # decides on the host: see MixedPrecisionOptimizer
 
@@ -71,6 +72,7 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         if self.lp_params:
             # The fused step reads lp grads; here they are summed on the masters by the hook.
             self.fused_step = False
+        self.transfer.carry_masters = True
         self._fresh: set[int] = set()  # ids of masters whose grad holds a sum to add to
         self._dp_averaged = False
         self._master_of = {
@@ -100,16 +102,10 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
 
     def note_scaled_backward(self) -> None:
         """A round of the schedule is about to run backward on every stage: the grads the last
-        step left are brought to this round's loss scale first (the core's _rescale_carried;
+        step left are brought to this round's loss scale first (GradTransfer.rescale_carried;
         only the last stage calls scale_loss, so the other stages would not otherwise)."""
         super().note_scaled_backward()
-        self._rescale_carried()
-
-    def _own_params(self) -> list[torch.Tensor]:
-        """Every param the inner optimizer steps, masters included: in a pipeline the masters'
-        grads are what backward sums into (the hook), so they are the grads a step leaves
-        (unscaled, clipped) for the core's carry to bring to the next round's scale."""
-        return [p for g in self.optim.param_groups for p in g["params"]]
+        self.transfer.rescale_carried(self.scaler)
 
     def grads_to_masters(self) -> None:
         """This step's grads are on the masters already; drop stale ones, average over dp.
