@@ -155,6 +155,9 @@ def test_bf16_sr_preset_and_policy_fields() -> None:
     [
         (lambda: preset("bf16_sr", dtype="float16"), r"stochastic.*bfloat16 params.*fp16"),
         (lambda: to_policy("bf16_sr", {"optimizer_state": "int9"}), r"'int9'.*'int8'"),
+        (lambda: to_policy("bf16_sr", {"optimizer_state": "int8/int9"}), r"'int8/int9'.*'int8'"),
+        (lambda: to_policy("bf16_sr", {"optimizer_state": "int8/int4/fp8"}), r"two joined"),
+        (lambda: Policy(name="x", optimizer_state=8), r"optimizer_state=8"),
         (lambda: Policy(name="x", update_rounding="random"), r"'random'"),
         (lambda: Policy(name="x", master_weights="fp16"), r"'fp16'.*'none'"),
         (
@@ -257,7 +260,7 @@ def snapshot(model, opt) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("state", ["fp32", "bf16", "int8", "int4", "fp8"])
+@pytest.mark.parametrize("state", ["fp32", "bf16", "int8", "int4", "fp8", "int8/int4", "int4/fp32"])
 def test_low_bit_state_is_quantized_and_compact(state: str) -> None:
     model, opt = lean_setup(state)
     train(model, opt, batches(2))
@@ -265,14 +268,15 @@ def test_low_bit_state_is_quantized_and_compact(state: str) -> None:
     numel = model[0].weight.numel()
     per_elem = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / 256, "int4": 0.5 + 4 / 128}
     per_elem["fp8"] = 1 + 4 / 256
-    for key in ("exp_avg", "exp_avg_sq"):
-        assert state_bytes(big[key]) == pytest.approx(numel * per_elem[state])
+    first, second = (state.split("/") * 2)[:2]  # 'a/b': exp_avg in a, exp_avg_sq in b
+    for key, fmt in (("exp_avg", first), ("exp_avg_sq", second)):
+        assert state_bytes(big[key]) == pytest.approx(numel * per_elem[fmt])
     small = opt.state[model[2].bias]  # 8 elements: torchao keeps small tensors unquantized
     if state != "bf16":
         assert type(small["exp_avg"]) is torch.Tensor and small["exp_avg"].dtype == torch.float32
 
 
-@pytest.mark.parametrize("state", ["fp32", "int8", "int4", "fp8"])
+@pytest.mark.parametrize("state", ["fp32", "int8", "int4", "fp8", "int8/int4"])
 def test_skipped_step_changes_nothing_bitwise(state: str) -> None:
     model, opt = lean_setup(state)
     train(model, opt, batches(2))
@@ -287,7 +291,7 @@ def test_skipped_step_changes_nothing_bitwise(state: str) -> None:
         torch.testing.assert_close(b, a, **EXACT)
 
 
-@pytest.mark.parametrize("state", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("state", ["fp32", "int8", "int4", "int8/int4"])
 def test_resume_continues_bit_for_bit(state: str) -> None:
     data = batches(6)
     model, opt = lean_setup(state)
@@ -324,7 +328,7 @@ def test_checkpoint_low_bit_is_compact() -> None:
             assert sum(t.numel() * t.element_size() for t in tensors) == expected
 
 
-@pytest.mark.parametrize("saved", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("saved", ["int8", "int4", "fp8", "int8/int4"])
 def test_low_bit_checkpoint_loads_into_fp32_state_and_back(saved: str) -> None:
     model, opt = lean_setup(saved)
     train(model, opt, batches(2))
@@ -344,8 +348,8 @@ def test_low_bit_checkpoint_loads_into_fp32_state_and_back(saved: str) -> None:
     back_model, back_opt = lean_setup(saved)
     back_model.load_state_dict(model.state_dict())
     back_opt.load_state_dict(fp32_opt.state_dict())
-    for key in ("exp_avg", "exp_avg_sq"):
-        expected = new_state(weight, saved, signed=key == "exp_avg")
+    for key, fmt in zip(("exp_avg", "exp_avg_sq"), (saved.split("/") * 2)[:2], strict=True):
+        expected = new_state(weight, fmt, signed=key == "exp_avg")
         expected.copy_(quantized[key])
         got = back_opt.state[back_model[0].weight][key]
         assert type(got) is type(expected)
@@ -387,7 +391,7 @@ def _several_small_tensors(seed: int) -> torch.nn.Module:
     ).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("state", ["fp32", "bf16", "int8", "int4", "fp8"])
+@pytest.mark.parametrize("state", ["fp32", "bf16", "int8", "int4", "fp8", "int8/int4"])
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 def test_batched_small_tensors_step_as_one_at_a_time_bitwise(monkeypatch, state, name) -> None:
     """Small tensors stepped together (one flat buffer per state format) write the same bits as
@@ -477,13 +481,22 @@ def test_convert_to_amp_bf16_sr_with_int8_state() -> None:
     _loss_falls(model, opt)
 
 
-def test_config_file_bf16_sr() -> None:
-    config = {"fp16": {"mode": "bf16_sr", "optimizer_state": "int8"}}
+@pytest.mark.parametrize("state", ["int8", "int8/int4"])
+def test_config_file_bf16_sr(state: str) -> None:
+    config = {"fp16": {"mode": "bf16_sr", "optimizer_state": state}}
     model = mlp()
     engine, *_ = mixprec.initialize(
         model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config
     )
-    assert engine.optimizer.lean.cfg.state == "int8"
+    assert engine.optimizer.lean.cfg.state == state
+    x, y = batches(1)[0]
+    engine.backward(torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y))
+    engine.step()
+    moments = engine.optimizer.state[model[0].weight]
+    kinds = {"int8": "OptimState8bit", "int4": "OptimState4bit"}
+    first, second = (state.split("/") * 2)[:2]
+    assert type(moments["exp_avg"]).__name__ == kinds[first]
+    assert type(moments["exp_avg_sq"]).__name__ == kinds[second]
 
 
 @pytest.mark.slow  # importing Lightning takes most of its ~10 s
@@ -507,7 +520,7 @@ def test_lightning_plugin_bf16_sr_with_int8_state() -> None:
     assert model.module[0].weight.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("state", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("state", ["int8", "int4", "fp8", "fp32/int4"])
 def test_compile_step_refuses_low_bit_state_by_name(state: str) -> None:
     from mixprec.core.compiled_step import CompileStepError, compile_step
 

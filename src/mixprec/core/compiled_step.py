@@ -61,7 +61,6 @@ import torch
 from torch import nn
 
 from mixprec.core import fused_step as fused
-from mixprec.core import lean as lean_step
 from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
 from mixprec.core.clip import total_grad_norm
@@ -242,7 +241,7 @@ class CompiledStep:
         self.lean = optimizer.lean if wrapped else None
         """The optimizer's lean write-back (stochastic rounding, state format), run in the
         graph; None: torch's own."""
-        if self.lean is not None and self.lean.cfg.state in lean_step.LOW_BIT:
+        if self.lean is not None and self.lean.cfg.low_bit:
             raise CompileStepError(
                 f"compile_step cannot run optimizer_state={self.lean.cfg.state!r}: torchao's "
                 "quantized state cannot be kept unchanged on a skipped step inside the graph "

@@ -32,7 +32,7 @@ import torch
 
 from mixprec.core import fused_step as fused
 from mixprec.core import step_math as sm
-from mixprec.core.policy import OPTIMIZER_STATES, ROUNDINGS, OptimizerState, Policy, Rounding
+from mixprec.core.policy import ROUNDINGS, OptimizerState, Policy, Rounding, state_formats
 from mixprec.core.scaling import rank_and_world
 
 __all__ = [
@@ -80,7 +80,7 @@ class LeanConfig:
     rounding: Rounding = "nearest"
     """'stochastic': bf16 params take fp32_to_bf16_stochastic of the update; 'nearest': a cast."""
     state: OptimizerState = "fp32"
-    """Format of the moments / momentum buffers."""
+    """Format of the moments / momentum buffers: one for all, or 'first/second' (see formats)."""
     seed: int | None = None
     """Seed of the rounding's random stream; None: torch.initial_seed() when the optimizer is
     built (so torch.manual_seed makes a run repeatable). Each rank mixes in its rank."""
@@ -88,12 +88,22 @@ class LeanConfig:
     def __post_init__(self) -> None:
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"update_rounding={self.rounding!r}; valid: {ROUNDINGS}.")
-        if self.state not in OPTIMIZER_STATES:
-            raise ValueError(f"optimizer_state={self.state!r}; valid: {OPTIMIZER_STATES}.")
+        state_formats(self.state)
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise TypeError(f"LeanConfig.seed={self.seed!r} must be an int or None.")
+
+    @property
+    def formats(self) -> tuple[str, str]:
+        """(the first moment's format: Adam's exp_avg, SGD's momentum_buffer; the second
+        moment's: exp_avg_sq), policy.state_formats of state."""
+        return state_formats(self.state)
+
+    @property
+    def low_bit(self) -> bool:
+        """Some state is block-wise quantized (torchao's tensors: int8 / int4 / fp8)."""
+        return any(f in LOW_BIT for f in self.formats)
 
 
 def lean_config(policy: Policy) -> LeanConfig | None:
@@ -272,8 +282,11 @@ class LeanUpdate:
             self.counter += 1
 
     def _zeros(self, like: torch.Tensor, key: str) -> torch.Tensor:
-        """A new state tensor in this config's format (step_math's initial state calls it)."""
-        return new_state(_local(like), self.cfg.state, signed=key not in UNSIGNED_KEYS)
+        """A new state tensor in this config's format for key (the second moment's for
+        exp_avg_sq, the first's otherwise; step_math's initial state calls it)."""
+        second = key in UNSIGNED_KEYS
+        fmt = self.cfg.formats[1 if second else 0]
+        return new_state(_local(like), fmt, signed=not second)
 
     def _run(self, kind, flags, keys, work) -> None:
         """Run `work` (index, param, state tensors, scalar vector) through fused_step's kernel:

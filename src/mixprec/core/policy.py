@@ -25,8 +25,11 @@ Mode = Literal["fp32", "fp16", "bf16", "fp16_naive", "fp16_apex", "fp8", "bf16_s
 MODES: tuple[str, ...] = get_args(Mode)
 OptLevel = Literal["O0", "O1", "O2", "O3"]
 OPT_LEVELS: tuple[str, ...] = get_args(OptLevel)
-OptimizerState = Literal["fp32", "bf16", "int8", "int4", "fp8"]
-OPTIMIZER_STATES: tuple[str, ...] = get_args(OptimizerState)
+StateFormat = Literal["fp32", "bf16", "int8", "int4", "fp8"]
+OPTIMIZER_STATES: tuple[str, ...] = get_args(StateFormat)
+OptimizerState = str
+"""A StateFormat for every moment, or two joined by '/': the first moment's (Adam's exp_avg,
+SGD's momentum_buffer) / the second moment's (exp_avg_sq), e.g. 'int8/int4'; see state_formats."""
 Rounding = Literal["nearest", "stochastic"]
 ROUNDINGS: tuple[str, ...] = get_args(Rounding)
 MASTER_WEIGHTS = {"fp32": True, "none": False}
@@ -50,6 +53,20 @@ def did_you_mean(value: object, valid: list[str] | tuple[str, ...]) -> str:
     close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=3, cutoff=0.5)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     return f"{hint} Valid: {', '.join(repr(v) for v in valid)}."
+
+
+def state_formats(state: Any, name: str = "optimizer_state") -> tuple[str, str]:
+    """(the first moment's format, the second moment's) that an optimizer_state names: one
+    format for every moment ('int8'), or two joined by '/' ('int8/int4': Adam's exp_avg and
+    SGD's momentum_buffer in int8, exp_avg_sq in int4). The one check of every face's value."""
+    parts = state.split("/") if isinstance(state, str) else None
+    if parts is None or len(parts) > 2 or any(p not in OPTIMIZER_STATES for p in parts):
+        bad = next((p for p in parts or () if p not in OPTIMIZER_STATES), state)
+        raise ValueError(
+            f"{name}={state!r}: one format for every moment, or two joined by '/' (the first "
+            "moment's / the second's, e.g. 'int8/int4')." + did_you_mean(bad, OPTIMIZER_STATES)
+        )
+    return parts[0], parts[-1]
 
 
 def check_keys(what: str, given: Mapping[str, Any], valid: list[str] | tuple[str, ...]) -> None:
@@ -130,8 +147,9 @@ class Policy:
     """How an update is written back to low-precision params without masters: 'nearest'
     (a cast) or 'stochastic' (bf16 params only; unbiased, see mixprec.core.lean)."""
     optimizer_state: OptimizerState | None = None
-    """Format of the optimizer's moments: 'fp32', 'bf16', 'int8', 'int4', 'fp8' (mixprec.core.lean
-    steps SGD/Adam/AdamW itself); None: the optimizer's own (torch's: the held params' dtype)."""
+    """Format of the optimizer's moments: 'fp32', 'bf16', 'int8', 'int4', 'fp8', or the first
+    moment's / the second's ('int8/int4'; see state_formats) (mixprec.core.lean steps
+    SGD/Adam/AdamW itself); None: the optimizer's own (torch's: the held params' dtype)."""
     keep_norm_fp32: bool = True
     """Leave Batch/Layer/Group/InstanceNorm parameters (and their math) in fp32."""
     cast_outputs_to: torch.dtype | None = None
@@ -195,11 +213,8 @@ class Policy:
                 f"Policy.update_rounding={self.update_rounding!r}."
                 + did_you_mean(self.update_rounding, ROUNDINGS)
             )
-        if self.optimizer_state is not None and self.optimizer_state not in OPTIMIZER_STATES:
-            raise ValueError(
-                f"Policy.optimizer_state={self.optimizer_state!r}."
-                + did_you_mean(self.optimizer_state, OPTIMIZER_STATES)
-            )
+        if self.optimizer_state is not None:
+            state_formats(self.optimizer_state, "Policy.optimizer_state")
         if self.update_rounding == "stochastic":
             if self.param_dtype == torch.float16:
                 raise ValueError(
@@ -371,9 +386,8 @@ def to_policy(
 
 
 def with_optimizer_state(policy: Policy, state: str) -> Policy:
-    """policy with its optimizer state in `state` ('fp32', 'bf16', 'int8', 'int4', 'fp8')."""
-    if state not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer_state={state!r}." + did_you_mean(state, OPTIMIZER_STATES))
+    """policy with its optimizer state in `state` (see state_formats)."""
+    state_formats(state)
     return replace(policy, optimizer_state=state)
 
 
