@@ -60,11 +60,20 @@ def policies() -> dict[str, Policy]:
         "bf16_sr+bf16": with_optimizer_state(sr, "bf16"),
         "bf16_sr+int8": with_optimizer_state(sr, "int8"),
         "bf16_sr+int4": with_optimizer_state(sr, "int4"),
+        "bf16_sr+int8/int4": with_optimizer_state(sr, "int8/int4"),
         "bf16_sr+fp8": with_optimizer_state(sr, "fp8"),
     }
 
 
-QUALITY_MODES = ("fp32", "NAIVE (bf16)", "bf16 nearest", "bf16_sr", "bf16_sr+int8", "bf16_sr+int4")
+QUALITY_MODES = (
+    "fp32",
+    "NAIVE (bf16)",
+    "bf16 nearest",
+    "bf16_sr",
+    "bf16_sr+int8",
+    "bf16_sr+int4",
+    "bf16_sr+int8/int4",  # first moment int8, second int4
+)
 TIME_MODES = (*QUALITY_MODES, "bf16_sr+bf16", "bf16_sr+fp8")
 
 
@@ -253,6 +262,33 @@ def time_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def time_chart(record: dict, path: Path) -> None:
+    """The --time-only run's picture: each mode's speed vs NAIVE, the median of the per-round
+    ratios with their range, and the 0.95 goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = record["time_samples"]
+    naive = samples["NAIVE (bf16)"]
+    names = [n for n in samples if n != "fp32"]  # fp32 (no bf16 emulation) is off the scale
+    ratios = [sorted(a / b for a, b in zip(naive, samples[n], strict=True)) for n in names]
+    mid = [median(r) for r in ratios]
+    err = [[m - r[0] for m, r in zip(mid, ratios, strict=True)]]
+    err.append([r[-1] - m for m, r in zip(mid, ratios, strict=True)])
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.bar(names, mid, yerr=err, capsize=3, color="tab:blue")
+    ax.axhline(0.95, color="black", linestyle="--", linewidth=0.8, label="goal: 0.95x NAIVE")
+    ax.set_ylabel("step speed vs NAIVE (median, per-round range)")
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"Lean step time, {record['machine']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ----- bytes and peak memory: one fresh process per mode -----
 def _rss_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -331,6 +367,7 @@ def size_policies() -> dict[str, Policy]:
         "bf16_sr": sr,
         "bf16_sr+int8": with_optimizer_state(sr, "int8"),
         "bf16_sr+int4": with_optimizer_state(sr, "int4"),
+        "bf16_sr+int8/int4": with_optimizer_state(sr, "int8/int4"),
         "bf16_sr+fp8": with_optimizer_state(sr, "fp8"),
     }
 
@@ -666,7 +703,7 @@ def quality_lines(record: dict) -> list[str]:
         + (" step ms | speed vs NAIVE |" if t else ""),
         "|---|---|---|:-:|---|:-:|" + ("---:|---:|" if t else ""),
     ]
-    for name in QUALITY_MODES:
+    for name in [n for n in QUALITY_MODES if n in q["digits"]]:
         d = q["digits"][name]
         acc = ", ".join(f"{r['val_acc']:.2f}" for r in d)
         dloss = ", ".join(f"{r['val_loss']:.4f}" for r in d)
@@ -701,15 +738,37 @@ def chart(record: dict, path: Path) -> None:
     ax_b.set_ylabel("bytes per parameter (AdamW)")
     ax_b.tick_params(axis="x", rotation=30, labelsize=8)
     ax_b.legend(fontsize=8)
-    lo, hi = spread([r["val_loss"] for r in q["gpt"]["fp32"]])
-    ax_g.axhspan(lo, hi, color="grey", alpha=0.3, label="fp32 seed spread")
-    for i, name in enumerate(QUALITY_MODES):
-        vals = [r["val_loss"] for r in q["gpt"][name]]
-        ax_g.scatter([i] * len(vals), vals, zorder=3)
-    ax_g.set_xticks(range(len(QUALITY_MODES)), QUALITY_MODES, rotation=30, fontsize=8)
-    ax_g.set_ylabel("GPT validation loss (stdlib bytes)")
-    ax_g.legend(fontsize=8)
+    _loss_panel(ax_g, q, "gpt", "GPT validation loss (stdlib bytes)")
     fig.suptitle(f"Lean precision, {record['machine']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _loss_panel(ax: Any, q: dict, task: str, label: str) -> None:
+    """Each quality mode's seeds on one task's validation loss, over fp32's seed spread."""
+    lo, hi = spread([r["val_loss"] for r in q[task]["fp32"]])
+    ax.axhspan(lo, hi, color="grey", alpha=0.3, label="fp32 seed spread")
+    names = [n for n in QUALITY_MODES if n in q[task]]
+    for i, name in enumerate(names):
+        vals = [r["val_loss"] for r in q[task][name]]
+        ax.scatter([i] * len(vals), vals, zorder=3)
+    ax.set_xticks(range(len(names)), names, rotation=30, fontsize=8)
+    ax.set_ylabel(label)
+    ax.legend(fontsize=8)
+
+
+def quality_chart(record: dict, path: Path) -> None:
+    """The --quality-only run's picture: digits and GPT validation loss per mode and seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_d, ax_g) = plt.subplots(1, 2, figsize=(12, 4.2))
+    _loss_panel(ax_d, record["quality"], "digits", "digits validation loss")
+    _loss_panel(ax_g, record["quality"], "gpt", "GPT validation loss (stdlib bytes)")
+    fig.suptitle(f"Lean quality, {record['machine']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -775,11 +834,23 @@ def main(argv: list[str] | None = None) -> int:
         "--time-only", action="store_true", help="only the interleaved step times (time.md)"
     )
     parser.add_argument(
+        "--modes",
+        type=lambda text: [m.strip() for m in text.split(",")],
+        default=None,
+        help="with --quality-only: comma-separated quality modes to run (fp32 always runs, for "
+        f"the spread; default: all of {', '.join(QUALITY_MODES)})",
+    )
+    parser.add_argument(
         "--quality-only",
         action="store_true",
         help="only the digits and GPT quality runs (quality.md): no memory workers, no timing",
     )
     args = parser.parse_args(argv)
+    bad_modes = [m for m in args.modes or () if m not in QUALITY_MODES]
+    if bad_modes:
+        parser.error(f"--modes {bad_modes}: valid: {', '.join(QUALITY_MODES)}")
+    if args.modes and not args.quality_only:
+        parser.error("--modes selects the quality runs' modes: use it with --quality-only")
     unknown = [a for a in args.allocators if a not in ALLOCATORS]
     if unknown:
         parser.error(f"--allocators {unknown}: valid: {', '.join(ALLOCATORS)}")
@@ -837,14 +908,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def quality_modes(args: argparse.Namespace) -> list[str]:
+    """The quality modes of this run: --modes (fp32 always, for the spread), else all."""
+    if not args.modes:
+        return list(QUALITY_MODES)
+    return ["fp32", *[m for m in QUALITY_MODES if m in args.modes and m != "fp32"]]
+
+
 def run_quality(args: argparse.Namespace, text: tuple, bar: Any) -> dict[str, dict[str, list]]:
     """Each quality mode's digits and GPT runs, seed by seed."""
     quality: dict[str, dict[str, list]] = {"digits": {}, "gpt": {}}
-    for name in QUALITY_MODES:
+    modes = quality_modes(args)
+    for name in modes:
         bar.set_postfix_str(f"digits {name}")
         policy = policies()[name]
         quality["digits"][name] = [run_digits(policy, s, args, bar) for s in range(args.seeds)]
-    for name in QUALITY_MODES:
+    for name in modes:
         bar.set_postfix_str(f"gpt {name}")
         seeds = args.fp32_seeds if name == "fp32" else args.gpt_seeds
         policy = policies()[name]
@@ -853,8 +932,9 @@ def run_quality(args: argparse.Namespace, text: tuple, bar: Any) -> dict[str, di
 
 
 def quality_only(args, argv, out: Path, text: tuple, start: float, load0: float) -> int:
-    runs = args.fp32_seeds + (len(QUALITY_MODES) - 1) * args.gpt_seeds
-    total = len(QUALITY_MODES) * args.seeds * args.digits_steps + runs * args.gpt_steps
+    modes = quality_modes(args)
+    runs = args.fp32_seeds + (len(modes) - 1) * args.gpt_seeds
+    total = len(modes) * args.seeds * args.digits_steps + runs * args.gpt_steps
     with progress_bar(total=total, enabled=not args.no_progress, desc="bench_lean quality") as bar:
         quality = run_quality(args, text, bar)
     record = {
@@ -876,7 +956,8 @@ def quality_only(args, argv, out: Path, text: tuple, start: float, load0: float)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.md").write_text(table)
     (out / "quality.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}/quality.md, .json", file=sys.stderr)
+    quality_chart(record, out / "quality.png")
+    print(f"wrote {out}/quality.md, .json, .png", file=sys.stderr)
     return 0
 
 
@@ -899,7 +980,8 @@ def time_only(args, argv, out: Path, text: tuple, start: float, load0: float) ->
     out.mkdir(parents=True, exist_ok=True)
     (out / "time.md").write_text(table)
     (out / "time.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}/time.md, .json", file=sys.stderr)
+    time_chart(record, out / "time.png")
+    print(f"wrote {out}/time.md, .json, .png", file=sys.stderr)
     return 0
 
 

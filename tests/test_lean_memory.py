@@ -28,11 +28,17 @@ def _tensors(bench) -> list[tuple[int, bool]]:
     return [(p.numel(), id(p) in norms) for p in model.parameters()]
 
 
+def _moment_bytes(numel: int, fmt: str) -> int:
+    """One moment: torchao's codes (int8: a byte, int4: half) + one fp32 scale per block (256,
+    128) when it quantizes (>= 4096 elements, whole blocks), else fp32."""
+    block, code = {"int8": (256, 1.0), "int4": (128, 0.5)}[fmt]
+    if numel >= 4096 and numel % block == 0:
+        return int(code * numel) + 4 * numel // block
+    return 4 * numel
+
+
 def _int8_state_bytes(numel: int) -> int:
-    """Two moments: torchao's int8 codes + one fp32 scale per 256 when it quantizes, else fp32."""
-    if numel >= 4096 and numel % 256 == 0:
-        return 2 * (numel + 4 * numel // 256)
-    return 2 * 4 * numel
+    return 2 * _moment_bytes(numel, "int8")
 
 
 def test_size_worker_counts_each_modes_bytes(bench) -> None:
@@ -50,7 +56,39 @@ def test_size_worker_counts_each_modes_bytes(bench) -> None:
     assert lean["weights"] == lean["grads"] == 2 * low + 4 * (n - low)
     assert lean["masters"] == lean["master_grads"] == 0
     assert lean["state"] == sum(_int8_state_bytes(k) for k, _ in tensors) + steps
-    for run in (naive, lean):
+    mixed = bench.size_worker("bf16_sr+int8/int4", "tiny", 2)  # exp_avg int8, exp_avg_sq int4
+    expected = sum(_moment_bytes(k, "int8") + _moment_bytes(k, "int4") for k, _ in tensors)
+    assert mixed["state"] == expected + steps < lean["state"]
+    for run in (naive, lean, mixed):
         assert set(run["peak_mib"]) == set(bench.PHASES)
         assert run["peak_rss_mib"] == max(run["peak_mib"].values())
         assert len(run["step_s"]) == 2 and run["trace"]
+
+
+def test_quality_and_time_runs_write_their_table_record_and_picture(bench, tmp_path) -> None:
+    """--quality-only with --modes (fp32 joins for the spread) and --time-only, tiny: each
+    writes md + json + png to its fresh folder, one row per mode it ran."""
+    threads = torch.get_num_threads()  # main() pins one thread: give the worker its own back
+    try:
+        _quality_and_time_runs(bench, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _quality_and_time_runs(bench, tmp_path) -> None:
+    tiny = ["--gpt-width", "16", "--gpt-depth", "1", "--batch", "2", "--context", "8"]
+    quality = tmp_path / "quality"
+    args = ["--quality-only", "--modes", "bf16_sr+int8/int4", "--seeds", "1", "--gpt-seeds", "1"]
+    args += ["--fp32-seeds", "2", "--digits-steps", "2", "--gpt-steps", "2", "--no-progress"]
+    assert bench.main([*args, *tiny, "--out", str(quality)]) == 0
+    table = (quality / "quality.md").read_text()
+    rows = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ")]
+    assert rows == ["| mode", "| fp32", "| bf16_sr+int8/int4"]
+    assert (quality / "quality.png").stat().st_size > 0
+    timing = tmp_path / "time"
+    args = ["--time-only", "--time-rounds", "1", "--no-progress", "--out", str(timing)]
+    assert bench.main([*args, *tiny]) == 0
+    assert "| bf16_sr+int8/int4 |" in (timing / "time.md").read_text()
+    assert (timing / "time.png").stat().st_size > 0
+    with pytest.raises(SystemExit):  # --modes names quality modes, and only with --quality-only
+        bench.main(["--modes", "fp32", "--out", str(tmp_path / "x")])
