@@ -374,7 +374,8 @@ class BF16MixedPrecision(MixedPrecision):
 
 class BF16SRMixedPrecision(MixedPrecision):
     """'bf16_sr': bf16 weights without fp32 masters, updates stochastically rounded into them
-    (mixprec.core.lean); optimizer_state: 'fp32' (default), 'bf16', 'int8', 'int4' or 'fp8'."""
+    (mixprec.core.lean); optimizer_state: 'fp32' (default), 'bf16', 'int8', 'int4', 'fp8', or
+    one per moment ('int8/int4': see mixprec.core.policy.state_formats)."""
 
     def __init__(self, optimizer_state: str = "fp32") -> None:
         super().__init__(to_policy("bf16_sr", {"optimizer_state": optimizer_state}))

@@ -64,8 +64,8 @@ class LowLevelZeroPlugin(Plugin):
         update_rounding: how updates are written into params without masters: 'stochastic'
             (bf16 only, mixprec.core.lean) or 'nearest'. None: stochastic for bf16 without masters
             (round-to-nearest drops updates below ~2**-8 of a weight), else nearest.
-        optimizer_state: 'fp32', 'bf16', 'int8', 'int4' or 'fp8' moments (sharded like fp32
-            state: each owner quantizes its own); None: the optimizer's own, except fp32
+        optimizer_state: 'fp32', 'bf16', 'int8', 'int4' or 'fp8' moments, or one per moment
+            ('int8/int4') (sharded like fp32 state: each owner quantizes its own); None: the optimizer's own, except fp32
             under stochastic rounding.
         verbose: also log every loss-scale change and why (verbosity 2; skipped steps are
             always logged).
