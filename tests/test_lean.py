@@ -595,24 +595,25 @@ def _zero_worker(rank: int, world: int) -> None:
 
     x, y = batches(1)[0]
     mine = slice(rank * 8, (rank + 1) * 8)
-    for rounding in ("nearest", "stochastic"):
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    cases = [("nearest", "int8", sgd), ("stochastic", "int8", sgd)]
+    cases.append(("nearest", "int8/int4", adamw))  # per moment: exp_avg int8, exp_avg_sq int4
+    for rounding, state, make in cases:
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)
         )
         ref_model = copy.deepcopy(model)
         plugin = LowLevelZeroPlugin(
-            stage=2, precision="bf16", master_weights=False, optimizer_state="int8",
+            stage=2, precision="bf16", master_weights=False, optimizer_state=state,
             update_rounding=rounding,
         )  # fmt: skip
         booster = mixprec.Booster(plugin=plugin)
-        sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        model, opt, *_ = booster.boost(model, sgd)
-        assert opt.lean is not None and opt.lean.cfg.state == "int8"
+        model, opt, *_ = booster.boost(model, make(model.parameters()))
+        assert opt.lean is not None and opt.lean.cfg.state == state
         ref = prepare_model(ref_model, plugin.policy)
-        ref_opt = prepare_optimizer(
-            torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9), plugin.policy
-        )
+        ref_opt = prepare_optimizer(make(ref_model.parameters()), plugin.policy)
         for _ in range(4):
             booster.backward(torch.nn.functional.mse_loss(model(x[mine]).float(), y[mine]), opt)
             ref_opt.backward(torch.nn.functional.mse_loss(ref(x).float(), y))
@@ -628,7 +629,11 @@ def _zero_worker(rank: int, world: int) -> None:
         assert int(mine_bytes) == whole
         big = opt.optim.state.get(opt.all_params[0])
         if big is not None:
-            assert type(big["momentum_buffer"]).__name__ == "OptimState8bit"
+            kinds = {k: type(v).__name__ for k, v in big.items() if k != "step"}
+            expected = {"momentum_buffer": "OptimState8bit"}
+            if state == "int8/int4":
+                expected = {"exp_avg": "OptimState8bit", "exp_avg_sq": "OptimState4bit"}
+            assert kinds == expected
         if rounding == "nearest":
             # Half-batch bf16 grads sum in another order than the full batch's: a weight may
             # round to the neighbouring bf16 value (2**-8 relative), momentum carries it on.
