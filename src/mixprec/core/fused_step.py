@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from mixprec.core import qstate
 from mixprec.core import step_math as sm
 
 log = logging.getLogger("mixprec")
@@ -73,7 +74,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 STATIC = "static shapes"
-"""A variant marked so (its last element: the args' shapes) compiles for exactly those shapes."""
+"""A variant marked so (its last element: the args' shapes) compiles for exactly those shapes,
+without inductor's bounds check of each indirect load: its kernels (quantized state, see
+update) index only qstate's tables and code maps, with indices in range by construction."""
 
 
 @functools.cache
@@ -82,11 +85,15 @@ def _compiled(fn: Callable[..., Any], variant: tuple) -> Callable[..., Any]:
 
     Dynamo caches graphs per code object and stops compiling after 8 (recompile_limit); one
     code object per variant keeps each cache to its few size-specialised graphs. A STATIC
-    variant (quantized state, see update) carries its shapes, so each shape is its own
-    variant: its own code object, one graph, no recompile limit to reach.
+    variant carries its shapes, so each shape is its own variant: its own code object, one
+    graph, no recompile limit to reach.
     """
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
-    return torch.compile(copy, dynamic=STATIC not in variant, fullgraph=True)
+    if STATIC in variant:
+        # ~30% of a quantized kernel's time went to the checks (22 -> 15 ns an element)
+        options = {"assert_indirect_indexing": False}
+        return torch.compile(copy, dynamic=False, fullgraph=True, options=options)
+    return torch.compile(copy, dynamic=True, fullgraph=True)
 
 
 _failed = False  # set once compilation failed on this machine (e.g. no C++ compiler)
@@ -138,14 +145,6 @@ def _write(hp, new, key, stochastic):
     hp.copy_(new)
 
 
-def _read(state):
-    """A state tensor's fp32 value: dequantized if it is a quantized tensor subclass (torchao's
-    low-bit state, whose copy_ quantizes again), else cast (a no-op for fp32)."""
-    if type(state) is not torch.Tensor and hasattr(state, "dequantize"):
-        return state.dequantize()
-    return state.float()
-
-
 def _sgd(hp, lp, grad, s, key, clip, maximize, decay, stochastic):
     new = sm.sgd_update(hp.float(), sm.unscaled(grad, s, clip, maximize), s, decay)
     _write(hp, new, key, stochastic)
@@ -155,8 +154,8 @@ def _sgd(hp, lp, grad, s, key, clip, maximize, decay, stochastic):
 
 def _sgd_momentum(hp, lp, grad, buf, s, key, clip, maximize, decay, nesterov, stochastic):
     g = sm.unscaled(grad, s, clip, maximize)
-    new, b = sm.sgd_momentum_update(hp.float(), g, _read(buf), s, decay, nesterov)
-    buf.copy_(b)
+    new, b = sm.sgd_momentum_update(hp.float(), g, qstate.read(buf), s, decay, nesterov)
+    qstate.write(buf, b)
     _write(hp, new, key, stochastic)
     if lp is not None:
         lp.copy_(new)
@@ -164,10 +163,10 @@ def _sgd_momentum(hp, lp, grad, buf, s, key, clip, maximize, decay, nesterov, st
 
 def _adam(hp, lp, grad, exp_avg, exp_avg_sq, s, key, clip, maximize, decay, decoupled, stochastic):
     g = sm.unscaled(grad, s, clip, maximize)
-    m, v = _read(exp_avg), _read(exp_avg_sq)
+    m, v = qstate.read(exp_avg), qstate.read(exp_avg_sq)
     new, m, v = sm.adam_update(hp.float(), g, m, v, s, decay, decoupled)
-    exp_avg.copy_(m)
-    exp_avg_sq.copy_(v)
+    qstate.write(exp_avg, m)
+    qstate.write(exp_avg_sq, v)
     _write(hp, new, key, stochastic)
     if lp is not None:
         lp.copy_(new)
@@ -197,16 +196,15 @@ def update(
     kinds = tuple((type(t).__name__, t.dtype) for t in (hp, *state))
     per_element_keys = stochastic and key.dim() > 0
     variant = (*_variant(kind, grad, lp, *flags, stochastic, per_element_keys), *kinds)
-    # quantized state (torchao's subclasses) keeps its shape: its blocks are not views
-    quantized = any(type(t) is not torch.Tensor for t in state)
-    shape = _local if quantized else _flat
-    args = (shape(hp), _opt(lp), shape(grad), *(shape(t) for t in state), s, key)
-    if quantized:
-        # Compiled for its exact shapes: with symbolic ones inductor's code for torchao's
-        # block-wise (de)quantize (the block a symbolic numel // blocks, a table lookup per
-        # binary-search step) ran ~2x slower (GPT of bench_lean: int8 step 18 -> 9 ms). Each
-        # size compiles once; the step's layout, and so its sizes, repeat every step.
-        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+    # torchao's quantized state enters the kernel as its plain codes, scales and tables
+    args = (_flat(hp), _opt(lp), _flat(grad), *(qstate.unpack(_local(t)) for t in state), s, key)
+    if any(qstate.is_quantized(t) for t in state):
+        # Compiled for its exact shapes: with symbolic ones inductor's code for the block-wise
+        # (de)quantize (the block a symbolic numel // blocks) ran ~2x slower (GPT of
+        # bench_lean: int8 step 18 -> 9 ms). Each size compiles once; the step's layout, and so
+        # its sizes, repeat every step.
+        tensors = [a for arg in args for a in (arg if isinstance(arg, tuple) else (arg,))]
+        shapes = tuple(tuple(a.shape) for a in tensors if isinstance(a, torch.Tensor))
         variant = (*variant, STATIC, shapes)
     if compiled:
         _run(KERNELS[kind], variant, *args, *flags, stochastic)

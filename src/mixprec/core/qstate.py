@@ -1,0 +1,173 @@
+"""torchao's low-bit optimizer state, read and written inside the update's kernel.
+
+torchao's OptimState8bit / OptimState4bit / OptimStateFp8 hold codes and one fp32 scale per
+block. Writing one (its copy_) scales each block by its absmax and finds each value's nearest
+code with a binary search of the 256- (16-) entry code map and a rounding step: 10 (6) table
+lookups per element, the larger part of a lean step on a CPU (2**17 elements, one thread:
+14.5 ns an element for the search, 0.7 for an Adam update without it).
+
+Here the nearest code is one lookup in a table over the value's top 16 bits (its bf16-sized
+bucket) and one comparison. torchao's code is a non-decreasing function of the value, and it
+steps up at most once inside any bucket (checked when the table is built: the map's points
+are further apart than a bucket is wide), so per bucket the table keeps, in one int32, the code
+of its lowest value and where in the bucket the code steps up (the low 16 bits of the smallest
+fp32 value taking the next code, counted in value order; 2**16 where it does not step), both
+found with torchao's own quantize function. The code is then torchao's for every value in
+[-1, 1] (all a block's absmax scaling gives) and nan, exactly (tests/test_qstate.py checks
+every step point, its neighbours and every bucket's ends). Scales, dequantization and the
+4-bit packing are torchao's formulas; fp8 (a cast, no search) is torchao's own quantize_fp8.
+
+The kernels index only these tables and code maps, with indices in range by construction
+(a masked 16-bit bucket, a uint8 code, a 4-bit nibble), so fused_step compiles them without
+inductor's per-element bounds checks. Measured (2**17 elements, one thread, an AdamW kernel
+with both moments int8): 22 ns an element with torchao's search, 15 with this table.
+
+The kernel sees plain tensors (unpack): no tensor subclass in a compiled graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+INT8, INT4, FP8 = "OptimState8bit", "OptimState4bit", "OptimStateFp8"
+
+_TABLES: dict[tuple, torch.Tensor] = {}
+NO_STEP = 1 << 16
+"""A table entry's step position where the code does not step inside the bucket."""
+
+
+def is_quantized(state: torch.Tensor) -> bool:
+    """state is one of torchao's low-bit tensors (codes + block scales)."""
+    return type(state).__name__ in (INT8, INT4, FP8)
+
+
+def unpack(state: torch.Tensor) -> Any:
+    """What the kernel takes for a state tensor: a plain tensor flattened (as it is), or for
+    torchao's quantized state a tuple of flat plain tensors: (codes, scale) for fp8, (codes,
+    scale, code map, nearest-code table) for int8 and int4 (same storage: the kernel writes
+    the state in place)."""
+    kind = type(state).__name__
+    if kind not in (INT8, INT4, FP8):
+        return state.view(-1)
+    codes = state.codes.view(-1)
+    if kind == FP8:
+        return (codes, state.scale)
+    return (codes, state.scale, state.qmap, table(state.qmap, kind, bool(state.signed)))
+
+
+def table(qmap: torch.Tensor, kind: str, signed: bool) -> torch.Tensor:
+    """The nearest-code table of a torchao code map (built once per map and device): per
+    bucket of the top 16 bits of an fp32 value, an int32 holding (code of the bucket's lowest
+    value) << 17 | (position in value order, 0..65535, of the first value taking the next
+    code; NO_STEP where the code does not step inside the bucket)."""
+    key = (kind, signed, str(qmap.device))
+    if key not in _TABLES:
+        code, point = _build(qmap.detach().float().cpu(), kind)
+        _TABLES[key] = _pack(code, point).to(qmap.device)
+    return _TABLES[key]
+
+
+def _position(bits: torch.Tensor) -> torch.Tensor:
+    """Where an fp32 value (its int32 bits) lies in its bucket, in value order: the low 16
+    bits count up for positive values and down for negative ones."""
+    low = bits & 0xFFFF
+    return torch.where(bits < 0, 0xFFFF - low, low)
+
+
+def _pack(code: torch.Tensor, point: torch.Tensor) -> torch.Tensor:
+    steps = torch.isfinite(point)
+    position = torch.where(steps, _position(point.view(torch.int32)), NO_STEP)
+    return ((code.to(torch.int32) << 17) | position.to(torch.int32)).to(torch.int32)
+
+
+def _torchao_codes(x: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
+    from torchao.optim.quant_utils import quantize_4bit_with_qmap, quantize_8bit_with_qmap
+
+    search = quantize_8bit_with_qmap if qmap.numel() == 256 else quantize_4bit_with_qmap
+    return search(x, qmap).long()
+
+
+def _build(qmap: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    bucket = torch.arange(1 << 16, dtype=torch.int64)
+    negative = bucket >= 1 << 15
+
+    def value(t: torch.Tensor) -> torch.Tensor:
+        """The t-th lowest fp32 value of each bucket (t in 0..65535): the low 16 bits count
+        up for positive values and down for negative ones."""
+        low = torch.where(negative, 0xFFFF - t, t)
+        bits = ((bucket << 16) | low).to(torch.int64)
+        bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+        return bits.view(torch.float32)
+
+    lowest, highest = value(torch.zeros_like(bucket)), value(torch.full_like(bucket, 0xFFFF))
+    finite = torch.isfinite(lowest) & torch.isfinite(highest)
+
+    def codes(x: torch.Tensor) -> torch.Tensor:
+        return _torchao_codes(torch.where(finite, x, 0.0), qmap)
+
+    low_code, high_code = codes(lowest), codes(highest)
+    if (high_code - low_code).max() > 1:
+        raise RuntimeError(
+            f"mixprec: torchao's {kind} code map steps twice inside one bf16-sized bucket; the "
+            "nearest-code table cannot represent it (torchao's map changed?)."
+        )
+    # the first t whose value takes the next code: binary search over each bucket's values
+    below, above = torch.zeros_like(bucket), torch.full_like(bucket, 0xFFFF)
+    for _ in range(17):
+        middle = (below + above) // 2
+        up = codes(value(middle)) > low_code
+        above, below = torch.where(up, middle, above), torch.where(up, below, middle)
+    steps = finite & (high_code > low_code)
+    point = torch.where(steps, value(above), torch.tensor(float("inf")))
+    # buckets of inf and nan: only nan reaches them (a scaled block is within [-1, 1]), which
+    # torchao codes 0 (no comparison with nan holds)
+    code = torch.where(finite, low_code, 0).to(torch.uint8)
+    return code, point
+
+
+def nearest_codes(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """torchao's nearest code (int32) of each value of x (fp32 in [-1, 1], or nan) from the
+    nearest-code table of its code map (see table). A nan's bucket holds code 0, no step."""
+    bits = x.view(torch.int32)
+    entry = table[(bits >> 16) & 0xFFFF]
+    return (entry >> 17) + (_position(bits) >= (entry & 0x1FFFF)).int()
+
+
+def read(state: Any) -> torch.Tensor:
+    """A kernel's state operand (see unpack) as flat fp32 values."""
+    if not isinstance(state, tuple):
+        return state.float()
+    codes, scale = state[0], state[1]
+    if len(state) == 2:  # fp8: torchao's dequantize
+        return (codes.float().view(scale.numel(), -1) * scale.view(-1, 1)).view(-1)
+    qmap = state[2]
+    index = codes
+    if qmap.numel() == 16:  # int4: two codes a byte, high nibble first (torchao's packing)
+        index = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)
+    return (qmap[index.int()].view(scale.numel(), -1) * scale.view(-1, 1)).view(-1)
+
+
+def write(state: Any, value: torch.Tensor) -> None:
+    """value (flat fp32) into a kernel's state operand in place: quantized as torchao's copy_
+    does (block absmax scale, nearest code; fp8: scale to e4m3's max and cast)."""
+    if not isinstance(state, tuple):
+        state.copy_(value)
+        return
+    codes, scale = state[0], state[1]
+    if len(state) == 2:
+        from torchao.optim.subclass_fp8 import quantize_fp8
+
+        new_codes, new_scale = quantize_fp8(value, value.numel() // scale.numel())
+        codes.copy_(new_codes)
+        scale.copy_(new_scale)
+        return
+    from torchao.optim.quant_utils import scale_tensor
+
+    scaled, new_scale = scale_tensor(value, value.numel() // scale.numel())
+    new = nearest_codes(scaled, state[3]).to(torch.uint8)
+    if state[2].numel() == 16:  # int4: pack pairs, high nibble first
+        new = (new[::2] << 4) | new[1::2]
+    codes.copy_(new)
+    scale.copy_(new_scale)
