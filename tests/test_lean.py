@@ -15,7 +15,7 @@ from tolerances import EXACT, FP32_ROUNDING
 import mixprec
 from mixprec.core.lean import LeanConfig, fp32_to_bf16_stochastic, new_state, state_bytes, to_fp32
 from mixprec.core.optim import MixedPrecisionOptimizer
-from mixprec.core.policy import Policy, preset, to_policy
+from mixprec.core.policy import Policy, preset, to_policy, with_optimizer_state
 from mixprec.core.prepare import prepare_model, prepare_optimizer
 
 
@@ -709,6 +709,96 @@ def _pipeline_worker(rank: int, world: int) -> None:
         # may land on the neighbouring bf16 value; momentum carries it on for a step or two
         torch.testing.assert_close(p.float(), ref_params[name].float(), rtol=2**-6, atol=2e-3)
     assert_same_on_every_rank([opt.scaler.scale_tensor], "scale")
+
+
+def _zero_gathered_worker(rank: int, world: int) -> None:
+    import io
+
+    import torch.distributed as dist
+
+    from mixprec.booster.plugin.low_level_zero import LowLevelZeroPlugin
+
+    x, y = batches(1)[0]
+    mine = slice(rank * 8, (rank + 1) * 8)
+
+    def build(seed):
+        torch.manual_seed(seed)  # the rounding's base seed too (torch.initial_seed)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8)
+        )
+        plugin = LowLevelZeroPlugin(
+            stage=2, precision="bf16", master_weights=False, optimizer_state="int8/int4",
+            update_rounding="stochastic",
+        )  # fmt: skip
+        booster = mixprec.Booster(plugin=plugin)
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        return model, opt, booster
+
+    def train(model, opt, booster, steps):
+        for _ in range(steps):
+            booster.backward(torch.nn.functional.mse_loss(model(x[mine]).float(), y[mine]), opt)
+            opt.step()
+            opt.zero_grad()
+
+    def held_state(model, opt):
+        out = [p.detach().clone() for p in model.parameters()]
+        for p in (q for g in opt.optim.param_groups for q in g["params"]):
+            for _, v in sorted(opt.optim.state.get(p, {}).items()):
+                out += [v.clone()] if type(v) is torch.Tensor else [v.codes, v.scale]
+        return [*out, opt.lean.counter.clone()]
+
+    model, opt, booster = build(0)
+    train(model, opt, booster, 2)
+    gathered = opt.gathered_state_dict()
+    blob = [None]
+    if rank == 0:
+        packed = [v for s in gathered["state"].values() for v in s.values() if isinstance(v, dict)]
+        assert {v["lean_format"] for v in packed} == {"OptimState8bit", "OptimState4bit"}
+        assert gathered["lean"]["optimizer_state"] == "int8/int4"
+        buf = io.BytesIO()
+        torch.save(gathered, buf)
+        blob = [buf.getvalue()]
+    dist.broadcast_object_list(blob, src=0)
+    saved = torch.load(io.BytesIO(blob[0]), weights_only=True)
+    weights = [p.detach().clone() for p in model.parameters()]
+    train(model, opt, booster, 2)  # the run that was not interrupted
+    expected = held_state(model, opt)
+
+    resumed, opt2, booster2 = build(1)  # another seed: the stream must come from the file
+    with torch.no_grad():
+        for p, w in zip(resumed.parameters(), weights, strict=True):
+            p.copy_(w)
+    opt2.load_gathered_state_dict(saved)
+    train(resumed, opt2, booster2, 2)
+    for a, b in zip(held_state(resumed, opt2), expected, strict=True):
+        torch.testing.assert_close(a, b, **EXACT)
+
+    # one process loads it too: the same codes and scales, the stream at rank 0's seed
+    torch.manual_seed(0)
+    single = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8))
+    policy = with_optimizer_state(preset("bf16_sr"), "int8/int4")
+    plain = prepare_optimizer(torch.optim.AdamW(single.bfloat16().parameters(), lr=1e-2), policy)
+    plain.load_state_dict(saved)
+    again = plain.state_dict()
+    for i, entry in saved["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, dict):
+                assert torch.equal(again["state"][i][key]["codes"], value["codes"])
+                assert torch.equal(again["state"][i][key]["scale"], value["scale"])
+    assert int(plain.lean.counter) == int(saved["lean"]["rng"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_gathered_zero_checkpoint_of_lean_state_resumes_bit_for_bit() -> None:
+    """LowLevelZeroPlugin's gathered optimizer checkpoint (one file, any world size) of int8/int4
+    state with stochastic rounding: compact (codes and scales), loadable with
+    weights_only=True, and a ZeRO run resumed from it on 2 ranks continues the uninterrupted run
+    bit for bit (weights, codes, scales, each rank's rounding stream: the file keeps the base
+    seed, each rank mixes its own again); one process loads the same codes and scales."""
+    from dist_utils import spawn
+
+    spawn(_zero_gathered_worker, 2)
 
 
 @pytest.mark.slow

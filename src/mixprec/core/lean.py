@@ -113,9 +113,18 @@ def lean_config(policy: Policy) -> LeanConfig | None:
     return LeanConfig(rounding=policy.update_rounding, state=policy.optimizer_state or "fp32")
 
 
-def _rank_seed(seed: int, rank: int) -> int:
-    """A distinct 64-bit seed per rank (splitmix64's odd constant spreads consecutive ranks)."""
-    return (seed + rank * 0x9E3779B97F4A7C15) % (1 << 64)
+_RANK_STRIDE = 0x9E3779B97F4A7C15  # splitmix64's odd constant: spreads consecutive ranks
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """A distinct 64-bit seed per rank (rank 0's is the base seed itself)."""
+    return (seed + rank * _RANK_STRIDE) % (1 << 64)
+
+
+def base_seed(seed: int, rank: int) -> int:
+    """The base seed a rank's seed was mixed from (rank_seed's inverse): what a checkpoint
+    gathered from several ranks keeps, so each rank of a load mixes its own seed again."""
+    return (seed - rank * _RANK_STRIDE) % (1 << 64)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -233,7 +242,7 @@ class LeanUpdate:
         self.cfg = cfg
         device = held[0].device if held else torch.device("cpu")
         base = torch.initial_seed() if cfg.seed is None else cfg.seed
-        self.seed = _rank_seed(base, rank_and_world()[0])
+        self.seed = rank_seed(base, rank_and_world()[0])
         self.counter = torch.zeros((), dtype=torch.int64, device=device)
         """The rounding's random stream: steps written back so far (step_math.rounding_keys).
         With the seed it is the stream's whole state: saved in checkpoints, unchanged by a

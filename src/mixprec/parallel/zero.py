@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 
 from mixprec.core.clip import clip_grads_, local_shards
-from mixprec.core.lean import LeanConfig, state_bytes
+from mixprec.core.lean import LeanConfig, base_seed, rank_seed, state_bytes
 from mixprec.core.optim import LOW_DTYPES, MixedPrecisionOptimizer, StepResult
 from mixprec.core.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
 from mixprec.core.prepare import prepare_optimizer
-from mixprec.core.scaling import ProcessGroup, default_group, group_to_hold
+from mixprec.core.scaling import ProcessGroup, default_group, group_to_hold, rank_and_world
 from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.parallel.comm import PendingFp8ReduceScatter, to_fp8_comm_dtype
 
@@ -706,7 +706,11 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             master_weights=self.master_weights,
             max_consecutive_skips=None,
             fused_step=False,
+            lean=None if self.lean is None else self.lean.cfg,  # its state format, its stream
         )
+        if self.lean is not None:  # the stream as rank 0 of one process would hold it
+            twin.lean.seed = base_seed(self.lean.seed, rank_and_world()[0])
+            twin.lean.counter.copy_(self.lean.counter.cpu())
         twin_held = [p for g in inner.param_groups for p in g["params"]]  # all_params order
         if current:
             with torch.no_grad():
@@ -786,6 +790,9 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                     }
         self.scaler.load_state_dict(twin.scaler.state_dict())
         self.steps, self.skipped_steps = twin.steps, twin.skipped_steps
+        if self.lean is not None:  # each rank's own stream, mixed from the saved base seed
+            self.lean.seed = rank_seed(twin.lean.seed, rank_and_world()[0])
+            self.lean.counter.copy_(twin.lean.counter)
         self._found_inf = None
         self._grads_on_masters = False
 
