@@ -538,3 +538,60 @@ def unpack_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
         for i, entry in state_dict["state"].items()
     }
     return out
+
+
+def merge_shards(saved: list[dict[str, Any]], held: list[torch.Tensor], rank: int) -> dict:
+    """This rank's lean optimizer state_dict from the per-rank ones of a run on len(saved)
+    ranks (saved[r]: rank r's) whose params were sharded along dim 0 in rank order (FSDP2's
+    Shard(0)): each param's state dequantized to fp32, the ranks' rows concatenated into the
+    whole param's state and cut to the rows this rank holds of `held` (the params its inner
+    optimizer steps, in order: a DTensor's local shard, a plain tensor all of it). The load
+    then quantizes them in this optimizer's format: low-bit state is re-quantized over this
+    rank's blocks (the saving ranks' block boundaries may differ: torchao's nearest code
+    again, not the saved codes). The rounding stream keeps its step counter; its seed is
+    mixed for `rank` from the base seed (saving rank 0's), as a fresh run's would be."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    first = saved[0]
+    if any(s.get("master_weights") for s in saved):
+        raise ValueError(
+            "This lean checkpoint holds fp32 master shards, which mixprec does not reshard: "
+            "load it on as many ranks as saved it."
+        )
+    indices = sorted({int(i) for s in saved for i in s["state"]})
+    state: dict[int, dict[str, Any]] = {}
+    for index in indices:
+        if index >= len(held):
+            raise ValueError(
+                f"The lean checkpoint holds state for param {index}; this optimizer holds "
+                f"{len(held)} params: it was saved for another model or param_groups."
+            )
+        p = held[index]
+        entries = [s["state"].get(index, s["state"].get(str(index))) for s in saved]
+        entry: dict[str, Any] = {}
+        for key, value in next(e for e in entries if e is not None).items():
+            if key not in STATE_KEYS:
+                entry[key] = value
+                continue
+            parts = [unpack_to_fp32(e[key]).float() for e in entries if e is not None]
+            whole = torch.cat(parts) if parts[0].dim() > 0 else parts[0]
+            if tuple(whole.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"The lean checkpoint's {key} of param {index} is {tuple(whole.shape)} "
+                    f"when its {len(saved)} ranks' rows are joined; the param is "
+                    f"{tuple(p.shape)}: it was saved for another model, or not sharded by rows."
+                )
+            if hasattr(p, "device_mesh"):  # a DTensor: this rank's rows of it
+                shape, offset = compute_local_shape_and_global_offset(
+                    p.shape, p.device_mesh, p.placements
+                )
+                rows = slice(offset[0], offset[0] + shape[0]) if whole.dim() > 0 else ...
+                whole = whole[rows].reshape(shape)
+            entry[key] = whole.contiguous()
+        state[index] = entry
+    merged = {k: v for k, v in first.items() if k not in ("state", "lean")}
+    merged["state"] = state
+    if first.get("lean") is not None:
+        merged["lean"] = dict(first["lean"])
+        merged["lean"]["seed"] = rank_seed(int(first["lean"]["seed"]), rank)
+    return merged

@@ -51,7 +51,7 @@ from mixprec.booster.plugin.plugin_base import (
     unwrap_model,
 )
 from mixprec.core.casting import NORM_TYPES, keep_module_fp32
-from mixprec.core.lean import LeanConfig, lean_config
+from mixprec.core.lean import LeanConfig, lean_config, merge_shards
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy
 from mixprec.core.prepare import set_verbosity
@@ -387,19 +387,25 @@ def _refuse_lean_checkpoint(optimizer: MixedPrecisionOptimizer) -> None:
             "TorchFSDPPlugin cannot gather a lean optimizer's state into one file "
             f"(optimizer_state={cfg.state!r}, update_rounding={cfg.rounding!r}): its state is "
             "per-rank local shards. Save it unsharded with the default gather_dtensor (one "
-            "file per rank, loaded on the same number of ranks)."
+            "file per rank, loaded on any number of ranks)."
         )
 
 
 def _lean_file() -> str:
     """This rank's file in a lean optimizer checkpoint directory."""
-    rank, world = rank_and_world()
+    return _lean_file_of(*rank_and_world())
+
+
+def _lean_file_of(rank: int, world: int) -> str:
     return f"lean_rank{rank}_of_{world}.pt"
 
 
 def _load_lean_state(optimizer: MixedPrecisionOptimizer, path: Path, saved: list[str]) -> None:
-    """Each rank loads the file its rank wrote: the shard layout and the random streams are
-    the saving run's, so the same number of ranks must load it."""
+    """Each rank loads the file its rank wrote when as many ranks load as saved (bit for bit:
+    the saved codes and streams). On another rank count every rank reads all the files and
+    takes its rows of each param's state (lean.merge_shards: dequantized, joined, cut to its
+    shard, quantized again in its blocks) and a stream mixed for its rank from the saved base
+    seed, at the saved step counter."""
     cfg = None if optimizer.lean is None else optimizer.lean.cfg
     if cfg is None:
         raise ValueError(
@@ -407,20 +413,36 @@ def _load_lean_state(optimizer: MixedPrecisionOptimizer, path: Path, saved: list
             "optimizer is not lean: boost it with the lean policy it was saved with."
         )
     mine = path / _lean_file()
-    if not mine.is_file():
-        world = rank_and_world()[1]
-        worlds = sorted({int(name.rsplit("_of_", 1)[1].removesuffix(".pt")) for name in saved})
-        if worlds:
-            held = f"saved by {' or '.join(map(str, worlds))} ranks ({', '.join(saved)})"
-        else:
-            held = "it holds no lean_rank*_of_*.pt file"
+    if mine.is_file():
+        optimizer.load_state_dict(torch.load(mine, map_location="cpu", weights_only=True))
+        return
+    rank, world = rank_and_world()
+    worlds = sorted({int(name.rsplit("_of_", 1)[1].removesuffix(".pt")) for name in saved})
+    if len(worlds) != 1:
+        held = f"files of {' and '.join(map(str, worlds))} ranks" if worlds else "no file"
         raise ValueError(
-            f"{path} is a lean FSDP optimizer checkpoint {held}; this run has {world} "
-            f"rank{'s' if world != 1 else ''}. Each file holds one rank's local shard of the "
-            "low-bit state and its rounding stream, which mixprec does not reshard: load it "
-            "on as many ranks as saved it (or restart the optimizer state)."
+            f"{path} is not one lean FSDP optimizer checkpoint: it holds {held} "
+            f"(lean_rank*_of_*.pt: {', '.join(saved) or 'none'}); save it again into an empty "
+            "folder."
         )
-    optimizer.load_state_dict(torch.load(mine, map_location="cpu", weights_only=True))
+    (saved_world,) = worlds
+    missing = [
+        _lean_file_of(r, saved_world)
+        for r in range(saved_world)
+        if not (path / _lean_file_of(r, saved_world)).is_file()
+    ]
+    if missing:
+        raise ValueError(
+            f"{path} is a lean FSDP optimizer checkpoint of {saved_world} ranks missing "
+            f"{', '.join(missing)}; this run has {world} rank{'s' if world != 1 else ''}, "
+            "which needs every rank's file to reshard it."
+        )
+    states = [
+        torch.load(path / _lean_file_of(r, saved_world), map_location="cpu", weights_only=True)
+        for r in range(saved_world)
+    ]
+    held = [p for g in optimizer.optim.param_groups for p in g["params"]]
+    optimizer.load_state_dict(merge_shards(states, held, rank))
 
 
 def _load_counters(optimizer: MixedPrecisionOptimizer, state: dict[str, Any]) -> None:
