@@ -3,8 +3,8 @@
 torchao's OptimState8bit / OptimState4bit / OptimStateFp8 hold codes and one fp32 scale per
 block. Writing one (its copy_) scales each block by its absmax and finds each value's nearest
 code with a binary search of the 256- (16-) entry code map and a rounding step: 10 (6) table
-lookups per element, the larger part of a lean step on a CPU (2**17 elements, one thread:
-14.5 ns an element for the search, 0.7 for an Adam update without it).
+lookups per element, the larger part of a lean step on a CPU (2**17 elements, one thread,
+compiled: block scale + search 14.5 ns an element, an elementwise update 0.7).
 
 Here the nearest code is one lookup in a table over the value's top 16 bits (its bf16-sized
 bucket) and one comparison. torchao's code is a non-decreasing function of the value, and it
@@ -13,14 +13,16 @@ are further apart than a bucket is wide), so per bucket the table keeps, in one 
 of its lowest value and where in the bucket the code steps up (the low 16 bits of the smallest
 fp32 value taking the next code, counted in value order; 2**16 where it does not step), both
 found with torchao's own quantize function. The code is then torchao's for every value in
-[-1, 1] (all a block's absmax scaling gives) and nan, exactly (tests/test_qstate.py checks
-every step point, its neighbours and every bucket's ends). Scales, dequantization and the
+[-1, 1] (all a block's absmax scaling gives) and nan, exactly: tests/test_qstate.py checks
+every step point, its neighbours and every bucket's ends, and scripts/check_qstate_exhaustive.py
+checked every fp32 value in [-1, 1] for each of the four maps once (0 mismatches). Scales, dequantization and the
 4-bit packing are torchao's formulas; fp8 (a cast, no search) is torchao's own quantize_fp8.
 
 The kernels index only these tables and code maps, with indices in range by construction
 (a masked 16-bit bucket, a uint8 code, a 4-bit nibble), so fused_step compiles them without
-inductor's per-element bounds checks. Measured (2**17 elements, one thread, an AdamW kernel
-with both moments int8): 22 ns an element with torchao's search, 15 with this table.
+inductor's per-element bounds checks. Measured (135168 elements, one thread, an AdamW kernel
+with both moments int8): ~48 ns an element with torchao's copy_ in the graph, ~16 with this
+table (block scale + table alone: 4.0 ns, against the search's 14.5).
 
 The kernel sees plain tensors (unpack): no tensor subclass in a compiled graph.
 """
