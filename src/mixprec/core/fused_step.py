@@ -90,7 +90,7 @@ def _compiled(fn: Callable[..., Any], variant: tuple) -> Callable[..., Any]:
     """
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
     if STATIC in variant:
-        # ~30% of a quantized kernel's time went to the checks (22 -> 15 ns an element)
+        # the checks cost ~15% of a quantized kernel (measured 22 -> 19 ns an element)
         options = {"assert_indirect_indexing": False}
         return torch.compile(copy, dynamic=False, fullgraph=True, options=options)
     return torch.compile(copy, dynamic=True, fullgraph=True)

@@ -585,6 +585,11 @@ def merge_shards(saved: list[dict[str, Any]], held: list[torch.Tensor], rank: in
                 shape, offset = compute_local_shape_and_global_offset(
                     p.shape, p.device_mesh, p.placements
                 )
+                if tuple(shape[1:]) != tuple(p.shape[1:]):
+                    raise ValueError(
+                        f"Param {index} is sharded along more than its rows ({p.placements}); "
+                        "mixprec reshards lean state of row-sharded (FSDP2) params only."
+                    )
                 rows = slice(offset[0], offset[0] + shape[0]) if whole.dim() > 0 else ...
                 whole = whole[rows].reshape(shape)
             entry[key] = whole.contiguous()
