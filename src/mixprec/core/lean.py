@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from mixprec.core import fused_step as fused
+from mixprec.core import qstate
 from mixprec.core import step_math as sm
 from mixprec.core.policy import ROUNDINGS, OptimizerState, Policy, Rounding, state_formats
 from mixprec.core.scaling import rank_and_world
@@ -185,26 +186,23 @@ def unpack_to_fp32(value: Any) -> Any:
     """A packed state value (see pack) as an fp32 tensor; anything else as it is."""
     if not (isinstance(value, dict) and "lean_format" in value):
         return value
-    from torchao.optim.quant_utils import dequant_with_qmap
     from torchao.optim.subclass_4bit import get_qmap_signed as qmap4_signed
     from torchao.optim.subclass_4bit import get_qmap_unsigned as qmap4_unsigned
     from torchao.optim.subclass_8bit import get_qmap_signed as qmap8_signed
     from torchao.optim.subclass_8bit import get_qmap_unsigned as qmap8_unsigned
 
-    codes, scale, shape = value["codes"], value["scale"], value["shape"]
+    codes, scale, shape = value["codes"].view(-1), value["scale"], value["shape"]
     kind = value["lean_format"]
-    if kind == "OptimStateFp8":
-        block = codes.numel() // scale.numel()
-        return (codes.float().view(-1, block) * scale.view(-1, 1)).view(shape)
-    if kind == "OptimState8bit":
+    if kind == qstate.FP8:
+        return qstate.read((codes, scale)).view(shape)
+    if kind == qstate.INT8:
         table = qmap8_signed() if value["signed"] else qmap8_unsigned()
-    elif kind == "OptimState4bit":
+    elif kind == qstate.INT4:
         table = qmap4_signed() if value["signed"] else qmap4_unsigned()
-        codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1)  # torchao's packing
     else:
         raise ValueError(f"Unknown packed optimizer state format {kind!r}.")
     qmap = torch.tensor(table, dtype=torch.float32, device=codes.device)
-    return dequant_with_qmap(codes, qmap, scale).view(shape)
+    return qstate.read((codes, scale, qmap)).view(shape)  # the kernel's own dequantize
 
 
 COMPILE_MIN_ELEMENTS = 1 << 16

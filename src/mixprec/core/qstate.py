@@ -99,7 +99,7 @@ def _build(qmap: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The t-th lowest fp32 value of each bucket (t in 0..65535): the low 16 bits count
         up for positive values and down for negative ones."""
         low = torch.where(negative, 0xFFFF - t, t)
-        bits = ((bucket << 16) | low).to(torch.int64)
+        bits = (bucket << 16) | low
         bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
         return bits.view(torch.float32)
 
@@ -138,7 +138,8 @@ def nearest_codes(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 def read(state: Any) -> torch.Tensor:
-    """A kernel's state operand (see unpack) as flat fp32 values."""
+    """A kernel's state operand (see unpack) as flat fp32 values: torchao's dequantize (its
+    table is not read, so (codes, scale, code map) will do; lean's checkpoint loads call it)."""
     if not isinstance(state, tuple):
         return state.float()
     codes, scale = state[0], state[1]
