@@ -1,8 +1,10 @@
 """Check mixprec.core.qstate's nearest-code table against torchao's quantize on every fp32
 value in [-1, 1] and its negatives (2**31 values per map), for torchao's four code maps
-(int8 / int4, signed / unsigned). Not in CI: ~6 min on 2 cores (both sides compiled, in
-chunks of 2**24). tests/test_qstate.py checks every step point, its neighbours and every
-bucket's ends; this is the exhaustive version of it.
+(int8 / int4, signed / unsigned), and its fp8 conversion against torch's own on every fp32
+value (2**32; on a torch that does not saturate, as 2.11, where the two agree: below 464 in
+magnitude, and nan). Not in CI: ~8 min on 2 cores (in chunks of 2**24).
+tests/test_qstate.py checks every step point, its neighbours and every bucket's ends, and
+fp8's rounding boundaries; this is the exhaustive version of it.
 
     python scripts/check_qstate_exhaustive.py
 """
@@ -43,9 +45,28 @@ def check(fmt: str, signed: bool) -> int:
     return bad
 
 
+def check_fp8() -> int:
+    """Mismatching fp8 codes (qstate.fp8_codes against torch's .to(float8_e4m3fn)) over
+    every fp32 value (prints the count and the time)."""
+    saturates = bool(torch.tensor(1e6).to(torch.float8_e4m3fn).float() == qstate.FP8_MAX)
+    mine = torch.compile(qstate.fp8_codes, dynamic=False)
+    start, bad = time.perf_counter(), 0
+    for first in range(-(1 << 31), 1 << 31, CHUNK):
+        x = torch.arange(first, first + CHUNK, dtype=torch.int64).to(torch.int32)
+        x = x.view(torch.float32)
+        theirs = x.to(torch.float8_e4m3fn).view(torch.uint8).int()
+        wrong = theirs != (mine(x) & 0xFF)
+        if not saturates:
+            wrong &= (x.abs() < 464) | x.isnan()
+        bad += int(wrong.sum())
+    print(f"fp8: 2**32 values, {bad} mismatches, {time.perf_counter() - start:.0f} s")
+    return bad
+
+
 def main() -> int:
     maps = [("int8", True), ("int8", False), ("int4", True), ("int4", False)]
-    return 1 if sum(check(fmt, signed) for fmt, signed in maps) else 0
+    bad = sum(check(fmt, signed) for fmt, signed in maps)
+    return 1 if bad + check_fp8() else 0
 
 
 if __name__ == "__main__":

@@ -76,6 +76,40 @@ def test_write_and_read_are_torchaos_copy_and_dequantize(fmt: str, signed: bool)
     torch.testing.assert_close(qstate.read(operand), theirs.dequantize().view(-1), **EXACT)
 
 
+def test_fp8_values_are_torchs_for_all_256_codes() -> None:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    theirs = codes.view(torch.float8_e4m3fn).float()
+    mine = qstate.fp8_values(codes)
+    assert torch.equal(mine.view(torch.int32), theirs.view(torch.int32))  # nan's bits, -0.0
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp8_codes_are_torchs_at_every_rounding_boundary(compiled: bool) -> None:
+    """fp8_codes equals torch's fp32 -> float8_e4m3fn at every value where the rounding
+    changes (each midpoint between neighbouring e4m3 values, subnormal ones included), one
+    fp32 step either side, the e4m3 values themselves, 1M values over e4m3's binades and
+    beyond, +-0, fp32 subnormals and nan, both signs; past +-464 only where torch saturates
+    (2.13 does, 2.11 gives nan: outside what a block scaled to 448 reaches)."""
+    e4m3 = torch.arange(127, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    points = e4m3.float()  # 0 .. 448
+    middles = (points[:-1] + points[1:]) / 2  # exact in fp32
+    g = torch.Generator().manual_seed(3)
+    binades = torch.exp2(torch.rand(1 << 20, generator=g) * 30 - 20)
+    near = [torch.nextafter(middles, torch.tensor(v)) for v in (0.0, 1e9)]
+    ends = torch.tensor([0.0, 1e-45, 1e-38, 2.0**-10, 448.0, 463.99, float("nan")])
+    x = torch.cat([points, middles, *near, binades, ends])
+    x = torch.cat([x, -x])
+    saturates = bool(torch.tensor(1e6).to(torch.float8_e4m3fn).float() == qstate.FP8_MAX)
+    if saturates:
+        x = torch.cat([x, torch.tensor([464.0, 479.0, 1e6, float("inf"), -1e6, -float("inf")])])
+    else:
+        x = x[(x.abs() < 464) | x.isnan()]
+    convert = torch.compile(qstate.fp8_codes, dynamic=False) if compiled else qstate.fp8_codes
+    theirs = x.to(torch.float8_e4m3fn).view(torch.uint8).int()
+    mine = convert(x)
+    assert torch.equal(mine, theirs), int((mine != theirs).sum())
+
+
 def test_plain_state_passes_through() -> None:
     state = torch.arange(6.0).view(2, 3)
     operand = qstate.unpack(state)

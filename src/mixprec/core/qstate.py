@@ -49,13 +49,13 @@ def unpack(state: torch.Tensor) -> Any:
     """What the kernel takes for a state tensor: a plain tensor flattened (as it is), or for
     torchao's quantized state a tuple of flat plain tensors: (codes, scale) for fp8, (codes,
     scale, code map, nearest-code table) for int8 and int4 (same storage: the kernel writes
-    the state in place)."""
+    the state in place); fp8's codes as their uint8 bits."""
     kind = type(state).__name__
     if kind not in (INT8, INT4, FP8):
         return state.view(-1)
     codes = state.codes.view(-1)
     if kind == FP8:
-        return (codes, state.scale)
+        return (codes.view(torch.uint8), state.scale)  # the e4m3 bits: see fp8_values
     return (codes, state.scale, state.qmap, table(state.qmap, kind, bool(state.signed)))
 
 
@@ -133,7 +133,7 @@ def nearest_codes(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """torchao's nearest code (int32) of each value of x (fp32 in [-1, 1], or nan) from the
     nearest-code table of its code map (see table). A nan's bucket holds code 0, no step."""
     bits = x.view(torch.int32)
-    entry = table[(bits >> 16) & 0xFFFF]
+    entry = torch.gather(table, 0, ((bits >> 16) & 0xFFFF).long())
     return (entry >> 17) + (_position(bits) >= (entry & 0x1FFFF)).int()
 
 
@@ -144,12 +144,14 @@ def read(state: Any) -> torch.Tensor:
         return state.float()
     codes, scale = state[0], state[1]
     if len(state) == 2:  # fp8: torchao's dequantize
-        return (codes.float().view(scale.numel(), -1) * scale.view(-1, 1)).view(-1)
+        values = fp8_values(codes.view(torch.uint8))
+        return (values.view(scale.numel(), -1) * scale.view(-1, 1)).view(-1)
     qmap = state[2]
     index = codes
     if qmap.numel() == 16:  # int4: two codes a byte, high nibble first (torchao's packing)
         index = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)
-    return (qmap[index.int()].view(scale.numel(), -1) * scale.view(-1, 1)).view(-1)
+    values = torch.gather(qmap, 0, index.long())
+    return (values.view(scale.numel(), -1) * scale.view(-1, 1)).view(-1)
 
 
 def write(state: Any, value: torch.Tensor) -> None:
@@ -159,11 +161,10 @@ def write(state: Any, value: torch.Tensor) -> None:
         state.copy_(value)
         return
     codes, scale = state[0], state[1]
-    if len(state) == 2:
-        from torchao.optim.subclass_fp8 import quantize_fp8
-
-        new_codes, new_scale = quantize_fp8(value, value.numel() // scale.numel())
-        codes.copy_(new_codes)
+    if len(state) == 2:  # torchao's quantize_fp8: block absmax to e4m3's largest value
+        blocks = value.view(scale.numel(), -1)
+        new_scale = blocks.abs().amax(-1).clip(1e-12) / FP8_MAX
+        codes.copy_(fp8_codes(blocks / new_scale.view(-1, 1)).view(-1).to(torch.uint8))
         scale.copy_(new_scale)
         return
     from torchao.optim.quant_utils import scale_tensor
@@ -174,3 +175,40 @@ def write(state: Any, value: torch.Tensor) -> None:
         new = (new[::2] << 4) | new[1::2]
     codes.copy_(new)
     scale.copy_(new_scale)
+
+
+# ----- fp8 (e4m3fn) in integer arithmetic -----
+# Torch converts fp32 to and from float8 one element at a time in plain C++ on CPUs without
+# AVX-512 (the kernel's at::vec::convert falls back to it): fp8 state cost more than int8's
+# table lookups (22 against 16 ns an element, AdamW kernel, one thread). These are the same
+# conversions in int32 and fp32 operations, which inductor vectorizes.
+FP8_MAX = 448.0
+"""e4m3fn's largest finite value (torch.finfo(torch.float8_e4m3fn).max): torchao's block scale
+maps a block's absmax to it."""
+
+
+def fp8_codes(x: torch.Tensor) -> torch.Tensor:
+    """The e4m3fn bits (int32, 0..255) of fp32 x: torch's conversion (round to nearest even,
+    e4m3fn's subnormals; nan to 0x7F with its sign), for every fp32 value: beyond the largest
+    finite value torch 2.13 saturates to +-448 and this does too (torch 2.11 gives nan from
+    464 on; a block scaled by its absmax never gets there). Checked against torch's own
+    conversion on all 2**32 fp32 values (tests: the boundaries; scripts/check_qstate_exhaustive.py)."""
+    bits = x.view(torch.int32)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # below 2**-6 (e4m3's subnormals, steps of 2**-9): fp32's own rounding, adding 2**14
+    sub = (x.abs() + 16384.0).view(torch.int32) - (141 << 23)
+    # normal: round the mantissa to 3 bits, half to even, and rebias the exponent (127 -> 7)
+    normal = (a + (0x7FFFF - (120 << 23)) + ((a >> 20) & 1)) >> 20
+    code = torch.where(a < (121 << 23), sub, normal).clamp(max=0x7E)
+    return torch.where(a > 0x7F800000, 0x7F, code) | sign
+
+
+def fp8_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of e4m3fn bits (uint8 codes): torch's conversion, bit for bit (all 256)."""
+    c = codes.int()
+    mag = c & 0x7F
+    normal = torch.where(mag == 0x7F, 0x7FF00000, (mag << 20) + (120 << 23))  # 0x7F: nan
+    sub = mag.float() * 2.0**-9  # subnormals: mag * 2**-9, exact
+    value = torch.where(mag < 8, sub, normal.view(torch.float32))
+    return torch.where(c >= 128, -value, value)
