@@ -427,6 +427,57 @@ def test_batched_small_tensors_step_as_one_at_a_time_bitwise(monkeypatch, state,
         torch.testing.assert_close(b, a, **EXACT)
 
 
+def _small_tensors_setup(state: str, batch_max: int | None = None):
+    model = _several_small_tensors(0)
+    opt = MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        master_weights=False,
+        lean=LeanConfig(rounding="stochastic", state=state, seed=7),
+    )
+    if batch_max is not None:
+        opt.lean.batch_max = batch_max
+    return model, opt
+
+
+def _small_tensors_step(model, opt, x, y, frozen: int | None = None) -> None:
+    loss = torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+    opt.backward(loss)
+    if frozen is not None:  # this param has no grad this step: the batch changes
+        list(model.parameters())[frozen].grad = None
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("state", ["fp32", "int8", "fp8", "int8/int4"])
+def test_batched_state_lives_joined_and_follows_a_changing_batch(state: str) -> None:
+    """A batch's state stays joined between steps (the optimizer's state tensors are views of
+    one buffer per column: no state is copied in or out); a step where a param has no grad
+    (another batch), a state_dict loaded into the optimizer (new state tensors) or a state
+    tensor given other memory joins it again. Every step equals, bit for bit, each tensor
+    through its own kernel."""
+    (model, opt), (alone, alone_opt) = _small_tensors_setup(state), _small_tensors_setup(state, 0)
+    data = batches(6)
+    for step, (x, y) in enumerate(data):
+        frozen = 1 if step in (1, 2) else 5 if step == 3 else None
+        for m, o in ((model, opt), (alone, alone_opt)):
+            _small_tensors_step(m, o, x, y, frozen)
+        if step == 0:
+            first, second = (opt.state[p]["exp_avg"] for p in list(model.parameters())[0:3:2])
+            parts = (first, second) if type(first) is torch.Tensor else (first.codes, second.codes)
+            assert parts[0].untyped_storage().data_ptr() == parts[1].untyped_storage().data_ptr()
+        if step == 3:  # new state tensors, the same values
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        if step == 4:  # the same tensor, its memory elsewhere
+            moment = opt.state[next(model.parameters())]["exp_avg"]
+            if type(moment) is torch.Tensor:
+                moment.data = moment.data.clone()
+            else:
+                moment.codes = moment.codes.clone()
+        for a, b in zip(snapshot(alone, alone_opt), snapshot(model, opt), strict=True):
+            torch.testing.assert_close(b, a, **EXACT)
+    assert len(opt.lean._joins) <= 2  # joins over the same params replace each other
+
+
 def test_fp32_masters_with_int8_state() -> None:
     """optimizer_state next to a masters mode: the masters step with int8 moments."""
     model = mlp()
