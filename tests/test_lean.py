@@ -571,15 +571,6 @@ def test_lightning_plugin_bf16_sr_with_int8_state() -> None:
     assert model.module[0].weight.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("state", ["int8", "int4", "fp8", "fp32/int4"])
-def test_compile_step_refuses_low_bit_state_by_name(state: str) -> None:
-    from mixprec.core.compiled_step import CompileStepError, compile_step
-
-    model, opt = lean_setup(state)
-    with pytest.raises(CompileStepError, match=f"optimizer_state='{state}'"):
-        compile_step(model, opt, torch.nn.functional.mse_loss)
-
-
 def _lean_pair(optim: str, state: str, rounding: str):
     """Two identical lean (model, optimizer) pairs: bf16 params, no masters."""
     pairs = []
@@ -600,7 +591,15 @@ def _lean_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("optim", "state", "rounding"),
-    [("adamw", "fp32", "stochastic"), ("adamw", "bf16", "nearest"), ("sgd", "bf16", "stochastic")],
+    [
+        ("adamw", "fp32", "stochastic"),
+        ("adamw", "bf16", "nearest"),
+        ("sgd", "bf16", "stochastic"),
+        ("adamw", "int8", "stochastic"),
+        ("adamw", "int8/int4", "nearest"),
+        ("adamw", "fp8", "stochastic"),
+        ("sgd", "int4", "stochastic"),
+    ],
 )
 def test_compiled_lean_step_equals_the_eager_lean_step_bitwise(
     monkeypatch, optim: str, state: str, rounding: str

@@ -16,7 +16,8 @@ and the scaler's tensors are read and written in place, so state_dict(), checkpo
 alternating compiled and eager steps keep working. Supported: torch.optim.SGD (dampening 0
 when momentum is on), Adam, AdamW, with no amsgrad/capturable/differentiable, no step hooks;
 lean optimizers (mixprec.core.lean: bf16 params without masters, stochastic rounding drawn
-from the eager step's counter stream, fp32 or bf16 state; int8/int4/fp8 state is refused).
+from the eager step's counter stream, fp32, bf16 or torchao's int8/int4/fp8 state, read and
+quantized in the graph by mixprec.core.qstate, kept on a skipped step with torch.where).
 The update is mixprec.core.step_math's, as in the eager, fused and lean steps.
 
 Modes: fp32, bf16, fp16 (dynamic scale), fp16_naive / Apex O2 (fp32 masters, hysteresis), O3 and
@@ -61,6 +62,7 @@ import torch
 from torch import nn
 
 from mixprec.core import fused_step as fused
+from mixprec.core import qstate
 from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
 from mixprec.core.clip import total_grad_norm
@@ -177,6 +179,21 @@ def _init_state(
     return [state["step"], state["exp_avg"], state["exp_avg_sq"]]
 
 
+def _read(state: Any, like: torch.Tensor) -> torch.Tensor:
+    """A state operand's fp32 value in like's shape (a quantized one dequantized: qstate.read)."""
+    if isinstance(state, tuple):
+        return qstate.read(state).view(like.shape)
+    return state.float()
+
+
+def _writes(state: Any, value: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor, new value) pairs that write value into a state operand: a quantized one's codes
+    and scales as qstate.quantize gives them (the eager lean kernel's write, unwritten)."""
+    if isinstance(state, tuple):
+        return list(zip(state[:2], qstate.quantize(state, value.reshape(-1)), strict=True))
+    return [(state, value)]
+
+
 class CompiledStep:
     """`step(*inputs, target) -> loss`: one whole training step, compiled. See compile_step."""
 
@@ -241,13 +258,6 @@ class CompiledStep:
         self.lean = optimizer.lean if wrapped else None
         """The optimizer's lean write-back (stochastic rounding, state format), run in the
         graph; None: torch's own."""
-        if self.lean is not None and self.lean.cfg.low_bit:
-            raise CompileStepError(
-                f"compile_step cannot run optimizer_state={self.lean.cfg.state!r}: torchao's "
-                "quantized state cannot be kept unchanged on a skipped step inside the graph "
-                "(torch.where has no quantized form, and a re-quantized copy need not keep its "
-                "codes). Use optimizer_state 'fp32' or 'bf16' with compile_step, or step eagerly."
-            )
         self._plan()
         device = self.hp[0].device if self.hp else torch.device("cpu")
         self.device_type = device.type
@@ -323,7 +333,12 @@ class CompiledStep:
                 self.train_names.append(name)
                 self.hp.append(hp)
                 self.lp.append(lp)
-                self.states.append(_init_state(self.inner, group, hp, zeros))
+                state = _init_state(self.inner, group, hp, zeros)
+                # torchao's low-bit state as its plain codes and scales (qstate's operands, the
+                # same memory): read, quantized and kept on a skip with torch.where in the graph
+                self.states.append(
+                    [qstate.unpack(t) if qstate.is_quantized(t) else t for t in state]
+                )
                 self.param_index.append(place)
                 self.group_of.append(index)
         # the live params, in optimizer order, looked up once: a step walks no module tree
@@ -437,9 +452,9 @@ class CompiledStep:
             g = sm.unscaled(grad, s, clipping, maximize)
             if state:
                 new, buf = sm.sgd_momentum_update(
-                    hp.float(), g, state[0].float(), s, decay, nesterov
+                    hp.float(), g, _read(state[0], hp), s, decay, nesterov
                 )
-                written.append((state[0], buf))
+                written += _writes(state[0], buf)
             else:
                 new = sm.sgd_update(hp.float(), g, s, decay)
         else:
@@ -448,9 +463,9 @@ class CompiledStep:
             # h: lr, wd, beta1, beta2, eps (fp64); the bias corrections in fp64 as torch's Python
             s = sm.scalar_vector(sm.adam_scalars(*h, step.double()), head)
             g = sm.unscaled(grad, s, clipping, maximize)
-            m, v = exp_avg.float(), exp_avg_sq.float()
+            m, v = _read(exp_avg, hp), _read(exp_avg_sq, hp)
             new, m, v = sm.adam_update(hp.float(), g, m, v, s, decay, decoupled)
-            written += [(exp_avg, m), (exp_avg_sq, v)]
+            written += _writes(exp_avg, m) + _writes(exp_avg_sq, v)
             step_t.copy_(step)  # unchanged on a skip: keep is 0
         if key is not None and hp.dtype == torch.bfloat16:
             written.append((hp, sm.round_bf16_stochastic(new, sm.rounding_noise(key, new.shape))))

@@ -160,21 +160,25 @@ def write(state: Any, value: torch.Tensor) -> None:
     if not isinstance(state, tuple):
         state.copy_(value)
         return
-    codes, scale = state[0], state[1]
+    for old, new in zip(state, quantize(state, value), strict=False):
+        old.copy_(new)
+
+
+def quantize(state: tuple, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (codes, scale) that write() would leave in a quantized operand for value, written
+    nowhere (compile_step keeps the old ones on a skipped step with torch.where)."""
+    scale = state[1]
     if len(state) == 2:  # torchao's quantize_fp8: block absmax to e4m3's largest value
         blocks = value.view(scale.numel(), -1)
         new_scale = blocks.abs().amax(-1).clip(1e-12) / FP8_MAX
-        codes.copy_(fp8_codes(blocks / new_scale.view(-1, 1)).view(-1).to(torch.uint8))
-        scale.copy_(new_scale)
-        return
+        return fp8_codes(blocks / new_scale.view(-1, 1)).view(-1).to(torch.uint8), new_scale
     from torchao.optim.quant_utils import scale_tensor
 
     scaled, new_scale = scale_tensor(value, value.numel() // scale.numel())
     new = nearest_codes(scaled, state[3]).to(torch.uint8)
     if state[2].numel() == 16:  # int4: pack pairs, high nibble first
         new = (new[::2] << 4) | new[1::2]
-    codes.copy_(new)
-    scale.copy_(new_scale)
+    return new, new_scale
 
 
 # ----- fp8 (e4m3fn) in integer arithmetic -----
