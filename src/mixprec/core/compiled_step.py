@@ -181,17 +181,7 @@ def _init_state(
 
 def _read(state: Any, like: torch.Tensor) -> torch.Tensor:
     """A state operand's fp32 value in like's shape (a quantized one dequantized: qstate.read)."""
-    if isinstance(state, tuple):
-        return qstate.read(state).view(like.shape)
-    return state.float()
-
-
-def _writes(state: Any, value: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(tensor, new value) pairs that write value into a state operand: a quantized one's codes
-    and scales as qstate.quantize gives them (the eager lean kernel's write, unwritten)."""
-    if isinstance(state, tuple):
-        return list(zip(state[:2], qstate.quantize(state, value.reshape(-1)), strict=True))
-    return [(state, value)]
+    return qstate.read(state).view(like.shape)
 
 
 class CompiledStep:
@@ -454,7 +444,7 @@ class CompiledStep:
                 new, buf = sm.sgd_momentum_update(
                     hp.float(), g, _read(state[0], hp), s, decay, nesterov
                 )
-                written += _writes(state[0], buf)
+                written += qstate.writes(state[0], buf)
             else:
                 new = sm.sgd_update(hp.float(), g, s, decay)
         else:
@@ -465,7 +455,7 @@ class CompiledStep:
             g = sm.unscaled(grad, s, clipping, maximize)
             m, v = _read(exp_avg, hp), _read(exp_avg_sq, hp)
             new, m, v = sm.adam_update(hp.float(), g, m, v, s, decay, decoupled)
-            written += _writes(exp_avg, m) + _writes(exp_avg_sq, v)
+            written += qstate.writes(exp_avg, m) + qstate.writes(exp_avg_sq, v)
             step_t.copy_(step)  # unchanged on a skip: keep is 0
         if key is not None and hp.dtype == torch.bfloat16:
             written.append((hp, sm.round_bf16_stochastic(new, sm.rounding_noise(key, new.shape))))

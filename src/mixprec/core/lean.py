@@ -562,14 +562,9 @@ def _parts(column: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 def _split_into(column: list[torch.Tensor], whole: torch.Tensor) -> None:
     """Copy a joined state tensor (see _join) back into the batch's own state tensors."""
-    if type(whole) is torch.Tensor:
-        flat = [t.view(-1) for t in column]
-        torch._foreach_copy_(flat, whole.split([t.numel() for t in flat]))
-        return
-    codes = [t.codes.view(-1) for t in column]
-    torch._foreach_copy_(codes, whole.codes.split([c.numel() for c in codes]))
-    scales = [t.scale for t in column]
-    torch._foreach_copy_(scales, whole.scale.split([c.numel() for c in scales]))
+    for parts, joined in zip(_parts(column), _parts([whole]), strict=True):
+        flat = [t.view(-1) for t in parts]
+        torch._foreach_copy_(flat, joined[0].view(-1).split([t.numel() for t in flat]))
 
 
 def split_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int, dict], Any]:

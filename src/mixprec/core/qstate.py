@@ -157,16 +157,22 @@ def read(state: Any) -> torch.Tensor:
 def write(state: Any, value: torch.Tensor) -> None:
     """value (flat fp32) into a kernel's state operand in place: quantized as torchao's copy_
     does (block absmax scale, nearest code; fp8: scale to e4m3's max and cast)."""
-    if not isinstance(state, tuple):
-        state.copy_(value)
-        return
-    for old, new in zip(state, quantize(state, value), strict=False):
+    for old, new in writes(state, value):
         old.copy_(new)
 
 
+def writes(state: Any, value: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (tensor, new value) pairs write() copies: a plain operand and value, or a quantized
+    operand's codes and scale and quantize()'s (compile_step keeps the old ones on a skipped
+    step with torch.where instead of copying)."""
+    if not isinstance(state, tuple):
+        return [(state, value)]
+    return list(zip(state[:2], quantize(state, value.reshape(-1)), strict=True))
+
+
 def quantize(state: tuple, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (codes, scale) that write() would leave in a quantized operand for value, written
-    nowhere (compile_step keeps the old ones on a skipped step with torch.where)."""
+    """The (codes, scale) that write() leaves in a quantized operand for value (flat fp32),
+    written nowhere."""
     scale = state[1]
     if len(state) == 2:  # torchao's quantize_fp8: block absmax to e4m3's largest value
         blocks = value.view(scale.numel(), -1)
