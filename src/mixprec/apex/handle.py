@@ -37,6 +37,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mixprec.apex import functions
+from mixprec.apex.amp.frontend import _handle_optimizer, scale_loss
 from mixprec.apex.amp_state import AmpHandle
 from mixprec.apex.lists import BANNED_OPS, FP32_OPS, INPLACE_FP32_OPS, LOW_PRECISION_OPS
 from mixprec.apex.policy import _as_bool, _scaler_config
@@ -233,8 +234,6 @@ class InitHandle(AmpHandle):
         for each of num_loss losses per iteration, each with its own dynamic loss scale; step()
         skips if any of them overflowed. handle.scale_loss is refused from then on, as in Apex.
         """
-        from mixprec.apex.amp import _handle_optimizer  # amp imports this module
-
         self._wrapped_optimizer = True
         return OptimWrapper(_handle_optimizer(optimizer, num_loss), self, num_loss)
 
@@ -310,8 +309,6 @@ class OptimWrapper:
                 f"scale_loss called {self._loss_idx + 1} times since the last step(), but "
                 f"wrap_optimizer(num_loss={self._num_loss}): raise num_loss."
             )
-        from mixprec.apex.amp import scale_loss  # amp imports this module
-
         with scale_loss(loss, self._optimizer, loss_id=self._loss_idx) as scaled_loss:
             yield scaled_loss
         self._loss_idx += 1

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.apex.amp import PARALLEL_WRAPPERS
+from mixprec.apex.amp.frontend import PARALLEL_WRAPPERS
 
 BYTES_PER_MB = 2**20
 
