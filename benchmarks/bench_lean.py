@@ -472,6 +472,7 @@ def size_worker(mode: str, size: str, steps: int) -> dict:
     }
     final = [(n, s, r) for n, s, r, _ in trace.phases if n == "forward"][-1]  # last step start
     return counts | {
+        "machine": machine_name(torch.device("cpu")),  # the worker's threads, not the parent's
         "skipped_steps": skipped,
         "step_s": step_s,
         "peak_mib": peaks,
@@ -521,7 +522,7 @@ def run_size(args: argparse.Namespace) -> int:
         "size": args.size,
         "shape": SIZES[args.size],
         "steps": args.size_steps,
-        "machine": machine_name(torch.device("cpu")),
+        "machine": memory["fp32"][args.allocators[0]]["machine"],
         "seconds": time.perf_counter() - start,
         "load": [load0, os.getloadavg()[0]],
         "memory": memory,
@@ -599,7 +600,34 @@ def size_markdown(record: dict) -> str:
                 f"| {name} | {allocator} | " + " | ".join(cells) + f" | {m['steady_rss_mib']:.0f}"
                 f" | {peak:.0f} | {peak / fp32_peak:.2f} | {peak / naive_peak:.2f} |"
             )
+    if record["steps"] > 1:
+        lines += size_time_lines(mem, allocators)
     return "\n".join(lines) + "\n"
+
+
+def size_time_lines(mem: dict, allocators: list[str]) -> list[str]:
+    """The --size run's step times: each mode's first step (compiling its kernels) and the
+    median of the later ones, and NAIVE's later median over the mode's (same allocator)."""
+    lines = [
+        "",
+        "Step time, seconds (forward, backward, step, zero_grad), from the same workers: one "
+        "process per mode and allocator, one after the other (not interleaved, so load that "
+        "changes between them falls on one mode). The first step compiles the lean kernels "
+        "(one per tensor size). 'vs NAIVE': NAIVE's later median over the mode's, same "
+        "allocator; NAIVE's params are fp16 here, the lean modes' bf16.",
+        "",
+        "| mode | allocator | first step | later steps (median) | vs NAIVE |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for allocator in allocators:
+        naive = median(mem["NAIVE (fp16)"][allocator]["step_s"][1:])
+        for name, runs in mem.items():
+            steps = runs[allocator]["step_s"]
+            later = median(steps[1:])
+            lines.append(
+                f"| {name} | {allocator} | {steps[0]:.2f} | {later:.2f} | {naive / later:.2f} |"
+            )
+    return lines
 
 
 def size_chart(record: dict, path: Path) -> None:
@@ -889,7 +917,7 @@ def main(argv: list[str] | None = None) -> int:
         samples = time_steps(args, text, bar)
     timing = {n: median(t) for n, t in samples.items()}
     record |= {
-        "machine": machine_name(torch.device("cpu")),
+        "machine": memory["fp32"][args.allocators[0]]["machine"],
         "seconds": time.perf_counter() - start,
         "load": [load0, os.getloadavg()[0]],
         "memory": memory,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,25 @@ def test_size_worker_counts_each_modes_bytes(bench) -> None:
         assert set(run["peak_mib"]) == set(bench.PHASES)
         assert run["peak_rss_mib"] == max(run["peak_mib"].values())
         assert len(run["step_s"]) == 2 and run["trace"]
+        assert ", 1 threads," in run["machine"]  # the worker pins one thread, and says so
+
+
+def test_size_table_reports_each_modes_step_time_against_naives(bench) -> None:
+    """The committed 100M run's record renders a step-time row per mode and allocator: the
+    first step, the later steps' median, and NAIVE's later median over it (same allocator)."""
+    record = json.loads((ROOT / "benchmarks/results/lean_memory_100m_compiled/lean_memory.json").read_text())  # fmt: skip
+    int8 = record["memory"]["bf16_sr+int8"]["glibc default"]["step_s"]
+    naive = record["memory"]["NAIVE (fp16)"]["glibc default"]["step_s"]
+    assert [round(s, 2) for s in int8] == [36.43, 18.26, 18.25]
+    assert [round(s, 2) for s in naive] == [21.25, 17.6, 17.82]
+    table = bench.size_markdown(record)
+    assert record["machine"].startswith("AMD EPYC, 1 threads")  # the workers', not the parent's
+    assert "| bf16_sr+int8 | glibc default | 36.43 | 18.26 | 0.98 |" in table  # 17.82 / 18.26
+    assert "| NAIVE (fp16) | fixed mmap threshold | 20.97 | 17.77 | 1.00 |" in table
+    rows = [r for r in table.splitlines() if r.count(" | ") == 4 and "|---" not in r]
+    assert len(rows) == 1 + 7 * 2  # the header, then every mode under both allocators
+    one_step = record | {"steps": 1}
+    assert "later steps" not in bench.size_markdown(one_step)  # no later steps, no table
 
 
 def test_quality_and_time_runs_write_their_table_record_and_picture(bench, tmp_path) -> None:
