@@ -917,7 +917,7 @@ def main(argv: list[str] | None = None) -> int:
         samples = time_steps(args, text, bar)
     timing = {n: median(t) for n, t in samples.items()}
     record |= {
-        "machine": memory["fp32"][args.allocators[0]]["machine"],
+        "machine": machine_name(torch.device("cpu")),
         "seconds": time.perf_counter() - start,
         "load": [load0, os.getloadavg()[0]],
         "memory": memory,

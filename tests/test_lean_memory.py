@@ -112,3 +112,34 @@ def _quality_and_time_runs(bench, tmp_path) -> None:
     assert (timing / "time.png").stat().st_size > 0
     with pytest.raises(SystemExit):  # --modes names quality modes, and only with --quality-only
         bench.main(["--modes", "fp32", "--out", str(tmp_path / "x")])
+
+
+def test_the_default_run_writes_memory_quality_and_time_in_one_record(
+    bench, tmp_path, monkeypatch
+) -> None:
+    """The full run (no --*-only), tiny: memory workers, quality and step time land in one
+    lean.md / lean.json / lean.png. fp32's memory worker runs as the run starts it, in its own
+    process; the other modes' run in this one (the same function, without a process each)."""
+    launch = bench.run_memory
+
+    def run_memory(mode, args):
+        if mode == "fp32":
+            return launch(mode, args)
+        return bench.memory_worker(mode, args.mem_width, args.mem_depth, args.mem_batch, args.context)  # fmt: skip
+
+    monkeypatch.setattr(bench, "run_memory", run_memory)
+    threads = torch.get_num_threads()  # main() pins one thread: give the worker its own back
+    try:
+        args = ["--mem-width", "16", "--mem-depth", "1", "--mem-batch", "1"]
+        args += ["--gpt-width", "16", "--gpt-depth", "1", "--batch", "2", "--context", "8"]
+        args += ["--seeds", "1", "--gpt-seeds", "1", "--fp32-seeds", "2", "--digits-steps", "2"]
+        args += ["--gpt-steps", "2", "--time-rounds", "1", "--no-progress"]
+        assert bench.main([*args, "--out", str(tmp_path / "run")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    record = json.loads((tmp_path / "run" / "lean.json").read_text())
+    assert set(record) >= {"machine", "memory", "quality", "time"}
+    assert ", 1 threads," in record["machine"]
+    table = (tmp_path / "run" / "lean.md").read_text()
+    assert "| bf16_sr + int8 |" in table or "| bf16_sr+int8 |" in table
+    assert (tmp_path / "run" / "lean.png").stat().st_size > 0
