@@ -842,7 +842,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpt-seeds", type=int, default=1, help="GPT seeds per lean mode")
     parser.add_argument("--fp32-seeds", type=int, default=3, help="GPT seeds of fp32 (spread)")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--time-rounds", type=int, default=10)
+    parser.add_argument(
+        "--time-rounds",
+        type=int,
+        default=60,
+        help="interleaved rounds of every mode's step (~0.4 s a round for the default GPT); "
+        "fewer leave the ratios noisy on a shared machine",
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
         "--size",
