@@ -112,10 +112,21 @@ def test_run_builds_torchrun_argv_that_torchrun_parses():
 def test_run_leaves_the_port_to_torchrun_when_not_given():
     args = parse_run(["--nproc-per-node", "auto", "--nnodes", "1:2", "s.py"])
     argv = cli.run_args_to_torchrun_argv(args)
-    assert "--master-port" not in argv
+    assert "--master-port" not in argv and "--standalone" not in argv
     assert argv[:4] == ["--nproc-per-node", "auto", "--nnodes", "1:2"]
     # torchrun's own default then (2.13: None, a free port; 2.11: 29500)
     assert torchrun.parse_args(argv).master_port == torchrun.parse_args(["s.py"]).master_port
+
+
+@pytest.mark.parametrize("nnodes", ["1", "1:1"])
+def test_one_node_without_a_port_gets_a_free_one_on_every_torch(nnodes):
+    """torchrun --standalone: the rendezvous store binds a free port itself (torch 2.11's
+    torchrun alone would take 29500, and two single-node jobs on one machine collided)."""
+    argv = cli.run_args_to_torchrun_argv(parse_run(["--nnodes", nnodes, "s.py"]))
+    parsed = torchrun.parse_args(argv)
+    assert parsed.standalone and "--master-port" not in argv
+    given = cli.run_args_to_torchrun_argv(parse_run(["--master_port", "1234", "s.py"]))
+    assert "--standalone" not in given  # a port the user names is used as named
 
 
 @pytest.mark.parametrize(

@@ -123,9 +123,18 @@ def run_args_to_torchrun_argv(args: argparse.Namespace) -> list[str]:
         "--master-addr",
         str(args.master_addr),
     ]
-    if args.master_port is not None:  # None lets torchrun pick a free port on one node
+    if args.master_port is not None:
         argv += ["--master-port", str(args.master_port)]
+    elif _one_node(args.nnodes):
+        # A free port, bound by the rendezvous store itself (torchrun's --standalone), on every
+        # torch: torch 2.11's torchrun would take 29500, so two jobs on one machine collided.
+        argv.insert(0, "--standalone")
     return [*argv, str(args.training_script), *args.training_script_args]
+
+
+def _one_node(nnodes: str) -> bool:
+    """--nnodes is exactly one node ("1" or "1:1"), not an elastic range."""
+    return set(nnodes.split(":")) == {"1"}
 
 
 def run_command(args: argparse.Namespace) -> int:
