@@ -127,6 +127,9 @@ def test_one_node_without_a_port_gets_a_free_one_on_every_torch(nnodes):
     assert parsed.standalone and "--master-port" not in argv
     given = cli.run_args_to_torchrun_argv(parse_run(["--master_port", "1234", "s.py"]))
     assert "--standalone" not in given  # a port the user names is used as named
+    addr = cli.run_args_to_torchrun_argv(parse_run(["--master_addr", "10.0.0.2", "s.py"]))
+    assert "--standalone" not in addr  # and so is an address (--standalone serves on localhost)
+    assert torchrun.parse_args(addr).master_addr == "10.0.0.2"
 
 
 @pytest.mark.parametrize(

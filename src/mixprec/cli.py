@@ -19,6 +19,8 @@ from mixprec.core.policy import did_you_mean
 
 NPROC_WORDS: tuple[str, ...] = ("auto", "cpu", "gpu", "xpu")
 """torchrun's non-numeric --nproc_per_node values (one worker per device of that kind)."""
+MASTER_ADDR = "127.0.0.1"
+"""`mixprec run`'s default --master_addr: this machine."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +94,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--master_addr",
         "--master-addr",
         dest="master_addr",
-        default="127.0.0.1",
+        default=MASTER_ADDR,
         help="address of the rank-0 node (default: 127.0.0.1)",
     )
     parser.add_argument(
@@ -125,9 +127,10 @@ def run_args_to_torchrun_argv(args: argparse.Namespace) -> list[str]:
     ]
     if args.master_port is not None:
         argv += ["--master-port", str(args.master_port)]
-    elif _one_node(args.nnodes):
+    elif _one_node(args.nnodes) and args.master_addr == MASTER_ADDR:
         # A free port, bound by the rendezvous store itself (torchrun's --standalone), on every
         # torch: torch 2.11's torchrun would take 29500, so two jobs on one machine collided.
+        # (--standalone serves on localhost: an address the user names keeps torchrun's way.)
         argv.insert(0, "--standalone")
     return [*argv, str(args.training_script), *args.training_script_args]
 
