@@ -4,6 +4,8 @@ A gradient buffer is cast to float8 with one per-tensor scale (a power of two: s
 unscaling are exact, only the fp8 rounding loses bits), and the collectives move the fp8 bytes
 (viewed as uint8: gloo and NCCL reduce no float8 dtype) plus one fp32 scale per rank:
 
+- all-to-all / all-gather: each rank casts its whole input with its own scale and the fp8
+  bytes travel with every rank's scale; the receiver dequantizes (exact) in fp32;
 - reduce-scatter: an all-to-all of the fp8 chunks, then each rank dequantizes the chunks it
   received and sums them in fp32 (the sum is never rounded to fp8);
 - all-reduce: that reduce-scatter, then each rank re-quantizes its summed chunk (its own scale)
@@ -68,6 +70,84 @@ def _dequantize(
     return lp_bytes.view(fp8_dtype).to(torch.float32) / scales.reshape(-1, 1)
 
 
+class PendingFp8AllToAll:
+    """A launched fp8 all-to-all of one flat tensor, cast with one scale (this rank's): piece i
+    (input_split_sizes[i] elements; world equal pieces when None) goes to rank i, and this rank
+    receives output_split_sizes[j] elements from rank j. wait() gives what was received,
+    dequantized to fp32 (exact: power-of-two scales), source rank by source rank, flat."""
+
+    def __init__(
+        self,
+        hp_flat: torch.Tensor,
+        group: ProcessGroup | None,
+        fp8_dtype: torch.dtype,
+        input_split_sizes: list[int] | None = None,
+        output_split_sizes: list[int] | None = None,
+    ) -> None:
+        world = _world(group)
+        if hp_flat.dim() != 1:
+            raise ValueError(
+                f"fp8 all-to-all needs a flat tensor, got shape {tuple(hp_flat.shape)}."
+            )
+        if (input_split_sizes is None) != (output_split_sizes is None):
+            raise ValueError(
+                "fp8 all-to-all takes both input_split_sizes and output_split_sizes or neither, "
+                f"got {input_split_sizes!r} and {output_split_sizes!r}."
+            )
+        if input_split_sizes is None:
+            if hp_flat.numel() % world:
+                raise ValueError(
+                    f"fp8 all-to-all without split sizes needs a length ({hp_flat.numel()}) "
+                    f"that divides by the world size ({world})."
+                )
+            output_split_sizes = [hp_flat.numel() // world] * world
+        else:
+            for name, sizes in (("input", input_split_sizes), ("output", output_split_sizes)):
+                if len(sizes) != world or any(n < 0 for n in sizes):
+                    raise ValueError(
+                        f"fp8 all-to-all: {name}_split_sizes={sizes!r} must hold {world} "
+                        "non-negative sizes, one per rank."
+                    )
+            if sum(input_split_sizes) != hp_flat.numel():
+                raise ValueError(
+                    f"fp8 all-to-all: input_split_sizes={input_split_sizes!r} sum to "
+                    f"{sum(input_split_sizes)}, the tensor has {hp_flat.numel()} elements."
+                )
+        self.fp8_dtype, self.world = fp8_dtype, world
+        self.output_split_sizes = list(output_split_sizes)
+        lp_bytes, scale = _quantize(hp_flat, fp8_dtype)
+        self.received = torch.empty(
+            sum(self.output_split_sizes), dtype=torch.uint8, device=hp_flat.device
+        )
+        self.scales = torch.empty(world, dtype=torch.float32, device=hp_flat.device)
+        self.works = [
+            dist.all_to_all_single(
+                self.received,
+                lp_bytes,
+                output_split_sizes=None if input_split_sizes is None else output_split_sizes,
+                input_split_sizes=input_split_sizes,
+                group=group,
+                async_op=True,
+            ),
+            dist.all_gather_into_tensor(self.scales, scale, group=group, async_op=True),
+        ]
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        sizes = self.output_split_sizes
+        if len(set(sizes)) == 1:  # equal pieces: one (world, n) dequantization
+            rows = self.received.view(self.world, -1)
+            return _dequantize(rows, self.scales, self.fp8_dtype).reshape(-1)
+        pieces = self.received.split(sizes)
+        return torch.cat(
+            [
+                _dequantize(piece.view(1, -1), scale, self.fp8_dtype).reshape(-1)
+                for piece, scale in zip(pieces, self.scales.split(1), strict=True)
+            ]
+        )
+
+
 class PendingFp8ReduceScatter:
     """A launched fp8 reduce-scatter; wait() gives this rank's chunk of the sum, in fp32."""
 
@@ -78,19 +158,11 @@ class PendingFp8ReduceScatter:
                 f"fp8 reduce-scatter needs a flat tensor whose length ({hp_flat.numel()}) "
                 f"divides by the world size ({world})."
             )
-        self.fp8_dtype, self.world = fp8_dtype, world
-        lp_bytes, scale = _quantize(hp_flat, fp8_dtype)
-        self.received = torch.empty_like(lp_bytes)
-        self.scales = torch.empty(world, dtype=torch.float32, device=hp_flat.device)
-        self.works = [
-            dist.all_to_all_single(self.received, lp_bytes, group=group, async_op=True),
-            dist.all_gather_into_tensor(self.scales, scale, group=group, async_op=True),
-        ]
+        self.world = world
+        self.all_to_all = PendingFp8AllToAll(hp_flat, group, fp8_dtype)
 
     def wait(self) -> torch.Tensor:
-        for work in self.works:
-            work.wait()
-        rows = _dequantize(self.received.view(self.world, -1), self.scales, self.fp8_dtype)
+        rows = self.all_to_all.wait().view(self.world, -1)
         return rows.sum(dim=0)  # fp32, in rank order: the same sum on every run
 
 
@@ -99,6 +171,39 @@ def fp8_reduce_scatter(
 ) -> torch.Tensor:
     """This rank's chunk (hp_flat split in world equal parts) of the sum over the group, fp32."""
     return PendingFp8ReduceScatter(hp_flat, group, fp8_dtype).wait()
+
+
+class PendingFp8AllGather:
+    """A launched fp8 all-gather: every rank's flat tensor (equal lengths), each cast with its
+    own scale; wait() gives the (world, n) rows in fp32, the same bytes on every rank."""
+
+    def __init__(self, hp_flat: torch.Tensor, group: ProcessGroup | None, fp8_dtype: torch.dtype):
+        if hp_flat.dim() != 1:
+            raise ValueError(
+                f"fp8 all-gather needs a flat tensor, got shape {tuple(hp_flat.shape)}."
+            )
+        self.world, self.fp8_dtype = _world(group), fp8_dtype
+        lp_bytes, scale = _quantize(hp_flat, fp8_dtype)
+        device = hp_flat.device
+        self.gathered = torch.empty(self.world * lp_bytes.numel(), dtype=torch.uint8, device=device)
+        self.scales = torch.empty(self.world, dtype=torch.float32, device=device)
+        self.works = [
+            dist.all_gather_into_tensor(self.gathered, lp_bytes, group=group, async_op=True),
+            dist.all_gather_into_tensor(self.scales, scale, group=group, async_op=True),
+        ]
+
+    def future(self) -> torch.futures.Future:
+        """Completes when both collectives have landed (then rows() may be read)."""
+        return torch.futures.collect_all([work.get_future() for work in self.works])
+
+    def rows(self) -> torch.Tensor:
+        """(world, n) fp32, row j rank j's tensor; only once the collectives have landed."""
+        return _dequantize(self.gathered.view(self.world, -1), self.scales, self.fp8_dtype)
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.rows()
 
 
 class PendingFp8AllReduce:
@@ -124,21 +229,14 @@ class PendingFp8AllReduce:
 
     def gather(self) -> torch.futures.Future:
         hp_chunk = self.scatter.wait()
-        lp_chunk, scale = _quantize(hp_chunk, self.fp8_dtype)
-        world, device = self.world, hp_chunk.device
-        lp_all = torch.empty(world * lp_chunk.numel(), dtype=torch.uint8, device=device)
-        scales = torch.empty(world, dtype=torch.float32, device=device)
-        works = [
-            dist.all_gather_into_tensor(lp_all, lp_chunk, group=self.group, async_op=True),
-            dist.all_gather_into_tensor(scales, scale, group=self.group, async_op=True),
-        ]
+        gathered = PendingFp8AllGather(hp_chunk, self.group, self.fp8_dtype)
 
         def total(_: torch.futures.Future) -> torch.Tensor:
             # every rank, its own chunk included, dequantizes the same gathered bytes
-            flat = _dequantize(lp_all.view(world, -1), scales, self.fp8_dtype).reshape(-1)
+            flat = gathered.rows().reshape(-1)
             return flat[: self.numel].view(self.shape).to(self.dtype)
 
-        return torch.futures.collect_all([w.get_future() for w in works]).then(total)
+        return gathered.future().then(total)
 
 
 def fp8_all_reduce(
