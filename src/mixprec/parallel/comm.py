@@ -298,9 +298,7 @@ def fp8_ddp_comm_hook(fp8_dtype: torch.dtype) -> Callable[..., torch.futures.Fut
     def hook(group, bucket):  # noqa: ANN001, ANN202
         buffer = bucket.buffer()
         pending = PendingFp8AllReduce(buffer, group, fp8_dtype)
-        # A Future may hold only tensors on the devices it names (none: CPU only)
-        devices = [buffer.device] if buffer.device.type != "cpu" else None
-        mean: torch.futures.Future = torch.futures.Future(devices=devices)
+        mean = _future_on(buffer.device)
         if in_flight:
             _gather_mean(*in_flight.pop())
         if bucket.is_last():
@@ -322,3 +320,20 @@ def _gather_mean(pending: PendingFp8AllReduce, mean: torch.futures.Future) -> No
             mean.set_exception(error)
 
     pending.gather().add_done_callback(done)
+
+
+def _future_on(device: torch.device) -> torch.futures.Future:
+    """An empty Future that may hold tensors on `device` (a Future names its devices; none:
+    CPU only)."""
+    return torch.futures.Future(devices=[device] if device.type != "cpu" else None)
+
+
+def fp8_all_reduce_mean(
+    hp_tensor: torch.Tensor, group: ProcessGroup | None, fp8_dtype: torch.dtype
+) -> torch.futures.Future:
+    """The mean over the group of hp_tensor, moved in fp8, as a Future on its device: waits
+    for the reduce-scatter, launches the all-gather and completes when it lands (all
+    collectives issued before it returns). Bit-identical to fp8_ddp_comm_hook's mean."""
+    mean = _future_on(hp_tensor.device)
+    _gather_mean(PendingFp8AllReduce(hp_tensor, group, fp8_dtype), mean)
+    return mean
