@@ -34,6 +34,7 @@ COLOSSAL = (
     "utils",
     "nn",
     "zero",
+    "quantization",
 )
 FACES = {
     "colossal": COLOSSAL,
