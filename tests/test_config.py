@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
+from mixprec.amp_type import AMP_TYPE
 from mixprec.config import Config, GlobalContext, config_to_policy, gpc, load_config
-from mixprec.core.policy import AMP_TYPE, Policy
+from mixprec.core.policy import Policy
 
 # Seed 001's four config files (config/config_AMP_{torch,naive,apex}.py, config_fp32.py), each
 # written three ways. The .py ones import AMP_TYPE as the seed's do (from the package).

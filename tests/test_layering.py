@@ -215,3 +215,42 @@ def test_the_colossal_face_hands_the_core_its_amp_types_as_aliases_and_parsers()
     assert MODE_PARSERS["fp16_naive"] is naive_amp_policy
     assert to_policy(AMP_TYPE.NAIVE) == to_policy("naive") == to_policy("fp16_naive")
     assert preset(AMP_TYPE.TORCH) == preset("fp16")
+
+
+FACE_PACKAGES = ("mixprec.amp", "mixprec.booster", "mixprec.engine", "mixprec.zero")
+FACE_PACKAGES += ("mixprec.apex", "mixprec.paddle", "mixprec.integrations")
+
+
+def defined_names(path: Path) -> set[str]:
+    """The public names a module's own top-level statements define (imports left out)."""
+    defined: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {name for name in defined if not name.startswith("_")}
+
+
+def colossal_names() -> set[str]:
+    """The names mixprec/amp_type.py defines that core/policy.py does not."""
+    names = defined_names(SRC / "amp_type.py") - defined_names(SRC / "core" / "policy.py")
+    assert {"AMP_TYPE", "TORCH_KEYS", "naive_amp_policy"} <= names  # the parse found them
+    return names
+
+
+def test_at_run_time_the_core_holds_no_face_name_and_no_import_hook() -> None:
+    """After `import mixprec` and every face, core.policy carries only its own names: no face
+    wrote Colossal's words into it, and no meta-path finder keeps old module paths alive."""
+    import importlib
+    import sys
+
+    from mixprec.core import policy
+
+    for face in FACE_PACKAGES:
+        importlib.import_module(face)
+    written = sorted(colossal_names() & set(vars(policy)))
+    assert written == [], f"Colossal names bound in mixprec.core.policy: {written}"
+    finders = [f for f in sys.meta_path if type(f).__module__.split(".")[0] == "mixprec"]
+    assert finders == []

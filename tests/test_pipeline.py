@@ -459,7 +459,7 @@ def _boost_with(model: nn.Module, **kwargs: Any) -> None:
 
 def _config_face(rank: int) -> None:
     """initialize + parallel=dict(pipeline=2): execute_schedule equals the one-process loop."""
-    from mixprec.core.policy import AMP_TYPE
+    from mixprec.amp_type import AMP_TYPE
     from mixprec.engine import initialize
 
     batches = _batches(3)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixprec.core.policy import AMP_TYPE, MODES, PRESETS, Policy, preset, to_policy
+from mixprec.amp_type import AMP_TYPE
+from mixprec.core.policy import MODES, PRESETS, Policy, preset, to_policy
 
 
 def test_every_mode_has_a_preset() -> None:

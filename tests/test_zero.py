@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.amp_type import AMP_TYPE
 from mixprec.booster import Booster
 from mixprec.booster.plugin import LowLevelZeroPlugin
 from mixprec.config import load_config
-from mixprec.core.policy import AMP_TYPE
 from mixprec.core.prepare import prepare_model, prepare_optimizer
 from mixprec.parallel.zero import ZeroOptimizer, partition_params
 
