@@ -6,7 +6,8 @@ dynamo traces into the graph with its trace_autograd_ops switch, set for this ca
 `.backward()` would break the graph), unscales, checks for inf/nan, clips, all-reduces the
 overflow flag (multi-rank), updates the fp32 masters and the optimizer state with fused_step's
 math, writes the low-precision params, and advances the loss scale by its owning scaler's own rule
-(a LossScaler's update, a GradScaler's _update_scale_: Paddle's GradScaler its Paddle rule). A
+(scaling.ScaleRule: the host asks the scaler for this step's scale, where a loop calls scale(),
+and the graph runs its advance_: Megatron's hysteresis, torch's or Paddle's rule). A
 skipped step is a `torch.where` on the device over every tensor it would write, so nothing is
 read on the host: the returned loss is a 0-dim tensor and reading it is the caller's choice.
 
@@ -67,7 +68,7 @@ from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
 from mixprec.core.clip import total_grad_norm
 from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
-from mixprec.core.scaling import ProcessGroup, default_group, rank_and_world
+from mixprec.core.scaling import ProcessGroup, ScaleRule, default_group, rank_and_world
 from mixprec.core.skip_monitor import SkipMonitor, SkipStats
 from mixprec.core.step_record import StepRecord
 from mixprec.core.validate import check_max_norm
@@ -116,48 +117,38 @@ def _refusal(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 class _UnitScale:
-    """The scale of a step no scaler owns (a plain optimizer): static 1.0, still skips inf/nan."""
-
-    dynamic = False
+    """The scale of a step no scaler owns (a plain optimizer), or of one whose scaler is off:
+    static 1.0, still skips inf/nan (ScaleRule)."""
 
     def __init__(self, device: torch.device) -> None:
         self.scale_tensor = torch.ones(1, device=device)
 
+    def active_scale(self) -> torch.Tensor:
+        return self.scale_tensor
 
-def _scale_owner(optimizer: torch.optim.Optimizer, scaler: Any, device: torch.device) -> Any:
-    """The scaler that owns this step's loss scale: the given GradScaler, the optimizer's own
-    LossScaler, or a unit scale. The step reads its `scale_tensor` and advances it by the
-    owner's own rule (see _advance_scale): one rule per scaler, whichever path steps."""
-    from mixprec.core.grad_scaler import GradScaler  # core module; imported late: it imports optim
+    def advance_(self, found_inf: torch.Tensor) -> None:
+        pass
 
+
+def _scale_owner(optimizer: torch.optim.Optimizer, scaler: Any) -> ScaleRule | None:
+    """The scaler that owns this step's loss scale: the given one, the optimizer's own
+    LossScaler, or None (a unit scale). Each step asks it for its scale (active_scale) and
+    advances it by its own rule (advance_): one rule per scaler, whichever path steps."""
     own = optimizer.scaler if isinstance(optimizer, MixedPrecisionOptimizer) else None
-    if scaler is not None:
-        if not isinstance(scaler, GradScaler):
-            raise TypeError(
-                f"scaler={scaler!r}: compile_step takes a mixprec.GradScaler (its update rule "
-                "runs on the device), or None when the optimizer scales its own loss."
-            )
-        if own is not None and (own.cfg.dynamic or own.cfg.init_scale != 1.0):
-            raise CompileStepError(
-                f"scaler={scaler!r} given, but the optimizer already scales the loss "
-                f"({own.cfg}): pass one of them."
-            )
-        if scaler.is_enabled():
-            scaler.scale_tensor  # noqa: B018 - created now: the graph cannot create it lazily
-            return scaler
-    return own if own is not None else _UnitScale(device)
-
-
-def _advance_scale(owner: Any, found_inf: torch.Tensor) -> None:
-    """The owning scaler's rule, on the device: a mixprec.GradScaler's _update_scale_ (Paddle's
-    GradScaler overrides it with Paddle's rule), a LossScaler's update (Megatron's hysteresis)."""
-    from mixprec.core.grad_scaler import GradScaler
-
-    if isinstance(owner, GradScaler):
-        if owner.cfg.dynamic:
-            owner._update_scale_(found_inf.reshape(()))
-    elif owner.dynamic:
-        owner.update(found_inf)
+    if scaler is None:
+        return own
+    if not isinstance(scaler, ScaleRule):
+        raise TypeError(
+            f"scaler={scaler!r}: compile_step takes a mixprec.GradScaler (e.g. "
+            "mixprec.paddle.GradScaler; its update rule runs on the device), or None when the "
+            "optimizer scales its own loss."
+        )
+    if own is not None and (own.cfg.dynamic or own.cfg.init_scale != 1.0):
+        raise CompileStepError(
+            f"scaler={scaler!r} given, but the optimizer already scales the loss "
+            f"({own.cfg}): pass one of them."
+        )
+    return scaler
 
 
 def _init_state(
@@ -252,8 +243,12 @@ class CompiledStep:
         device = self.hp[0].device if self.hp else torch.device("cpu")
         self.device_type = device.type
         self.device = device
-        self.scaler = _scale_owner(optimizer, scaler, device)
+        self._unit = _UnitScale(device)
+        owner = _scale_owner(optimizer, scaler)
+        self.scaler: ScaleRule = self._unit if owner is None else owner
         """Whose loss scale the step runs under and advances, by that scaler's own rule."""
+        self._step_rule: ScaleRule = self._unit  # this step's: the scaler, or unit while it is off
+        self._step_scale: torch.Tensor | None = None  # the scale tensor this step runs under
         self._hp_key: tuple | None = None  # the host values self._hp_tensors holds
         self._hp_tensors: list[torch.Tensor] = []
         self._step_record = StepRecord(check_every, device)  # made now: the graph writes it
@@ -287,9 +282,17 @@ class CompiledStep:
         return torch.compile(types.MethodType(fresh, self), **self.compile_options)
 
     @property
-    def scale(self) -> torch.Tensor:
-        """The loss scale the next step runs under (the owning scaler's tensor; no sync)."""
-        return self.scaler.scale_tensor
+    def scale(self) -> torch.Tensor | None:
+        """The loss scale the latest step ran under (the scaler's live tensor, 1.0 while it
+        is off; no sync); None before the first step."""
+        return self._step_scale
+
+    def _take_scale(self) -> None:
+        """Host side, before each step, where an eager loop calls scale(): the scaler says
+        whether it scales this step (a Paddle scaler switches itself off under bf16 here)."""
+        scale = self.scaler.active_scale()
+        self._step_rule = self._unit if scale is None else self.scaler
+        self._step_scale = self._unit.scale_tensor if scale is None else scale
 
     def _plan(self) -> None:
         """Match each param the optimizer steps to the model param that gets its gradient."""
@@ -393,7 +396,7 @@ class CompiledStep:
         flags: tuple[tuple[bool, ...], ...],
         loss: torch.Tensor,
     ) -> torch.Tensor:
-        scale = self.scaler.scale_tensor.reshape(1)
+        scale = self._step_scale.reshape(1)
         scale_used = scale.float().clone()  # the scaler's rule writes `scale` in place below
         inv_scale = sm.inverse_scale(scale)
         with torch.enable_grad():
@@ -425,7 +428,7 @@ class CompiledStep:
             g = self.group_of[i]
             key = None if keys is None else keys[self.param_index[i]]
             self._update(i, grad, head, hparams[g], keep, skip, flags[g], key)
-        _advance_scale(self.scaler, found_inf)
+        self._step_rule.advance_(found_inf)
         self._step_record.write(found_inf, scale_used, total)  # a device cursor: no guard, no sync
         return loss.reshape(())
 
@@ -490,6 +493,7 @@ class CompiledStep:
                     "model's inputs and then the target (or target=...)."
                 )
             *inputs, target = inputs
+        self._take_scale()
         args = (self._train, *self._hparams(), tuple(inputs), target)
         with torch.no_grad():  # _run enables grad for forward and backward; the writes need none
             loss = self._step(args)

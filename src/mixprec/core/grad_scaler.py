@@ -224,11 +224,21 @@ class GradScaler(torch.amp.GradScaler):
             self._update_scale_(torch.stack(found_infs).amax())
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
+    def active_scale(self) -> torch.Tensor | None:
+        """ScaleRule: the scale tensor (created on this scaler's device if scale() was never
+        called), or None while the scaler is disabled."""
+        return self.scale_tensor if self._enabled else None
+
+    def advance_(self, found_inf: torch.Tensor) -> None:
+        """ScaleRule: this scaler's rule (_update_scale_) unless the scale is static."""
+        if self._enabled and self.cfg.dynamic:
+            self._update_scale_(found_inf.reshape(()))
+
     def _update_scale_(self, found_inf: torch.Tensor) -> None:
         """This scaler's update rule (Megatron's hysteresis, scaling.update_scale_) on its own
         state tensors, in place, on the device: no host sync. found_inf is already reduced over
-        the ranks. Every path that steps under this scaler (update(), compile_step) calls it;
-        a scaler with another rule (Paddle's) overrides it."""
+        the ranks. Every path that steps under this scaler (update(), advance_) calls it; a
+        scaler with another rule (Paddle's) overrides it."""
         update_scale_(
             self._scale, self._growth_tracker, self._hysteresis_tracker, found_inf, self.cfg
         )

@@ -7,7 +7,7 @@ sync here; the single `.item()` per step belongs to whoever decides to skip (see
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -112,6 +112,24 @@ def unscale_and_check_(
         if flag is not found_inf:
             found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device)))
     return found_inf
+
+
+@runtime_checkable
+class ScaleRule(Protocol):
+    """A loss scaler as a step that never calls its scale()/update() drives it (compile_step):
+    its state, read on the host once per step, and its rule, run on the device after the step.
+    LossScaler and mixprec.GradScaler (Paddle's included) implement it; each keeps one rule."""
+
+    def active_scale(self) -> torch.Tensor | None:
+        """Host side, once before each step (where an eager loop calls scale()): the live
+        device tensor the step multiplies its loss by, or None while this scaler is off (the
+        step then runs unscaled, still skipping inf/nan, and advance_ is not called)."""
+        ...
+
+    def advance_(self, found_inf: torch.Tensor) -> None:
+        """Device side, after a step that ran under active_scale(): move the state by this
+        scaler's rule, in place, no host sync. found_inf is already reduced over the ranks."""
+        ...
 
 
 class LossScaler:
@@ -240,6 +258,14 @@ class LossScaler:
             found_inf.to(self._scale.device),
             self.cfg,
         )
+
+    def active_scale(self) -> torch.Tensor:
+        """ScaleRule: a LossScaler is never off (a static one scales by its fixed value)."""
+        return self._scale
+
+    def advance_(self, found_inf: torch.Tensor) -> None:
+        """ScaleRule: update() (a static scale stays)."""
+        self.update(found_inf)
 
     def state_dict(self) -> dict[str, Any]:
         return {

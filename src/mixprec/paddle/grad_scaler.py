@@ -5,7 +5,7 @@ optimizers), constructed as Paddle's: GradScaler(enable, init_loss_scaling, incr
 decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf, use_dynamic_loss_scaling).
 
 The scale follows Paddle's update_loss_scaling rule: _update_scale_ (device-side), which the
-core's update() and the static face's compiled step both call: one implementation.
+core's update() and advance_ (compile_step, the static face's program) both call.
 """
 
 from __future__ import annotations
@@ -200,12 +200,18 @@ class GradScaler(_CoreGradScaler):
     # ----- scale / step -----
 
     def scale(self, outputs: Any) -> Any:
-        if self._enabled and self.cfg.dynamic and amp_global_state().amp_dtype == "bfloat16":
-            self._disable_for_bf16()
+        self._disable_for_bf16()
         return super().scale(outputs)
+
+    def active_scale(self) -> torch.Tensor | None:
+        """ScaleRule (compile_step's scale() of each step): switched off under bf16 as there."""
+        self._disable_for_bf16()
+        return super().active_scale()
 
     def _disable_for_bf16(self) -> None:
         """Paddle 3.x: a dynamic scaler used after a bfloat16 auto_cast switches itself off."""
+        if not (self._enabled and self.cfg.dynamic and amp_global_state().amp_dtype == "bfloat16"):
+            return
         self._enabled = False
         self._base_cfg = replace(self._base_cfg, dynamic=False, init_scale=1.0)
         self._init_scale = 1.0
