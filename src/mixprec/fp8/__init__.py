@@ -1,4 +1,5 @@
-"""Float8 linear layers: e4m3 forward, e5m2 backward, per-tensor scaling over torch._scaled_mm.
+"""Float8 linear layers: e4m3 forward, e5m2 backward, per-tensor scaling over torch._scaled_mm,
+and finer-grained recipes (Float8Config(recipe=...): rowwise, blockwise, MXFP8, NVFP4; emulated).
 
 `convert_to_fp8(model)` swaps eligible `nn.Linear` layers for `Float8Linear` (and Hugging Face's
 `Conv1D` for `Float8Conv1D`) in place and returns the model; `fp8_summary(model)` says which
@@ -31,8 +32,12 @@ from mixprec.fp8.config import (
     GEMM_ALIGN,
     LP_FORWARD_DTYPE,
     LP_GRAD_DTYPES,
+    MX_SCALE_MODES,
+    RECIPE_GRAD_DTYPES,
+    RECIPES,
     SCALINGS,
     Float8Config,
+    Recipe,
 )
 from mixprec.fp8.convert import (
     Float8Filter,
@@ -43,6 +48,18 @@ from mixprec.fp8.convert import (
 )
 from mixprec.fp8.kernels import cpu_has_scaled_mm, fp8_kernel_problem, lp_gemm, resolve_emulate
 from mixprec.fp8.linear import Float8Conv1D, Float8Linear, is_hf_conv1d
+from mixprec.fp8.quantize import (
+    dequantize_blockwise,
+    dequantize_mxfp8,
+    dequantize_nvfp4,
+    dequantize_scaled,
+    quantize_blockwise,
+    quantize_mxfp8,
+    quantize_nvfp4,
+    quantize_rowwise,
+    quantize_tensorwise,
+)
+from mixprec.fp8.recipes import RECIPE_OPERANDS, emulated_gemm
 
 register_fp8_converter(convert_to_fp8)  # the core's prepare_model calls it for 'fp8'
 
@@ -51,23 +68,38 @@ __all__ = [
     "GEMM_ALIGN",
     "LP_FORWARD_DTYPE",
     "LP_GRAD_DTYPES",
+    "MX_SCALE_MODES",
+    "RECIPES",
+    "RECIPE_GRAD_DTYPES",
+    "RECIPE_OPERANDS",
     "SCALINGS",
     "Float8Config",
     "Float8Conv1D",
     "Float8Filter",
     "Float8Linear",
     "Float8Summary",
+    "Recipe",
     "amax_to_scale",
     "cast_to_fp8",
     "convert_to_fp8",
     "cpu_has_scaled_mm",
     "default_fp8_filter",
     "delayed_amax",
+    "dequantize_blockwise",
+    "dequantize_mxfp8",
+    "dequantize_nvfp4",
+    "dequantize_scaled",
+    "emulated_gemm",
     "fp8_kernel_problem",
     "fp8_summary",
     "fp8_to_tensor",
     "is_hf_conv1d",
     "lp_gemm",
+    "quantize_blockwise",
+    "quantize_mxfp8",
+    "quantize_nvfp4",
+    "quantize_rowwise",
+    "quantize_tensorwise",
     "resolve_emulate",
     "tensor_to_amax",
     "tensor_to_fp8",

@@ -104,6 +104,6 @@ def cast_to_fp8(
     if history is not None:
         amax = delayed_amax(history, amax, record=record)
     scale = amax_to_scale(
-        amax, lp_dtype, margin=config.margin, power_of_two=config.power_of_two_scale
+        amax, lp_dtype, margin=config.margin, power_of_two=config.resolved_power_of_two
     )
     return tensor_to_fp8(hp_tensor, scale, lp_dtype), scale.reciprocal()

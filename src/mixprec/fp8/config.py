@@ -24,21 +24,57 @@ GEMM_ALIGN = 16
 Scaling = Literal["dynamic", "delayed"]
 SCALINGS: tuple[str, ...] = get_args(Scaling)
 
+Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8", "nvfp4"]
+RECIPES: tuple[str, ...] = get_args(Recipe)
+"""The float8 recipes (what each scales: see mixprec.fp8.recipes), declared once here."""
+
+MXScaleMode = Literal["rceil", "floor", "ceil", "even"]
+MX_SCALE_MODES: tuple[str, ...] = get_args(MXScaleMode)
+"""OCP MX scale rounding (torchao's ScaleCalculationMode names; see quantize_mxfp8)."""
+
+RECIPE_GRAD_DTYPES: dict[str, str] = {
+    "tensorwise": "e5m2",
+    "rowwise": "e4m3",
+    "rowwise_with_gw_hp": "e4m3",
+    "blockwise": "e4m3",
+    "mxfp8": "e4m3",
+}
+"""Gradient format per float8 recipe when grad_dtype is None: TE's HYBRID for tensorwise;
+e4m3 where torchao (rowwise, MX) and TE / DeepSeek-V3 (blockwise) use it. nvfp4 has none:
+its gradients are E2M1."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Float8Config:
     """How Float8Linear scales and where it runs its float8 GEMMs."""
 
+    recipe: Recipe = "tensorwise"
+    """What gets a scale: 'tensorwise' (one per tensor; `scaling` picks dynamic or delayed),
+    'rowwise' / 'rowwise_with_gw_hp' (one per row of each GEMM operand, torchao's meaning; the
+    latter runs the weight-gradient GEMM in high precision), 'blockwise' (1x128 tiles for
+    activations and gradients, 128x128 blocks for weights: TE's Float8BlockScaling and
+    DeepSeek-V3), 'mxfp8' (1x32 blocks, E8M0 scales), 'nvfp4' (E2M1 values, 16-element blocks
+    with e4m3 scales and an fp32 global scale; 16x16 weight blocks; stochastically rounded
+    gradients). See mixprec.fp8.recipes for each recipe's GEMM operands."""
     scaling: Scaling = "dynamic"
-    """'dynamic': scale from this call's amax. 'delayed': from the max of the amax history."""
+    """'dynamic': scale from this call's amax. 'delayed': from the max of the amax history.
+    Tensorwise only: every other recipe scales each block from its own amax on every call."""
     amax_history_len: int = 16
     """Delayed scaling: how many past amaxes (one per call) the scale is taken over."""
     margin: int = 0
     """Scale down by 2**margin below the fp8 maximum (headroom for growth between calls)."""
-    power_of_two_scale: bool = False
-    """Round each scale down to a power of two: scaling is then exact, only the cast rounds."""
-    grad_dtype: Literal["e5m2", "e4m3"] = "e5m2"
-    """float8 format of the incoming gradient in backward."""
+    power_of_two_scale: bool | None = None
+    """Round each scale down to a power of two: scaling is then exact, only the cast rounds.
+    None: the recipe's default (False for tensorwise; True for rowwise, rowwise_with_gw_hp
+    and blockwise, as torchao and TE). mxfp8 scales are powers of two by construction and
+    nvfp4's e4m3 scales never are: both refuse a value here."""
+    grad_dtype: Literal["e5m2", "e4m3"] | None = None
+    """float8 format of the incoming gradient in backward. None: the recipe's default
+    (RECIPE_GRAD_DTYPES: e5m2 for tensorwise, e4m3 for the others); nvfp4 refuses a value."""
+    mx_scale_mode: MXScaleMode = "rceil"
+    """mxfp8: how a block's E8M0 scale is rounded (torchao's ScaleCalculationMode): 'rceil'
+    (cuBLAS / TE: 2**ceil(log2(amax / 448)), never saturates), 'floor' (the OCP spec),
+    'ceil', 'even'. Only read by the mxfp8 recipe."""
     emulate: bool | None = None
     """True: cast to fp8 and back, GEMM in fp32. False: the float8 kernel or an error.
     None: on CUDA the kernel where the device has one, else an error unless allow_emulation;
@@ -56,11 +92,20 @@ class Float8Config:
     nn.Linear's, though a plain nn.Linear checkpoint still loads: the history restarts)."""
 
     def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(
+                f"Float8Config.recipe={self.recipe!r}." + did_you_mean(self.recipe, RECIPES)
+            )
+        if self.mx_scale_mode not in MX_SCALE_MODES:
+            raise ValueError(
+                f"Float8Config.mx_scale_mode={self.mx_scale_mode!r}."
+                + did_you_mean(self.mx_scale_mode, MX_SCALE_MODES)
+            )
         if self.scaling not in SCALINGS:
             raise ValueError(
                 f"Float8Config.scaling={self.scaling!r}." + did_you_mean(self.scaling, SCALINGS)
             )
-        if self.grad_dtype not in LP_GRAD_DTYPES:
+        if self.grad_dtype is not None and self.grad_dtype not in LP_GRAD_DTYPES:
             raise ValueError(
                 f"Float8Config.grad_dtype={self.grad_dtype!r}."
                 + did_you_mean(self.grad_dtype, tuple(LP_GRAD_DTYPES))
@@ -71,8 +116,12 @@ class Float8Config:
                 raise TypeError(f"Float8Config.{name} must be an int, got {value!r}.")
             if value < low:
                 raise ValueError(f"Float8Config.{name}={value!r} must be >= {low}.")
+        if self.power_of_two_scale is not None and not isinstance(self.power_of_two_scale, bool):
+            raise TypeError(
+                "Float8Config.power_of_two_scale must be a bool or None, "
+                f"got {self.power_of_two_scale!r}."
+            )
         for name in (
-            "power_of_two_scale",
             "allow_emulation",
             "persist_amax_history",
             "use_fast_accum_forward",
@@ -90,6 +139,44 @@ class Float8Config:
                 "demands the float8 kernel. Use emulate=None with allow_emulation=True to fall back."
             )
 
+        self._check_recipe_fields()
+
+    def _check_recipe_fields(self) -> None:
+        """Refuse the fields the chosen recipe cannot honour (never accept and ignore one)."""
+        recipe = self.recipe
+        if recipe == "tensorwise":
+            return
+        refused = []
+        if self.scaling != "dynamic":
+            refused.append(f"scaling={self.scaling!r} (delayed scaling is tensorwise only)")
+        if self.margin:
+            refused.append(f"margin={self.margin!r} (tensorwise only)")
+        if self.emulate is False:
+            refused.append(
+                "emulate=False (no float8 kernel path for this recipe: it emulates; "
+                "use emulate=None or True)"
+            )
+        if recipe in ("mxfp8", "nvfp4") and self.power_of_two_scale is not None:
+            refused.append(
+                f"power_of_two_scale={self.power_of_two_scale!r} (fixed by the {recipe} format)"
+            )
+        if recipe == "nvfp4" and self.grad_dtype is not None:
+            refused.append(f"grad_dtype={self.grad_dtype!r} (nvfp4 gradients are E2M1)")
+        if refused:
+            raise ValueError(
+                f"Float8Config(recipe={recipe!r}) cannot take " + "; ".join(refused) + "."
+            )
+
+    @property
+    def resolved_power_of_two(self) -> bool:
+        """power_of_two_scale, or the recipe's default when it is None."""
+        if self.power_of_two_scale is not None:
+            return self.power_of_two_scale
+        return self.recipe in ("rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
+
     @property
     def lp_grad_dtype(self) -> torch.dtype:
-        return LP_GRAD_DTYPES[self.grad_dtype]
+        """The incoming gradient's float8 format (grad_dtype or the recipe's default)."""
+        if self.recipe == "nvfp4":
+            raise ValueError("Float8Config(recipe='nvfp4'): gradients are E2M1, not float8.")
+        return LP_GRAD_DTYPES[self.grad_dtype or RECIPE_GRAD_DTYPES[self.recipe]]

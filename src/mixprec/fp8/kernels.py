@@ -78,6 +78,21 @@ def resolve_emulate(device: torch.device | str, config: Float8Config) -> bool:
     )
 
 
+def note_recipe_emulation(device: torch.device | str, recipe: str) -> None:
+    """Log once per device type and recipe that a non-tensorwise recipe is emulated there."""
+    key = f"{torch.device(device).type}:{recipe}"
+    if key in _FALLBACK_LOGGED:
+        return
+    _FALLBACK_LOGGED.add(key)
+    log = logger.warning if torch.device(device).type == "cuda" else logger.info
+    log(
+        "float8 recipe %r on %s: emulated (quantize, dequantize to fp32, fp32 GEMM): the same "
+        "quantization, no speedup; mixprec runs only tensorwise on torch._scaled_mm.",
+        recipe,
+        torch.device(device).type,
+    )
+
+
 def _pad_dim(lp: torch.Tensor, dim: int) -> torch.Tensor:
     """Zero-pad one dim of a float8 tensor up to a multiple of GEMM_ALIGN (zeros add nothing)."""
     short = -lp.shape[dim] % GEMM_ALIGN

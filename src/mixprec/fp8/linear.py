@@ -10,7 +10,8 @@ from torch import nn
 
 from mixprec.fp8.casts import cast_to_fp8
 from mixprec.fp8.config import LP_FORWARD_DTYPE, Float8Config
-from mixprec.fp8.kernels import cpu_has_scaled_mm, lp_gemm, resolve_emulate
+from mixprec.fp8.kernels import cpu_has_scaled_mm, lp_gemm, note_recipe_emulation, resolve_emulate
+from mixprec.fp8.recipes import emulated_gemm
 
 
 class _Float8LinearFn(torch.autograd.Function):
@@ -98,6 +99,46 @@ class _Float8LinearFn(torch.autograd.Function):
             return grad_input, grad_weight, None, None, None, None, None, None, None
 
 
+class _RecipeLinearFn(torch.autograd.Function):
+    """input (M, K) @ weight (N, K)^T under a recipe other than tensorwise, emulated.
+
+    The three GEMMs quantize their operands as mixprec.fp8.recipes.RECIPE_OPERANDS says, each
+    from the high-precision tensor (a columnwise operand is not requantized from a rowwise
+    float8 copy), so backward keeps the high-precision input and weight.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        hp_input: torch.Tensor,
+        hp_weight: torch.Tensor,
+        out_dtype: torch.dtype,
+        config: Float8Config,
+    ) -> torch.Tensor:
+        with torch.autocast(hp_input.device.type, enabled=False):  # as _Float8LinearFn
+            return emulated_gemm("forward", hp_input, hp_weight, config, out_dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        hp_input, hp_weight, _, config = inputs
+        ctx.save_for_backward(hp_input, hp_weight)
+        ctx.config = config
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        with torch.autocast(grad_out.device.type, enabled=False):
+            hp_input, hp_weight = ctx.saved_tensors
+            grad_input = grad_weight = None
+            if ctx.needs_input_grad[0]:
+                grad_input = emulated_gemm(
+                    "grad_input", grad_out, hp_weight.t(), ctx.config, hp_input.dtype
+                )
+            if ctx.needs_input_grad[1]:
+                grad_weight = emulated_gemm(
+                    "grad_weight", grad_out.t(), hp_input.t(), ctx.config, hp_weight.dtype
+                )
+            return grad_input, grad_weight, None, None
+
+
 def _upcast(lp: torch.Tensor) -> torch.Tensor:
     """A float8 GEMM operand in fp32, exactly (emulation's GEMM upcasts it anyway)."""
     return lp.to(torch.float32)
@@ -115,6 +156,11 @@ HISTORY_NAMES = ("input_amax_history", "weight_amax_history", "grad_amax_history
 
 class Float8Linear(nn.Linear):
     """nn.Linear whose GEMMs run in float8; same parameters, same state_dict keys.
+
+    config.recipe chooses the scaling (mixprec.fp8.recipes): tensorwise runs torch._scaled_mm
+    where the device has it (else emulates, as Float8Config.emulate says); every other recipe
+    is emulated on every device (quantize -> dequantize to fp32 -> fp32 GEMM; logged once per
+    device type and recipe), and its backward keeps the high-precision input and weight.
 
     The output dtype is the surrounding autocast's dtype when autocast is on, else the input's;
     the bias is added in that dtype.
@@ -152,7 +198,7 @@ class Float8Linear(nn.Linear):
         self._register_histories(device)
 
     def _register_histories(self, device: torch.device | str | None) -> None:
-        delayed = self.config.scaling == "delayed"
+        delayed = self.config.scaling == "delayed"  # tensorwise only (Float8Config checks)
         for name in HISTORY_NAMES:
             history = (
                 torch.zeros(self.config.amax_history_len, dtype=torch.float32, device=device)
@@ -179,21 +225,25 @@ class Float8Linear(nn.Linear):
     def forward(self, hp_input: torch.Tensor) -> torch.Tensor:
         device_type = hp_input.device.type
         out_dtype = _autocast_dtype_or(device_type, hp_input.dtype)
-        emulate = resolve_emulate(hp_input.device, self.config)
         hp_2d = hp_input.reshape(-1, self.in_features)
-        # Only a training step writes the history; see the class docstring for the exact rule.
-        record = self.training and torch.is_grad_enabled()
-        out, *_ = _Float8LinearFn.apply(
-            hp_2d,
-            self.hp_weight_out_in(),
-            self.input_amax_history,
-            self.weight_amax_history,
-            self.grad_amax_history,
-            out_dtype,
-            self.config,
-            emulate,
-            record,
-        )
+        if self.config.recipe != "tensorwise":
+            note_recipe_emulation(hp_input.device, self.config.recipe)
+            out = _RecipeLinearFn.apply(hp_2d, self.hp_weight_out_in(), out_dtype, self.config)
+        else:
+            emulate = resolve_emulate(hp_input.device, self.config)
+            # Only a training step writes the history; see the class docstring for the rule.
+            record = self.training and torch.is_grad_enabled()
+            out, *_ = _Float8LinearFn.apply(
+                hp_2d,
+                self.hp_weight_out_in(),
+                self.input_amax_history,
+                self.weight_amax_history,
+                self.grad_amax_history,
+                out_dtype,
+                self.config,
+                emulate,
+                record,
+            )
         out = out.reshape(*hp_input.shape[:-1], self.out_features)
         if self.bias is not None:
             # The bias stays out of float8: its gradient is a plain sum in the output dtype.
@@ -232,10 +282,11 @@ class Float8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         c = self.config
+        if c.recipe != "tensorwise":
+            return f"{super().extra_repr()}, recipe={c.recipe}, emulate=True"
         scaling = f"delayed(len={c.amax_history_len})" if c.scaling == "delayed" else c.scaling
-        return (
-            f"{super().extra_repr()}, scaling={scaling}, grad={c.grad_dtype}, emulate={c.emulate}"
-        )
+        grad = c.grad_dtype or "e5m2"
+        return f"{super().extra_repr()}, scaling={scaling}, grad={grad}, emulate={c.emulate}"
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
