@@ -63,6 +63,7 @@ from mixprec.quantization.fp8 import (
     fp8_compress_fsdp_params_comm_hook,
     linear_fp8,
     reduce_scatter_fp8,
+    split_chunk_by_channel,
 )
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -343,7 +344,27 @@ def _check_all_to_all_single(rank: int, world: int) -> None:
     _check_all2all_uneven()
 
 
+def _check_bad_input(rank: int, world: int) -> None:
+    """added: mismatched lists and sizes raise naming what was passed, on every rank, before
+    anything is sent (so the group stays in step)."""
+    x = torch.rand(8)
+    with pytest.raises(ValueError, match="holds 3 tensors; the group has 4"):
+        all_gather_fp8([torch.empty(8)] * 3, x)
+    with pytest.raises(ValueError, match=r"input_list\[1\] has 3 elements, output 2"):
+        reduce_scatter_fp8(torch.empty(2), [torch.ones(2), torch.ones(3)] * 2, group=None)
+    with pytest.raises(ValueError, match=r"input_split_sizes=\[1, 1\]"):
+        all_to_all_single_fp8(torch.empty(8), x, [2, 2, 2, 2], [1, 1])
+    with pytest.raises(ValueError, match="fp8_format='e3m4'"):
+        all_to_all_fp8([torch.empty(2)] * 4, list(x.chunk(4)), fp8_format="e3m4")
+    with pytest.raises(TypeError, match="int32"):
+        all_reduce_fp8(torch.ones(4, dtype=torch.int32))
+    out = torch.empty(4)
+    assert all_gather_fp8([out] * 4, torch.zeros(4)) is None  # all zeros: exact, not nan
+    assert torch.equal(out, torch.zeros(4))
+
+
 def _collectives_worker(rank: int, world: int) -> None:
+    _check_bad_input(rank, world)
     _check_fp8_allreduce(rank, world)
     _check_fp8_reduce_scatter(rank, world)
     _check_fp8_allgather(rank, world)
@@ -356,6 +377,46 @@ def _collectives_worker(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_fp8_collectives() -> None:
     spawn(_collectives_worker, 4)
+
+
+def test_cast_out_and_empty_tensors() -> None:
+    """added: `out` receives the cast (and is returned); a wrong `out` or scale layout names
+    itself; an empty tensor casts with scale_inv 1, as Colossal's."""
+    x = torch.rand(4, 16)
+    out = torch.empty(4, 16, dtype=torch.float8_e5m2)
+    ret, scale_inv = cast_to_fp8(x, fp8_format="e5m2", out=out)
+    assert ret is out
+    assert torch.equal(out.view(torch.uint8), cast_to_fp8(x, "e5m2")[0].view(torch.uint8))
+    hp = torch.empty(4, 16, dtype=torch.bfloat16)
+    assert cast_from_fp8(out, scale_inv, torch.bfloat16, out=hp) is hp
+    assert torch.equal(hp, cast_from_fp8(out, scale_inv, torch.bfloat16))
+    with pytest.raises(ValueError, match="float8_e4m3fn tensor of shape"):
+        cast_to_fp8(x, out=out)
+    with pytest.raises(ValueError, match="2-D tensor; got shape \\(2, 2, 2\\)"):
+        cast_to_fp8(torch.rand(2, 2, 2), per_channel_scale=True)
+    with pytest.raises(ValueError, match="one scale_inv per row"):
+        cast_from_fp8(out, scale_inv, torch.float32, per_channel_scale=True)
+    empty, one = cast_to_fp8(torch.empty(0, 3))
+    assert empty.shape == (0, 3) and torch.equal(one, torch.ones(1))
+
+
+@pytest.mark.parametrize(
+    ("numel", "rank", "sizes"),
+    [
+        (10, 0, [4, 4, 2]),  # elements 0-9: channels [0, 4), [4, 8), [8, 12) begun
+        (10, 1, [2, 4, 4]),  # elements 10-19: the rest of channel 2, channels 3 and 4
+        (4, 2, [4]),  # elements 8-11: exactly channel 2
+        (6, 3, [2, 4]),  # elements 18-23: channel 4's end, then past the last channel
+    ],
+)
+def test_split_chunk_by_channel(numel: int, rank: int, sizes: list[int]) -> None:
+    """added: 5 channels of 4 elements; a rank's chunk is cut where a channel starts or ends."""
+    chunk = torch.arange(numel)
+    pieces = split_chunk_by_channel(chunk, 4, 5, rank=rank, world_size=4)
+    assert [p.numel() for p in pieces] == sizes
+    assert torch.equal(torch.cat(pieces), chunk)
+    with pytest.raises(ValueError, match="rank=4, world_size=4"):
+        split_chunk_by_channel(chunk, 4, 5, rank=4, world_size=4)
 
 
 # ----- test_fp8_ddp_comm_hook.py -----
