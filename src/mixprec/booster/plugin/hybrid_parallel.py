@@ -1,9 +1,20 @@
-"""HybridParallelPlugin: Colossal-AI's pipeline (x data) parallel plugin over mixprec.parallel.pipeline.schedule.
+"""HybridParallelPlugin: Colossal-AI's pipeline x tensor x data parallel plugin over
+mixprec.parallel.pipeline.schedule.
+
+With a pipeline (pp_size > 1) the schedule runs forward and backward:
 
     plugin = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=4, precision="fp16")
     booster = Booster(plugin=plugin)
     model, optimizer, criterion, _, _ = booster.boost(model, optimizer, criterion)
     out = booster.execute_pipeline(iter(loader), model, criterion, optimizer)
+    optimizer.step(); optimizer.zero_grad()
+
+Without one (pp_size=1: tensor parallelism and/or ZeRO) the ordinary loop does, as in
+Colossal-AI, where execute_pipeline is refused:
+
+    plugin = HybridParallelPlugin(tp_size=2, pp_size=1, zero_stage=1, tp_plan=plan)
+    loss = criterion(model(x), y)
+    booster.backward(loss, optimizer)
     optimizer.step(); optimizer.zero_grad()
 
 The world is split into pp_size pipeline stages x tp_size tensor-parallel ranks per stage x
@@ -82,7 +93,9 @@ class HybridParallelPlugin(Plugin):
             LowLevelZeroPlugin), or with pp_size > 1 or tp_size > 1 over each stage's replicas
             of each tp index: each stage's masters and optimizer state (a DTensor's local
             shard) sharded there (PipelineZeroOptimizer).
-        num_microbatches: micro-batches per batch (>= pp_size for '1f1b' and 'interleaved').
+        num_microbatches: micro-batches per batch (>= pp_size for '1f1b' and 'interleaved');
+            with pp_size=1 (no pipeline) None or 1, and likewise the other pipeline keywords
+            stay at what means "no schedule" (NO_PIPELINE_KEYWORDS).
         microbatch_size: samples per micro-batch instead (the count is the batch size over it,
             fixed at the first batch); exactly one of the two with pp_size > 1.
         initial_scale ... max_scale: precision='fp16''s loss scaler.
@@ -224,6 +237,8 @@ class HybridParallelPlugin(Plugin):
                 f"num_microbatches={num_microbatches!r} and microbatch_size={microbatch_size!r} "
                 "both set how a batch is split; set one (Colossal-AI takes one of the two)."
             )
+        if pp_size == 1:
+            _check_no_pipeline_keywords(given)
         if num_microbatches is None and microbatch_size is None:
             if pp_size != 1:
                 raise ValueError(
@@ -431,6 +446,13 @@ class HybridParallelPlugin(Plugin):
         return_loss: bool = True,
         return_outputs: bool = False,
     ) -> dict[str, Any]:
+        if self.config.pp_size == 1:  # Colossal-AI asserts the same ("pipeline parallelism is
+            # not enabled"): without a pipeline the ordinary loop runs the model
+            raise RuntimeError(
+                "execute_pipeline needs HybridParallelPlugin(pp_size > 1); with pp_size=1 there "
+                "is no pipeline: train with the ordinary loop (loss = criterion(model(x), y); "
+                "booster.backward(loss, optimizer); optimizer.step())."
+            )
         return _pipelined(model).run(
             next_batch(data_iter),
             criterion,
@@ -518,6 +540,28 @@ class HybridParallelPlugin(Plugin):
         state = template_from_metadata(metadata, lambda key: owns_key(piped, optimizer, key))
         dcp.load(state, checkpoint_id=os.fspath(path))
         load_pipeline_optimizer_state(piped, optimizer, state)
+
+
+NO_PIPELINE_KEYWORDS = {
+    # name: the values that mean "no pipeline" (Colossal's tests pass these with pp_size=1)
+    "num_microbatches": (None, 1),
+    "microbatch_size": (None,),
+    "pp_style": ("1f1b",),
+    "pp_schedule": (None, "1f1b"),
+    "num_model_chunks": (None, 1),
+}
+"""Pipeline keywords and what they may be at pp_size=1, where there is no schedule to run."""
+
+
+def _check_no_pipeline_keywords(given: Mapping[str, Any]) -> None:
+    """pp_size=1: a pipeline keyword set to split or schedule something would be ignored."""
+    for name, allowed in NO_PIPELINE_KEYWORDS.items():
+        if not any(given[name] is v or given[name] == v for v in allowed):
+            raise ValueError(
+                f"HybridParallelPlugin({name}={given[name]!r}, pp_size=1): {name} shapes a "
+                f"pipeline schedule, and pp_size=1 runs none (each backward is one pass over "
+                f"the batch); leave it at one of {allowed}, or set pp_size > 1."
+            )
 
 
 def _split_points(model: nn.Module, layers_per_stage: list[int]) -> tuple[str, ...]:

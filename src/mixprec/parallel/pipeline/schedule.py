@@ -213,6 +213,9 @@ class PipelinedModel(nn.Module):
         return self.config.num_stages - 1 in self.stage_ids
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """One stage (pp_size=1, no pipeline): the model itself, run as any module is."""
+        if self.config.num_stages == 1:
+            return self.stages[0](*args, **kwargs)
         raise RuntimeError(
             "A pipelined model runs only through its schedule: call "
             "booster.execute_pipeline(data_iter, model, criterion, optimizer)."
