@@ -32,6 +32,7 @@ from mixprec.core.policy import did_you_mean
 from mixprec.fp8 import Float8Config, Float8Linear
 from mixprec.fp8.casts import amax_to_scale, tensor_to_amax, tensor_to_fp8
 from mixprec.fp8.config import GEMM_ALIGN
+from mixprec.fp8.quantize import dequantize_scaled, quantize_rowwise, quantize_tensorwise
 from mixprec.parallel.comm import (
     FP8_COMM_FORMATS,
     PendingFp8AllGather,
@@ -96,19 +97,6 @@ def _check_list(tensors: Sequence[torch.Tensor], world: int, who: str, name: str
 
 
 # ----- casts -----
-def _row_amax(hp_tensor: torch.Tensor) -> torch.Tensor:
-    """max(|x|) of each row (over the last dim), fp32; nan and inf propagate as in tensor_to_amax."""
-    lo, hi = torch.aminmax(hp_tensor, dim=-1)
-    return torch.maximum(hi, -lo).to(torch.float32)
-
-
-def _fp8_to_hp(
-    lp_tensor: torch.Tensor, scale_inv: torch.Tensor, hp_dtype: torch.dtype
-) -> torch.Tensor:
-    """lp * scale_inv in fp32, rounded once to hp_dtype (Colossal hands out the inverse scale)."""
-    return (lp_tensor.to(torch.float32) * scale_inv).to(hp_dtype)
-
-
 def cast_to_fp8(
     inp: torch.Tensor,
     fp8_format: str = "e4m3",
@@ -138,13 +126,11 @@ def cast_to_fp8(
     if inp.numel() == 0:
         lp, scale_inv = inp.to(lp_dtype), torch.ones(1, device=inp.device)
     elif per_channel_scale:
-        scale = amax_to_scale(_row_amax(inp), lp_dtype)
-        lp = tensor_to_fp8(inp, scale[:, None], lp_dtype)
-        scale_inv = scale.reciprocal().unsqueeze(0)
+        lp, scale_inv = quantize_rowwise(inp, lp_dtype, power_of_two=False)
+        scale_inv = scale_inv.reshape(1, -1)  # Colossal's layout: (1, rows)
     else:
-        scale = amax_to_scale(tensor_to_amax(inp), lp_dtype)
-        lp = tensor_to_fp8(inp, scale, lp_dtype)
-        scale_inv = scale.reciprocal().unsqueeze(0)
+        lp, scale_inv = quantize_tensorwise(inp, lp_dtype)
+        scale_inv = scale_inv.reshape(1)
     if out is not None:
         return out.copy_(lp), scale_inv
     return lp, scale_inv
@@ -179,7 +165,7 @@ def cast_from_fp8(
             f"got {out.dtype} of shape {tuple(out.shape)}."
         )
     scale_inv = scale_inv.reshape(-1, 1) if per_channel_scale else scale_inv.reshape(())
-    hp = _fp8_to_hp(inp, scale_inv, ret_type)
+    hp = dequantize_scaled(inp, scale_inv, ret_type)
     return hp if out is None else out.copy_(hp)
 
 
@@ -232,7 +218,9 @@ def cast_from_fp8_pipeline(inp: Any, del_metadata: bool = True) -> None:
             f"cast_from_fp8_pipeline: hidden_states.dtype={packed.dtype}; a packed tensor is "
             "bfloat16 (e4m3) or float16 (e5m2)."
         )
-    packed.data = _fp8_to_hp(packed.data.view(lp_dtype), inp["fp8_scale"], inp["dtype"].dtype)
+    packed.data = dequantize_scaled(
+        packed.data.view(lp_dtype), inp["fp8_scale"], inp["dtype"].dtype
+    )
     if del_metadata:
         del inp["fp8_scale"]
         del inp["dtype"]
