@@ -97,6 +97,14 @@ def _check_list(tensors: Sequence[torch.Tensor], world: int, who: str, name: str
 
 
 # ----- casts -----
+def _check_out(out: torch.Tensor | None, dtype: torch.dtype, shape: torch.Size, who: str) -> None:
+    if out is not None and (out.dtype != dtype or out.shape != shape):
+        raise ValueError(
+            f"{who}: out must be a {dtype} tensor of shape {tuple(shape)}; "
+            f"got {out.dtype} of shape {tuple(out.shape)}."
+        )
+
+
 def cast_to_fp8(
     inp: torch.Tensor,
     fp8_format: str = "e4m3",
@@ -118,11 +126,7 @@ def cast_to_fp8(
             f"cast_to_fp8(per_channel_scale=True) scales each row of a 2-D tensor; "
             f"got shape {tuple(inp.shape)}."
         )
-    if out is not None and (out.dtype != lp_dtype or out.shape != inp.shape):
-        raise ValueError(
-            f"cast_to_fp8: out must be a {lp_dtype} tensor of shape {tuple(inp.shape)} "
-            f"(fp8_format={fp8_format!r}); got {out.dtype} of shape {tuple(out.shape)}."
-        )
+    _check_out(out, lp_dtype, inp.shape, "cast_to_fp8")
     if inp.numel() == 0:
         lp, scale_inv = inp.to(lp_dtype), torch.ones(1, device=inp.device)
     elif per_channel_scale:
@@ -159,11 +163,7 @@ def cast_from_fp8(
             f"cast_from_fp8: a per-tensor scale_inv has one element, got shape "
             f"{tuple(scale_inv.shape)} (per_channel_scale=True reads one per row)."
         )
-    if out is not None and (out.dtype != ret_type or out.shape != inp.shape):
-        raise ValueError(
-            f"cast_from_fp8: out must be a {ret_type} tensor of shape {tuple(inp.shape)}; "
-            f"got {out.dtype} of shape {tuple(out.shape)}."
-        )
+    _check_out(out, ret_type, inp.shape, "cast_from_fp8")
     scale_inv = scale_inv.reshape(-1, 1) if per_channel_scale else scale_inv.reshape(())
     hp = dequantize_scaled(inp, scale_inv, ret_type)
     return hp if out is None else out.copy_(hp)
