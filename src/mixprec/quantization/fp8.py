@@ -1,5 +1,5 @@
 """Colossal-AI's `colossalai.quantization.fp8`: the same names, signatures and return values,
-on mixprec's fp8 scale math (`mixprec.fp8.casts`) and fp8 collectives (`mixprec.parallel.comm`).
+on mixprec's fp8 quantizers (`mixprec.fp8.quantize`) and fp8 collectives (`mixprec.parallel.comm`).
 
 - Casts: `cast_to_fp8` returns `(fp8 tensor, scale_inv)` with scale = fp8_max / amax (per
   tensor, or per row of a 2-D tensor), `cast_from_fp8` multiplies by `scale_inv`; the pipeline
