@@ -45,6 +45,7 @@ from mixprec.fp8.convert import (
     convert_to_fp8,
     default_fp8_filter,
     fp8_summary,
+    per_module_recipes,
 )
 from mixprec.fp8.kernels import cpu_has_scaled_mm, fp8_kernel_problem, lp_gemm, resolve_emulate
 from mixprec.fp8.linear import Float8Conv1D, Float8Linear, is_hf_conv1d
@@ -95,6 +96,7 @@ __all__ = [
     "fp8_to_tensor",
     "is_hf_conv1d",
     "lp_gemm",
+    "per_module_recipes",
     "quantize_blockwise",
     "quantize_mxfp8",
     "quantize_nvfp4",

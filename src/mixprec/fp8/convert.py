@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from mixprec.core.policy import did_you_mean
 from mixprec.core.validate import check_callable
-from mixprec.fp8.config import GEMM_ALIGN, Float8Config
+from mixprec.fp8.config import GEMM_ALIGN, RECIPES, Float8Config
 from mixprec.fp8.kernels import resolve_emulate
 from mixprec.fp8.linear import Float8Conv1D, Float8Linear, is_hf_conv1d
 
 logger = logging.getLogger(__name__)
 
-Float8Filter = Callable[[nn.Linear, str], "bool | str"]
-"""(module, fully qualified name) -> True to convert; False or a reason string to leave it."""
+Float8Filter = Callable[[nn.Linear, str], "bool | str | Float8Config"]
+"""(module, fully qualified name) -> True to convert (with convert_to_fp8's config), a
+Float8Config to convert with that config (per-module recipes), False or a reason string to
+leave it in high precision."""
+
+KEEP = "keep"
+"""The rule value of per_module_recipes that leaves a layer in high precision."""
 
 
 def default_fp8_filter(module: nn.Linear, fqn: str) -> bool | str:
@@ -33,6 +41,64 @@ def default_fp8_filter(module: nn.Linear, fqn: str) -> bool | str:
     if bad:
         return f"{' and '.join(bad)} not a multiple of {GEMM_ALIGN} (float8 GEMM alignment)"
     return True
+
+
+def per_module_recipes(
+    model: nn.Module,
+    rules: Mapping[str, str] | None = None,
+    *,
+    config: Float8Config | None = None,
+    keep_first_last: bool = True,
+) -> Float8Filter:
+    """A module_filter_fn choosing each Linear's recipe, or high precision, by name.
+
+    rules: fnmatch patterns on the fully qualified name -> a recipe name or 'keep'; the first
+    matching pattern (in the mapping's order) decides, before anything below. Unmatched layers:
+    - kept when keep_first_last and they are the first or the last Linear-like layer of `model`
+      in named_modules order (registration order; Megatron keeps the first and last layers in
+      bf16, torchao's recipes skip the output head): the layers nearest the embeddings and the
+      logits are the most sensitive to quantization error;
+    - kept when in_features or out_features is not a multiple of 16 (default_fp8_filter);
+    - otherwise converted with `config` (default Float8Config()).
+    A rule's recipe replaces config's recipe (its other fields stay); an unmatched layer gets
+    config as it is. Pass the result as convert_to_fp8's (or FP8MixedPrecision's)
+    module_filter_fn.
+    """
+    rules = dict(rules or {})
+    for pattern, choice in rules.items():
+        if not isinstance(pattern, str):
+            raise TypeError(f"per_module_recipes: rule pattern {pattern!r} must be a str.")
+        if choice != KEEP and choice not in RECIPES:
+            raise ValueError(
+                f"per_module_recipes: rule {pattern!r} -> {choice!r}."
+                + did_you_mean(choice, (*RECIPES, KEEP))
+            )
+    base = config if config is not None else Float8Config()
+    if not isinstance(base, Float8Config):
+        raise TypeError(f"config must be a Float8Config or None, got {config!r}.")
+    linears = [
+        fqn
+        for fqn, module in model.named_modules()
+        if isinstance(module, nn.Linear) or is_hf_conv1d(module)
+    ]
+    ends = {linears[0]: "the first", linears[-1]: "the last"} if linears else {}
+    configs = {
+        recipe: base if recipe == base.recipe else dataclasses.replace(base, recipe=recipe)
+        for recipe in set(rules.values()) - {KEEP}
+    }
+
+    def choose(module: nn.Linear, fqn: str) -> bool | str | Float8Config:
+        for pattern, choice in rules.items():
+            if fnmatch.fnmatchcase(fqn, pattern):
+                if choice == KEEP:
+                    return f"kept in high precision by rule {pattern!r}"
+                return configs[choice]
+        if keep_first_last and fqn in ends:
+            return f"{ends[fqn]} Linear layer of the model (kept in high precision)"
+        verdict = default_fp8_filter(module, fqn)
+        return base if verdict is True else verdict
+
+    return choose
 
 
 LINEAR_LIKE_KEPT: dict[type[nn.Module], str] = {
@@ -52,6 +118,8 @@ class Float8Summary:
 
     converted: tuple[str, ...] = ()
     """Fully qualified names of the layers now Float8Linear (or Float8Conv1D)."""
+    recipes: dict[str, str] = field(default_factory=dict)
+    """Converted layer -> its recipe (Float8Config.recipe)."""
     skipped: dict[str, str] = field(default_factory=dict)
     """Linear-like layers left as they were -> why."""
 
@@ -59,6 +127,11 @@ class Float8Summary:
         lines = [
             f"float8: {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} left"
         ]
+        by_recipe: dict[str, list[str]] = {}
+        for fqn in self.converted:
+            by_recipe.setdefault(self.recipes.get(fqn, "tensorwise"), []).append(fqn or "<root>")
+        if len(by_recipe) > 1:
+            lines += [f"  {recipe}: {', '.join(names)}" for recipe, names in by_recipe.items()]
         lines += [f"  kept {fqn or '<root>'}: {why}" for fqn, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -153,15 +226,15 @@ def convert_to_fp8(
             continue
         if id(module) not in swaps:
             verdict = filter_fn(_filter_view(module), fqn)
-            if verdict is True:
-                swaps[id(module)] = _to_float8(module, config)
+            if verdict is True or isinstance(verdict, Float8Config):
+                swaps[id(module)] = _to_float8(module, config if verdict is True else verdict)
             elif verdict is False or isinstance(verdict, str):
                 skipped[fqn] = verdict or "module_filter_fn returned False"
                 continue
             else:
                 raise TypeError(
                     f"module_filter_fn returned {verdict!r} for {fqn!r}; "
-                    "valid: True, False or a reason string."
+                    "valid: True, a Float8Config, False or a reason string."
                 )
         targets.append((fqn, swaps[id(module)]))
     for fqn, new in targets:
@@ -171,9 +244,12 @@ def convert_to_fp8(
         else:
             parent_fqn, _, name = fqn.rpartition(".")
             setattr(model.get_submodule(parent_fqn), name, new)
-    for device in {new.weight.device for new in swaps.values()} - {torch.device("meta")}:
-        resolve_emulate(device, config)  # fail at conversion, not at the first step
-    summary = Float8Summary(converted=tuple(converted), skipped=skipped)
+    placed = {(new.weight.device, new.config) for new in swaps.values()}
+    for device, layer_config in placed:
+        if device != torch.device("meta") and layer_config.recipe == "tensorwise":
+            resolve_emulate(device, layer_config)  # fail at conversion, not at the first step
+    recipes = {fqn: new.config.recipe for fqn, new in targets}
+    summary = Float8Summary(converted=tuple(converted), recipes=recipes, skipped=skipped)
     logger.info("float8: converted %s", ", ".join(converted) or "no Linear layer")
     if not converted:
         logger.warning(
