@@ -70,6 +70,7 @@ from mixprec.core.clip import total_grad_norm
 from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
 from mixprec.core.scaling import ProcessGroup, ScaleRule, default_group, rank_and_world
 from mixprec.core.skip_monitor import SkipMonitor, SkipStats
+from mixprec.core.step_plan import GroupPlan, group_scalars
 from mixprec.core.step_record import StepRecord
 from mixprec.core.validate import check_max_norm
 
@@ -152,22 +153,19 @@ def _scale_owner(optimizer: torch.optim.Optimizer, scaler: Any) -> ScaleRule | N
 
 
 def _init_state(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], hp: torch.Tensor, zeros: Any
+    plan: GroupPlan, state: dict[str, Any], hp: torch.Tensor, zeros: Any
 ) -> list[torch.Tensor]:
-    """torch's initial state for hp (step_math's), created now: a compiled step cannot create it
+    """torch's initial state for hp (the plan's), created now: a compiled step cannot create it
     lazily, and a skipped first step may not. SGD's buffer starts at zero and decays from its
     first step (with dampening 0, buf = 0 * momentum + grad = grad, torch's first buffer)."""
-    state = optimizer.state[hp]
-    if isinstance(optimizer, torch.optim.SGD):
-        if not group["momentum"]:
-            return []
-        return [sm.momentum_buffer(state, hp, zeros)[0]]
-    sm.adam_state(state, hp, zeros)
+    tensors, _ = plan.init_state(state, hp, zeros)
+    if plan.kind != "adam":
+        return tensors
     # On the param's device (torch keeps a non-capturable step on the CPU): the graph counts it
     # there, where a CPU step would cost a device -> host copy each step. torch's eager Adam
     # reads either (it takes the value with .item()).
     state["step"] = state["step"].to(hp.device)
-    return [state["step"], state["exp_avg"], state["exp_avg_sq"]]
+    return [state["step"], *tensors]
 
 
 def _read(state: Any, like: torch.Tensor) -> torch.Tensor:
@@ -310,6 +308,7 @@ class CompiledStep:
         place = -1
         self.group_of: list[int] = []
         for index, group in enumerate(self.inner.param_groups):
+            plan = GroupPlan.of(self.inner, group)
             for hp in group["params"]:
                 place += 1
                 lp = master_to_lp.get(id(hp))
@@ -326,7 +325,7 @@ class CompiledStep:
                 self.train_names.append(name)
                 self.hp.append(hp)
                 self.lp.append(lp)
-                state = _init_state(self.inner, group, hp, zeros)
+                state = _init_state(plan, self.inner.state[hp], hp, zeros)
                 # torchao's low-bit state as its plain codes and scales (qstate's operands, the
                 # same memory): read, quantized and kept on a skip with torch.where in the graph
                 self.states.append(
@@ -338,23 +337,18 @@ class CompiledStep:
         params = dict(self.model.named_parameters())
         self._train = [params[name] for name in self.train_names]
 
-    def _hparams(self) -> tuple[list[torch.Tensor], tuple[tuple[bool, ...], ...]]:
-        """Each group's hyperparameters as an fp64 tensor on the params' device, and its flags.
+    def _hparams(self) -> tuple[list[torch.Tensor], tuple[tuple[str, tuple[bool, ...]], ...]]:
+        """Each group's values (GroupPlan.values) as an fp64 tensor on the params' device, and
+        its kernel kind and flags.
 
         The values enter the graph as tensors, so an LR schedule (or a changing weight decay,
         betas, eps) recompiles nothing; the graph reads no param_group (dynamo guards every
         value of a dict it reads: each new lr recompiled). A tensor is rebuilt only when its
-        values changed (written on the device, no sync). The flags pick code paths (a zero
-        weight decay skips its term): they are guarded constants, a change recompiles.
+        values changed (written on the device, no sync). The kind and flags pick code paths (a
+        zero weight decay skips its term): they are guarded constants, a change recompiles.
         """
-        key = []
-        for group in self.inner.param_groups:
-            if isinstance(self.inner, torch.optim.SGD):
-                key.append((group["lr"], group["weight_decay"], group["momentum"], 0.0))
-            else:
-                beta1, beta2 = group["betas"]
-                key.append((group["lr"], group["weight_decay"], beta1, beta2, group["eps"]))
-        key = tuple(key)
+        plans = [GroupPlan.of(self.inner, group) for group in self.inner.param_groups]
+        key = tuple(plan.values for plan in plans)
         if key != self._hp_key:
             self._hp_tensors = [
                 # made on the params' device (a host->device write of the values, no sync)
@@ -362,23 +356,14 @@ class CompiledStep:
                 for values in key
             ]
             self._hp_key = key
-        return self._hp_tensors, tuple(self._flags(g) for g in self.inner.param_groups)
-
-    def _flags(self, group: dict[str, Any]) -> tuple[bool, ...]:
-        decoupled = group.get("decoupled_weight_decay", isinstance(self.inner, torch.optim.AdamW))
-        return (
-            bool(group.get("maximize")),
-            group["weight_decay"] != 0,
-            bool(group.get("nesterov")),
-            bool(decoupled),
-        )
+        return self._hp_tensors, tuple((plan.kind, plan.flags) for plan in plans)
 
     # ----- the step: everything below runs inside the compiled graph -----
     def _run(
         self,
         params: list[torch.Tensor],
         hparams: list[torch.Tensor],
-        flags: tuple[tuple[bool, ...], ...],
+        flags: tuple[tuple[str, tuple[bool, ...]], ...],
         inputs: tuple[Any, ...],
         target: Any,
     ) -> torch.Tensor:
@@ -393,7 +378,7 @@ class CompiledStep:
         self,
         params: list[torch.Tensor],
         hparams: list[torch.Tensor],
-        flags: tuple[tuple[bool, ...], ...],
+        flags: tuple[tuple[str, tuple[bool, ...]], ...],
         loss: torch.Tensor,
     ) -> torch.Tensor:
         scale = self._step_scale.reshape(1)
@@ -436,16 +421,17 @@ class CompiledStep:
         """Step param i with step_math (as fused_step's kernels run it); on a skip every write
         keeps the old value. Lean: hp may be a bf16 param (no master) and its state bf16, both
         read as fp32; key: a bf16 hp's stochastic rounding key (None: nearest)."""
-        maximize, decay, nesterov, decoupled = flags
+        kind, (maximize, decay, *extra) = flags  # extra: nesterov or decoupled (GroupPlan)
         hp, lp, state = self.hp[i], self.lp[i], self.states[i]
         clipping = self.max_norm > 0
         written: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if isinstance(self.inner, torch.optim.SGD):
-            s = sm.scalar_vector(sm.sgd_scalars(*h), head)  # h: lr, wd, momentum, dampening
+        if kind != "adam":
+            # h: the plan's values (fp64); a zero buffer decays: no `first` scalars needed
+            s = sm.scalar_vector(group_scalars(kind, h), head)
             g = sm.unscaled(grad, s, clipping, maximize)
-            if state:
+            if kind == "sgd_momentum":
                 new, buf = sm.sgd_momentum_update(
-                    hp.float(), g, _read(state[0], hp), s, decay, nesterov
+                    hp.float(), g, _read(state[0], hp), s, decay, *extra
                 )
                 written += qstate.writes(state[0], buf)
             else:
@@ -453,11 +439,11 @@ class CompiledStep:
         else:
             step_t, exp_avg, exp_avg_sq = state
             step = step_t + keep.reshape(()).to(step_t.dtype)
-            # h: lr, wd, beta1, beta2, eps (fp64); the bias corrections in fp64 as torch's Python
-            s = sm.scalar_vector(sm.adam_scalars(*h, step.double()), head)
+            # the bias corrections in fp64, as torch's Python floats
+            s = sm.scalar_vector(group_scalars(kind, h, step=step.double()), head)
             g = sm.unscaled(grad, s, clipping, maximize)
             m, v = _read(exp_avg, hp), _read(exp_avg_sq, hp)
-            new, m, v = sm.adam_update(hp.float(), g, m, v, s, decay, decoupled)
+            new, m, v = sm.adam_update(hp.float(), g, m, v, s, decay, *extra)
             written += qstate.writes(exp_avg, m) + qstate.writes(exp_avg_sq, v)
             step_t.copy_(step)  # unchanged on a skip: keep is 0
         if key is not None and hp.dtype == torch.bfloat16:

@@ -33,6 +33,7 @@ import torch
 
 from mixprec.core import qstate
 from mixprec.core import step_math as sm
+from mixprec.core.step_plan import GroupPlan
 
 log = logging.getLogger("mixprec")
 
@@ -239,54 +240,12 @@ def fused_step(
                 items.append((p, lp, grad))
         if not items:
             continue
-        flags = (clip is not None, bool(group.get("maximize")), group["weight_decay"] != 0)
-        if isinstance(optimizer, torch.optim.SGD):
-            _sgd_group(optimizer, group, items, head, flags)
-        else:
-            _adam_group(optimizer, group, items, head, flags)
-
-
-def _sgd_group(optimizer, group, items, head, flags) -> None:
-    momentum = group["momentum"]
-    device = items[0][0].device
-    values = (group["lr"], group["weight_decay"], momentum, group["dampening"])
-    if momentum == 0:
-        s = sm.scalar_vector(sm.sgd_scalars(*values), head, device)
-        for hp, lp, grad in items:
-            update("sgd", hp, grad, [], s, flags, lp=lp)
-        return
-    flags = (*flags, bool(group["nesterov"]))
-    vectors: dict[bool, torch.Tensor] = {}
-    for hp, lp, grad in items:
-        buf, first = sm.momentum_buffer(optimizer.state[hp], hp)
-        if first not in vectors:
-            vectors[first] = sm.scalar_vector(sm.sgd_scalars(*values, first=first), head, device)
-        update("sgd_momentum", hp, grad, [buf], vectors[first], flags, lp=lp)
-
-
-def _adam_group(optimizer, group, items, head, flags) -> None:
-    beta1, beta2 = group["betas"]
-    device = items[0][0].device
-    decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
-    flags = (*flags, bool(decoupled))
-    steps = []
-    for hp, _, _ in items:
-        state = optimizer.state[hp]
-        sm.adam_state(state, hp)  # torch's own, so either path can continue the other
-        steps.append(state["step"])
-    torch._foreach_add_(steps, 1.0)
-    by_step: dict[float, torch.Tensor] = {}  # params almost always share one step count
-    for (hp, lp, grad), step_t in zip(items, steps, strict=True):
-        step = step_t.item()
-        if step not in by_step:
-            values = sm.adam_scalars(
-                group["lr"], group["weight_decay"], beta1, beta2, group["eps"], step
-            )
-            by_step[step] = sm.scalar_vector(values, head, device)
-        state = optimizer.state[hp]
-        update(
-            "adam", hp, grad, [state["exp_avg"], state["exp_avg_sq"]], by_step[step], flags, lp=lp
-        )
+        plan = GroupPlan.of(optimizer, group)
+        flags = (clip is not None, *plan.flags)
+        device = items[0][0].device
+        prepared = plan.prepare(optimizer, [hp for hp, _, _ in items], head, device)
+        for (hp, lp, grad), (state, s) in zip(items, prepared, strict=True):
+            update(plan.kind, hp, grad, state, s, flags, lp=lp)
 
 
 def _opt(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -35,6 +35,7 @@ from mixprec.core import qstate
 from mixprec.core import step_math as sm
 from mixprec.core.policy import ROUNDINGS, OptimizerState, Policy, Rounding, state_formats
 from mixprec.core.scaling import rank_and_world
+from mixprec.core.step_plan import GroupPlan
 
 __all__ = [
     # the rounding
@@ -282,10 +283,12 @@ class LeanUpdate:
             index += len(params)
             if not items:
                 continue
-            if isinstance(optimizer, torch.optim.SGD):
-                self._sgd_group(optimizer, group, items, keys)
-            else:
-                self._adam_group(optimizer, group, items, keys)
+            plan = GroupPlan.of(optimizer, group)
+            device = _local(items[0][1]).device
+            params = [p for _, p in items]
+            prepared = plan.prepare(optimizer, params, None, device, self._zeros)
+            work = [(i, p, st, s) for (i, p), (st, s) in zip(items, prepared, strict=True)]
+            self._run(plan.kind, (False, *plan.flags), keys, work)
         if keys is not None:
             self.counter += 1
 
@@ -393,48 +396,6 @@ class LeanUpdate:
         owner, key = cached
         torch.index_select(keys, 0, owner, out=key[0])
         return key
-
-    def _sgd_group(self, optimizer, group, items, keys) -> None:
-        momentum = group["momentum"]
-        values = (group["lr"], group["weight_decay"], momentum, group["dampening"])
-        flags = (False, bool(group.get("maximize")), group["weight_decay"] != 0)
-        device = _local(items[0][1]).device
-        if momentum == 0:
-            s = sm.scalar_vector(sm.sgd_scalars(*values), device=device)
-            self._run("sgd", flags, keys, [(i, p, [], s) for i, p in items])
-            return
-        flags = (*flags, bool(group["nesterov"]))
-        vectors: dict[bool, torch.Tensor] = {}
-        work = []
-        for i, p in items:
-            buf, first = sm.momentum_buffer(optimizer.state[p], p, self._zeros)
-            if first not in vectors:
-                vectors[first] = sm.scalar_vector(
-                    sm.sgd_scalars(*values, first=first), None, device
-                )
-            work.append((i, p, [buf], vectors[first]))
-        self._run("sgd_momentum", flags, keys, work)
-
-    def _adam_group(self, optimizer, group, items, keys) -> None:
-        beta1, beta2 = group["betas"]
-        decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
-        flags = (False, bool(group.get("maximize")), group["weight_decay"] != 0, bool(decoupled))
-        device = _local(items[0][1]).device
-        states = [optimizer.state[p] for _, p in items]
-        for (_, p), state in zip(items, states, strict=True):
-            sm.adam_state(state, p, self._zeros)
-        torch._foreach_add_([state["step"] for state in states], 1.0)
-        by_step: dict[float, torch.Tensor] = {}  # params almost always share one step count
-        work = []
-        for (i, p), state in zip(items, states, strict=True):
-            step = float(state["step"])  # a CPU scalar, as torch's non-capturable Adam keeps it
-            if step not in by_step:
-                values = sm.adam_scalars(
-                    group["lr"], group["weight_decay"], beta1, beta2, group["eps"], step
-                )
-                by_step[step] = sm.scalar_vector(values, device=device)
-            work.append((i, p, [state["exp_avg"], state["exp_avg_sq"]], by_step[step]))
-        self._run("adam", flags, keys, work)
 
     # ----- checkpoints -----
     def state_dict_into(self, state_dict: dict[str, Any]) -> None:
