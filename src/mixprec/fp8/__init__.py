@@ -27,6 +27,12 @@ from mixprec.fp8.casts import (
     tensor_to_amax,
     tensor_to_fp8,
 )
+from mixprec.fp8.checkpoint import (
+    block_fp8_state_dict,
+    dequantize_weight_block_fp8,
+    load_block_fp8_state_dict,
+    quantize_weight_block_fp8,
+)
 from mixprec.fp8.config import (
     AMAX_EPS,
     GEMM_ALIGN,
@@ -81,6 +87,7 @@ __all__ = [
     "Float8Summary",
     "Recipe",
     "amax_to_scale",
+    "block_fp8_state_dict",
     "cast_to_fp8",
     "convert_to_fp8",
     "cpu_has_scaled_mm",
@@ -90,11 +97,13 @@ __all__ = [
     "dequantize_mxfp8",
     "dequantize_nvfp4",
     "dequantize_scaled",
+    "dequantize_weight_block_fp8",
     "emulated_gemm",
     "fp8_kernel_problem",
     "fp8_summary",
     "fp8_to_tensor",
     "is_hf_conv1d",
+    "load_block_fp8_state_dict",
     "lp_gemm",
     "per_module_recipes",
     "quantize_blockwise",
@@ -102,6 +111,7 @@ __all__ = [
     "quantize_nvfp4",
     "quantize_rowwise",
     "quantize_tensorwise",
+    "quantize_weight_block_fp8",
     "resolve_emulate",
     "tensor_to_amax",
     "tensor_to_fp8",
