@@ -1,14 +1,7 @@
 """Colossal-AI's legacy AMP: the NAIVE amp_config keys `clip_grad_norm` and
-`dynamic_grad_scale`, `convert_to_naive_amp` / `convert_to_apex_amp`, and a port of
-ColossalAI's tests/test_legacy/test_amp/test_naive_fp16.py.
-
-The port's changes, each for a stated reason: `mixprec.amp` for `colossalai.legacy.amp`; CPU
-instead of CUDA, one process (Colossal spawned one rank); Colossal's test-component models
-(repeated_computed_layers, nested_model, resnet18) are not a package: a small conv + batchnorm
-+ MLP stands in; `assert_close_loose` is Colossal's rtol=1e-3, atol=1e-3. Colossal compared
-the fp16 params' scaled grads; mixprec moves each fp16 grad into its fp32 master (Apex and
-Colossal left it scaled on the fp16 param; mixprec's core moves them at step), so the grads are compared unscaled, on the
-masters of both optimizers, after `unscale_grads()`.
+`dynamic_grad_scale`, and `convert_to_naive_amp` / `convert_to_apex_amp`. The port of
+ColossalAI's tests/test_legacy/test_amp/test_naive_fp16.py (NAIVE vs Apex O2, the model grads
+compared after backward) is in tests/test_apex_model_grads.py.
 """
 
 from __future__ import annotations
@@ -35,43 +28,6 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
-
-
-def unscaled_master_grads(optimizer) -> list[torch.Tensor]:
-    return [p.grad for p in apex_amp.master_params(optimizer)]
-
-
-def test_naive_fp16_matches_apex_o2_with_clipping() -> None:
-    torch.manual_seed(0)
-    naive_model = Net()
-    apex_model = copy.deepcopy(naive_model)
-    naive_opt = torch.optim.SGD(naive_model.parameters(), lr=1e-3)
-    apex_opt = torch.optim.SGD(apex_model.parameters(), lr=1e-3)
-    naive_model, naive_opt = convert_to_naive_amp(
-        naive_model, naive_opt, dict(initial_scale=128, clip_grad_norm=1.0)
-    )
-    apex_model, apex_opt = convert_to_apex_amp(
-        apex_model, apex_opt, dict(opt_level="O2", loss_scale=128, keep_batchnorm_fp32=False)
-    )
-    data = torch.randn(8, 3, 4, 4)
-    naive_out, apex_out = naive_model(data), apex_model(data)
-    torch.testing.assert_close(naive_out, apex_out, **LOOSE)
-    naive_opt.backward(naive_out.sum())  # sum(): big gradients, so clipping acts
-    apex_opt.backward(apex_out.sum())
-    for opt in (naive_opt, apex_opt):  # fp16 grads reach the masters at step: now, to compare
-        opt.unscale_grads()
-    for naive_grad, apex_grad in zip(
-        unscaled_master_grads(naive_opt), unscaled_master_grads(apex_opt), strict=True
-    ):
-        torch.testing.assert_close(naive_grad, apex_grad, **LOOSE)
-    apex_opt.clip_grad_norm(model=apex_model, max_norm=1.0)
-    naive_opt.step()  # clips inside step: amp_config's clip_grad_norm
-    apex_opt.step()
-    for naive_param, apex_param in zip(
-        naive_model.parameters(), apex_model.parameters(), strict=True
-    ):
-        # compared in fp32: mixprec's NAIVE keeps batchnorm fp32 (Colossal's halved it)
-        torch.testing.assert_close(naive_param.float(), apex_param.float(), **LOOSE)
 
 
 # ---- the NAIVE amp_config keys Colossal's legacy initialize writes (clip_grad_norm) ----

@@ -5,12 +5,17 @@ has anyway (a flag, a tensor's version counter: no host sync): grads that did no
 the optimizer's scaled backward (plain loss.backward() in a loss-scaling mode), grads written in
 place while still scaled (torch's clip_grad_norm_ between backward() and step()), and a step with
 no gradient at all. MixedPrecisionOptimizer holds one BackwardWatch.
+
+GradVersions is the same host fact kept for many grads: an optimizer that checks its gradients
+before the step (Apex's, at each backward) finds with it the ones written or replaced after
+their check, so the step checks those again instead of applying them unseen.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -85,6 +90,42 @@ class BackwardWatch:
             "before step(), and check the parameters passed to the optimizer are the model's.",
             stacklevel=4,
         )
+
+
+class GradVersions:
+    """The gradients of some params as a check left them: each known by a weak reference and
+    its version counter (host ints: reading them costs no sync), so a later in-place write
+    (a clip, a user's edit) or a replaced .grad is found without looking at any value."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+
+    def record(self, params: Iterable[torch.Tensor]) -> None:
+        """Note params' grads as they are now (a param without a grad is forgotten)."""
+        for p in params:
+            grad = p.grad
+            if grad is None:
+                self._seen.pop(id(p), None)
+            else:
+                self._seen[id(p)] = (weakref.ref(grad), grad._version)
+
+    def clear(self) -> None:
+        self._seen = {}
+
+    def diff(self, params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(params whose grad is not the recorded tensor, params whose recorded grad was written
+        in place since): grads set to None since the record are in neither."""
+        replaced, written = [], []
+        for p in params:
+            grad = p.grad
+            if grad is None:
+                continue
+            seen = self._seen.get(id(p))
+            if seen is None or seen[0]() is not grad:
+                replaced.append(p)
+            elif grad._version != seen[1]:
+                written.append(p)
+        return replaced, written
 
 
 def unscaled_grads_error(owner: str, cfg: Any, hint: str) -> RuntimeError:

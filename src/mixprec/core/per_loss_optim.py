@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mixprec.core.backward_watch import GradVersions
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.scaling import (
     LossScaler,
@@ -57,6 +58,13 @@ class StashingOptimizer(MixedPrecisionOptimizer):
     Protocol: `begin_backward()`, the scaled backward, then `unscale_new_grads(inv_scale,
     found_inf)`. Master grads accumulate the unscaled contributions; the step is skipped if any
     contribution since the last step overflowed (see `unscale_grads`).
+
+    As in Apex, the low-precision model params keep the grads of their last backward, still
+    scaled (in their own dtype): each is copied into its fp32 master's grad and unscaled there,
+    and the step applies the masters' grads. Gradients the step applies that were written or
+    replaced after their check (a user's edit, a clip, a hook run outside backward) are checked
+    again at the step, and on several ranks that check's flag is reduced over the group, so a
+    non-finite value any rank wrote skips the step on every rank.
     """
 
     scaled_backward_hint = (
@@ -67,20 +75,32 @@ class StashingOptimizer(MixedPrecisionOptimizer):
     steps_on_device = False  # decides on the host: see MixedPrecisionOptimizer
 
     def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
-        super().__init__(optimizer, **kwargs)
+        if kwargs.pop("fused_step", None):
+            raise ValueError(
+                "fused_step=True: this optimizer unscales each backward's gradients as it ends, "
+                "and the fused step unscales them again at the step; it runs unfused."
+            )
+        # fused_step=False: the fused pass would unscale the already unscaled grads again
+        super().__init__(optimizer, fused_step=False, **kwargs)
         self.events: list[UnscaleEvent] = []
         # (fp32-own param, its grad before this backward): grads that are already unscaled.
         self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._stashed = False
         # loss_id whose scaled grads are accumulating (delay_unscale), None when none are.
         self.scaled_grads_from: int | None = None
+        self.checked = GradVersions()
+        """The model's lp grads and the held grads as their last check left them."""
+        # 1 once a held grad written after its check held inf/nan (this rank; reduced at step)
+        self._late_inf: torch.Tensor | None = None
+        self._warned_lp_edit = False
 
     def begin_backward(self) -> None:
         """Set aside the unscaled grads so the coming backward's grads can be unscaled alone."""
         if self._stashed:  # scaled grads are accumulating (delay_unscale): keep the stash
             return
+        self._check_late_writes()  # a master grad written since its check is summed into below
         for lp in self.lp_params:
-            lp.grad = None  # lp grads are folded into the masters after every unscale
+            lp.grad = None  # Apex: the model grads hold the last backward's grads only
         self._stash = []
         for p in self._own_params():
             self._stash.append((p, p.grad))
@@ -91,7 +111,9 @@ class StashingOptimizer(MixedPrecisionOptimizer):
     def unscale_new_grads(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         """Unscale and check the grads since begin_backward(), then add them to the earlier ones.
 
-        found_inf is raised (not reduced over ranks: the caller does that once per loss).
+        The lp grads stay on the model params as backward left them (scaled, as in Apex); their
+        fp32 copies, unscaled, are added to the masters' grads. found_inf is raised (not reduced
+        over ranks: the caller does that once per loss).
         """
         if not self._stashed:
             self.begin_backward()  # nothing was stashed: every grad present is new
@@ -100,7 +122,6 @@ class StashingOptimizer(MixedPrecisionOptimizer):
             if lp.grad is not None:
                 hp_targets.append(hp)
                 new_grads.append(lp.grad.float())  # the lp->fp32 copy Apex makes before unscaling
-                lp.grad = None  # it lives on (unscaled) in the master's grad
         own_new = [p.grad for p, _ in self._stash if p.grad is not None]
         if new_grads or own_new:
             unscale_and_check_(new_grads + own_new, inv_scale, found_inf)
@@ -112,9 +133,32 @@ class StashingOptimizer(MixedPrecisionOptimizer):
         self._stash = []
         self._stashed = False
         self.scaled_grads_from = None
+        self.checked.record(self._watched())
+
+    def _watched(self) -> list[torch.Tensor]:
+        """The params whose grads the checks cover: the model's lp params and the held ones."""
+        return [*self.lp_params, *self.transfer.layout().held]
+
+    @torch.no_grad()
+    def _check_late_writes(self) -> None:
+        """Check (on this rank) the held grads written or replaced since their last check; a
+        non-finite one sets _late_inf, which the step reduces over the group."""
+        replaced, written = self.checked.diff(self.transfer.layout().held)
+        late = [p.grad for p in (*replaced, *written)]
+        if late:
+            device = self.scaler.scale_tensor.device
+            if self._late_inf is None:
+                self._late_inf = torch.zeros(1, dtype=torch.float32, device=device)
+            one = torch.ones(1, dtype=torch.float32, device=device)  # x 1 is exact: a check
+            unscale_and_check_(self.transfer.local(late), one, self._late_inf)
+        self.checked.record(self.transfer.layout().held)
 
     def unscale_grads(self) -> torch.Tensor:
-        """The overflow flag of every contribution since the last step (grads are unscaled)."""
+        """The overflow flag of every contribution since the last step (grads are unscaled),
+        and of the held grads written after their check (checked again here).
+
+        On several ranks this reduces that late check's flag over the group on every call (one
+        1-element all-reduce: a rank cannot know another wrote nothing)."""
         if self.scaled_grads_from is not None:
             raise RuntimeError(
                 "Gradients are still scaled (the last amp.scale_loss had delay_unscale=True): "
@@ -122,37 +166,71 @@ class StashingOptimizer(MixedPrecisionOptimizer):
                 "delay_unscale=False) before step() or clipping."
             )
         self._check_scaled_backward()
-        self._check_no_unscaled_lp_grads()
+        self._check_lp_grads()
         device = self.scaler.scale_tensor.device
+        self._check_late_writes()
+        late = self._late_inf
+        if late is None:
+            late = torch.zeros(1, dtype=torch.float32, device=device)
+        if self._shares_steps():
+            late = all_reduce_found_inf_(late.clone(), self.process_group or default_group())
         if not self.events:
-            return torch.zeros(1, dtype=torch.float32, device=device)
-        return torch.stack([e.found_inf.to(device) for e in self.events]).amax(dim=0)
+            return late
+        flags = [e.found_inf.to(device) for e in self.events]
+        return torch.stack([*flags, late]).amax(dim=0)
 
     def _grads_came_through_backward(self) -> bool:
-        return bool(self.events)  # one event per scaled backward since the last step
+        # one event per scaled backward since the last step; without one, grads that all came
+        # through an earlier scaled backward (kept lp grads, own grads a step left) are no misuse
+        if self.events:
+            return True
+        replaced, written = self.checked.diff(self._watched())
+        return not replaced and not written
 
-    def _check_no_unscaled_lp_grads(self) -> None:
-        if any(lp.grad is not None for lp in self.lp_params):
+    def _check_lp_grads(self) -> None:
+        """lp grads the masters never received raise; lp grads written after they were copied
+        to the masters (applied by no step) are warned about once."""
+        replaced, written = self.checked.diff(self.lp_params)
+        if replaced:
             raise RuntimeError(
                 "Some low-precision model params hold gradients that never reached the fp32 "
                 "masters: call backward inside `with amp.scale_loss(loss, optimizer) as s: "
                 "s.backward()` (or optimizer.backward(loss)), not on the loss directly."
             )
+        if written and not self._warned_lp_edit:
+            self._warned_lp_edit = True
+            if is_rank_zero():
+                log.warning(
+                    "mixprec: the low-precision model params' gradients changed after their "
+                    "backward copied them into the fp32 master gradients; the step applies the "
+                    "masters' gradients (amp.master_params(optimizer)), as Apex does, so that "
+                    "change is not applied. Clip or edit the master gradients instead. (Warned "
+                    "once.)"
+                )
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        norm = super().clip_grad_norm(max_norm, norm_type)
+        # this clip scaled checked grads by a finite factor: nothing for a later check to see
+        self.checked.record(self.transfer.layout().held)
+        return norm
 
     def _end_step(self) -> None:
         self.events = []  # this step's unscale events are consumed (skips were reported)
+        self._late_inf = None
 
     def _forget_iteration(self) -> None:
         self.events = []
         self._stash = []
         self._stashed = False
         self.scaled_grads_from = None
+        self._late_inf = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for hp in self.hp_masters:  # master grads accumulate per loss here, so they are cleared
             hp.grad = None
         self._forget_iteration()
+        self.checked.record(self._watched())  # None, or zeros: nothing left to check
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -232,6 +310,14 @@ class PerLossOptimizer(StashingOptimizer):
 
     def _update_scale(self, found_inf: torch.Tensor) -> None:
         """Nothing: amp.scale_loss advanced each loss's scaler after its backward."""
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Apex's rule by default (set_to_none=None): with fp32 masters the model's grads are
+        zeroed in place (Apex's patched zero_grad), else dropped (torch's default); the masters'
+        grads are dropped either way. True / False: torch's meaning."""
+        if set_to_none is None:
+            set_to_none = not self.lp_params
+        super().zero_grad(set_to_none)
 
     def _end_step(self) -> None:
         super()._end_step()

@@ -54,11 +54,20 @@ Apex's older handle API, `handle = amp.init(...)` (O1 casts until `handle._deact
 `handle.scale_loss`, `handle.wrap_optimizer`), is in mixprec.apex.handle. The code of the rest
 is in mixprec.apex.amp.frontend (Apex's module path for it), which the handle API builds on.
 
+Gradients with master weights (O2, or master_weights=True), as in Apex: after `scale_loss`
+exits, each fp16 model param keeps the grad of that backward, still multiplied by the loss
+scale; its fp32 master holds the unscaled sum of every loss since the last step, and that is
+what the step applies (clip `amp.master_params(optimizer)`). `optimizer.zero_grad()` zeroes the
+model grads in place and drops the masters' (zero_grad(set_to_none=True) drops both).
+
 Differences from Apex, each deliberate: errors raise ValueError/TypeError (Apex: RuntimeError,
 unless hard_override); O3's static scale of 1 still checks for inf/nan and skips (Apex stepped
-blindly); the grads of low-precision model params are moved into the fp32 masters after each
-backward (Apex left them, scaled, on the fp16 params); a step with such grads still pending
-(backward called on an unscaled loss) raises instead of silently ignoring them.
+blindly); a step with fp16 model grads the masters never received (backward called on an
+unscaled loss) raises instead of silently ignoring them, and fp16 model grads changed after
+`scale_loss` (torch's clip_grad_norm_ on model.parameters()) are warned about once, at WARNING,
+where Apex ignored the change silently; gradients the step applies that were written after
+their check at `scale_loss` (a user's edit, an outside clip) are checked again at the step, and
+an inf/nan there skips it on every rank (Apex applied them).
 """
 
 from mixprec.apex.amp._amp_state import _amp_state, master_params
