@@ -318,9 +318,34 @@ def test_compiled_step_reports_skips_every_check_every_steps(monkeypatch, caplog
     assert step.sync_counters() == 3
     step(*batch(5, True))
     step(*batch(6, True))
-    with pytest.raises(ScaleCollapseError, match="3 compiled steps in a row"):
+    with pytest.raises(ScaleCollapseError, match=r"3 steps in a row.*compile_step"):
         for i in range(7, 7 + 4):  # raised at the next read, within check_every steps
             step(*batch(i, True))
+
+
+def test_compiled_step_counts_in_the_optimizers_step_counter():
+    """One accounting: eager and compiled steps of one optimizer count in its StepCounter;
+    over a plain torch optimizer the compiled step keeps a StepCounter of its own."""
+    model = make_model()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    step = compile_step(model, opt, nn.MSELoss(), compile=False, check_every=4)
+    assert step.counts is opt.counts
+    opt.zero_grad()
+    opt.backward(nn.functional.mse_loss(model(batch(0)[0]), batch(0)[1]))
+    opt.step()  # an eager step, then a skipped compiled one
+    step(*batch(1, True))
+    stats = step.skip_stats  # reads the compiled rows into opt.counts
+    assert (stats.steps, stats.skipped_steps) == (2, 1) == (opt.steps, opt.skipped_steps)
+
+    model = make_model()
+    plain = compile_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), compile=False
+    )
+    plain(*batch(0, True))
+    plain(*batch(1))
+    stats = plain.skip_stats
+    assert (stats.steps, stats.skipped_steps, stats.consecutive_skips) == (2, 1, 0)
+    assert stats.last_scale == 1.0 and plain.counts.last_result.skipped is False
 
 
 @pytest.mark.parametrize("num_losses", [1, 2])

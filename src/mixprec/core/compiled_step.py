@@ -42,9 +42,10 @@ the loop body) reaches the forward and the loss and ends there: scaling, backwar
 run in an fp32_region, as an eager loop runs them outside auto_cast. One call is one optimizer
 step: no gradient accumulation.
 
-Skips are reported as the eager step reports them (optimizer.skipped_steps, consecutive_skips,
-skip_stats, the skip monitor's warm-up summary and rate warning, ScaleCollapseError after the
-optimizer's max_consecutive_skips) without a host sync per step: the graph writes each step's
+Skips are counted and reported by the optimizer's own StepCounter, as its eager steps are
+(optimizer.skipped_steps, consecutive_skips, skip_stats, the skip monitor's warm-up summary and
+rate warning, ScaleCollapseError after its max_consecutive_skips; a plain torch optimizer gets
+a StepCounter of its own, `step.counts`) without a host sync per step: the graph writes each step's
 skip flag and scale into a device buffer, and the host reads it once every `check_every` steps
 (one sync) and when the user reads the counts (step.sync_counters(), step.skip_stats). A
 collapse is therefore raised up to check_every - 1 steps after the step that reached the limit.
@@ -67,11 +68,11 @@ from mixprec.core import qstate
 from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
 from mixprec.core.clip import total_grad_norm
-from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
+from mixprec.core.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.core.scaling import ProcessGroup, ScaleRule, default_group, rank_and_world
-from mixprec.core.skip_monitor import SkipMonitor, SkipStats
+from mixprec.core.skip_monitor import SkipStats, StepCounter
 from mixprec.core.step_plan import GroupPlan, group_scalars
-from mixprec.core.step_record import StepRecord
+from mixprec.core.step_record import Count, StepRecord
 from mixprec.core.validate import check_max_norm
 
 _LAST = object()  # step(x, y): no target keyword, so the last positional is the target
@@ -253,10 +254,9 @@ class CompiledStep:
         self.check_every = self._step_record.check_every
         """Steps between the host's reads of the skip record (each read is one host sync)."""
         self._unreported = 0  # skips read since the last sync_counters() call
-        own = isinstance(optimizer, MixedPrecisionOptimizer)
-        self.skip_monitor = optimizer.skip_monitor if own else SkipMonitor()
-        self._counts = optimizer if own else _Counts()
-        self.max_consecutive_skips = optimizer.max_consecutive_skips if own else None
+        # one accounting: the optimizer's StepCounter, which counts its eager steps too
+        self.counts = optimizer.counts if wrapped else StepCounter(None)
+        self._count: Count = optimizer.count_recorded_step if wrapped else self._count_plain
         self._compiled = None
         self._plain_options: dict[str, Any] | None = None  # a second try, without CPU options
         self._quiet_torch_deprecations = False  # set once one of them stopped a compile
@@ -483,7 +483,7 @@ class CompiledStep:
         args = (self._train, *self._hparams(), tuple(inputs), target)
         with torch.no_grad():  # _run enables grad for forward and backward; the writes need none
             loss = self._step(args)
-        self._counts.steps += 1
+        self.counts.steps += 1
         self._step_record.step_done(self._count_row, has_norm=self._records_norm)
         return loss
 
@@ -551,27 +551,17 @@ class CompiledStep:
         self._step_record.read(self._count_row)
 
     def _count_row(self, skipped: bool, scale: float, grad_norm: float | None) -> None:
-        """One recorded step into the counts (the optimizer's, or _Counts over a plain one)."""
-        counts = self._counts
-        counts.skipped_steps += skipped
+        """One recorded step into the counts (the optimizer's own counting, or _count_plain)."""
         self._unreported += skipped
-        counts.consecutive_skips = counts.consecutive_skips + 1 if skipped else 0
-        if isinstance(counts, MixedPrecisionOptimizer):
-            counts.last_result = StepResult(
-                skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=None
-            )
-        message = self.skip_monitor.record(skipped, scale)
+        self._count(skipped, scale, grad_norm)
+
+    def _count_plain(self, skipped: bool, scale: float, grad_norm: float | None) -> None:
+        """A recorded step of a plain torch optimizer: counted, the skip monitor's message
+        logged on rank 0 (no consecutive-skip limit: a plain optimizer sets none)."""
+        result = StepResult(skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=None)
+        message = self.counts.record(result)
         if message and rank_and_world()[0] == 0:
             log.warning(message)
-        limit = self.max_consecutive_skips
-        if limit is not None and counts.consecutive_skips >= limit:
-            raise ScaleCollapseError(
-                f"{counts.consecutive_skips} compiled steps in a row were skipped for "
-                f"non-finite gradients (loss scale {scale:g}; the count is read every "
-                f"{self.check_every} steps). The run overflows at any scale: look for a "
-                "nan/inf in the data or loss (mixprec.debugging.NonFiniteLocator names the "
-                "first module), lower the learning rate, or train in bf16."
-            )
 
     @property
     def skip_stats(self) -> SkipStats:
@@ -579,15 +569,8 @@ class CompiledStep:
         record first (one host sync)."""
         self._read_record()
         if isinstance(self.optimizer, MixedPrecisionOptimizer):
-            return self.optimizer.skip_stats
-        counts = self._counts
-        return SkipStats(
-            steps=counts.steps,
-            skipped_steps=counts.skipped_steps,
-            consecutive_skips=counts.consecutive_skips,
-            warmup_skips=self.skip_monitor.warmup_skips,
-            last_scale=None,
-        )
+            return self.optimizer.skip_stats  # its own sync-free steps' record read too
+        return self.counts.stats()
 
     def sync_counters(self) -> int:
         """Read the device record (a host sync) into the counts (optimizer.skipped_steps,
@@ -595,13 +578,6 @@ class CompiledStep:
         self._read_record()
         skipped, self._unreported = self._unreported, 0
         return skipped
-
-
-class _Counts:
-    """Step counts of a compiled step over a plain torch optimizer (no mixprec wrapper)."""
-
-    def __init__(self) -> None:
-        self.steps = self.skipped_steps = self.consecutive_skips = 0
 
 
 def _with_cpu_options(options: dict[str, Any], device_type: str) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from mixprec.core.skip_monitor import (
     SkipStats,
     StepCounter,
 )
-from mixprec.core.step_math import clip_coefficient
+from mixprec.core.step_math import clip_coefficient, inverse_scale
 from mixprec.core.step_record import StepRecord
 from mixprec.core.validate import check_bool, check_max_norm, check_norm_type
 
@@ -590,7 +590,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         grads = self._hp_grads()
         grad_scale = self.__dict__.get("grad_scale")
         if grad_scale is not None and grads:  # checked, not unscaled: unscale without checking
-            inv_scale = grad_scale.double().reciprocal().float().to(grads[0].device)
+            inv_scale = inverse_scale(grad_scale).to(grads[0].device)
             torch._foreach_mul_(grads, inv_scale)
         flag = found_inf.reshape(1).float().to(self.scaler.scale_tensor.device)
         # mixprec's GradScaler reduced it already; torch's did not (MAX twice changes nothing)
@@ -748,13 +748,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._grads_on_masters = False
         self.watch.clear()
 
-    def _count(self, result: StepResult) -> StepResult:
+    def _count(self, result: StepResult, *, per_step_reports: bool = True) -> StepResult:
         """Count a step (steps itself is counted by the caller) in self.counts, report skips.
         Raises ScaleCollapseError after max_consecutive_skips skipped steps in a row."""
         message = self.counts.record(result)  # host values: no extra sync
         if message:
             self._report_skip_pattern(message)
         self.counts.check_collapse(self.scaler, self.nonfinite_params)
+        if not per_step_reports:
+            return result
         if result.skipped and self.verbosity > 0:
             self._report_skip(result.scale)
         if self.verbosity >= 2:
@@ -819,16 +821,22 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if self._record is None:
             self._record = StepRecord()
         row = self._record.write(found_inf, scale, norm)
-        self._record.step_done(self._count_row, has_norm=norm is not None)
+        self._record.step_done(self.count_recorded_step, has_norm=norm is not None)
         return _PendingStepResult(row, norm is not None)
 
-    def _count_row(self, skipped: bool, scale: float, grad_norm: float | None) -> None:
-        self._count(StepResult(skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=None))
+    def count_recorded_step(self, skipped: bool, scale: float, grad_norm: float | None) -> None:
+        """Count one step read from a device StepRecord (this optimizer's sync-free step's, or
+        compile_step's) as a syncing step is counted: the counters, the skip monitor's messages
+        and ScaleCollapseError; not the per-step skip lines (verbosity), which would name the
+        scale and step count at the read, up to check_every steps later, each a host read.
+        `steps` itself is counted by the step when it runs."""
+        result = StepResult(skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=None)
+        self._count(result, per_step_reports=False)
 
     def _read_record(self) -> None:
         """Count the steps on the device record (one host sync for all of them)."""
         if self._record is not None:
-            self._record.read(self._count_row)
+            self._record.read(self.count_recorded_step)
 
     def _report_scale_change(self, scale: float, skipped: bool) -> None:
         """verbosity 2 (Colossal's NAIVE verbose=True): say when the scale moved and why."""

@@ -119,6 +119,10 @@ class ScaleCollapseError(RuntimeError):
     """Too many consecutive steps were skipped: the run cannot make progress."""
 
 
+UNNAMED = "no .grad on this rank (another rank's, or a step that keeps none: compile_step)"
+"""Where a collapse's non-finite gradients are when no parameter's .grad holds one here."""
+
+
 class StepCounter:
     """One optimizer's step counts, its skip monitor and its guard against a collapsing scale.
 
@@ -164,7 +168,7 @@ class StepCounter:
         raise ScaleCollapseError(
             f"{self.consecutive_skips} steps in a row were skipped for non-finite gradients "
             f"(loss scale now {scaler.scale:g}, floor {scaler.cfg.min_scale:g}). "
-            f"Non-finite gradients this step in: {bad[:10] or 'another rank'}"
+            f"Non-finite gradients this step in: {bad[:10] or UNNAMED}"
             f"{' ...' if len(bad) > 10 else ''}. The run overflows at any scale: look for a "
             "nan/inf in the data or loss (mixprec.debugging.NonFiniteLocator names the first "
             "module), lower the learning rate, or train in bf16, which has fp32's range."
