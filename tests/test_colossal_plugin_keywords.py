@@ -272,14 +272,7 @@ def test_refused_keyword_names_itself(plugin: type, name: str) -> None:
 def test_low_level_zero_keywords_reach_the_optimizer() -> None:
     plugin = LowLevelZeroPlugin(
         stage=2,
-        precision="bf16",
-        initial_scale=2**10,
-        min_scale=2,
-        growth_factor=4,
-        backoff_factor=0.25,
-        growth_interval=7,
-        hysteresis=3,
-        max_scale=2**20,
+        precision="bf16",  # no loss scaler: the scaler keywords are refused here (see below)
         max_norm=1.5,
         norm_type=1.0,
         master_weights=False,
@@ -309,6 +302,8 @@ def test_low_level_zero_keywords_reach_the_optimizer() -> None:
     )
     assert (cfg.growth_interval, cfg.hysteresis, cfg.max_scale) == (7, 3, 2**20)
     assert fp16.policy.param_dtype == torch.float16 and fp16.policy.master_weights
+    with pytest.raises(ValueError, match=r"LowLevelZeroPlugin\(hysteresis=3\).*'bf16' scales no"):
+        LowLevelZeroPlugin(precision="bf16", hysteresis=3)
 
 
 def test_cast_inputs_false_passes_inputs_as_given() -> None:

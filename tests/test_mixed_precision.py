@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_mlp
 
-from mixprec.amp_type import naive_amp_policy, torch_amp_policy
+from mixprec.amp_type import Default, naive_amp_policy, torch_amp_policy
 from mixprec.apex.policy import apex_policy
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import MODES, ScalerConfig, to_policy
@@ -29,7 +29,9 @@ pytestmark = pytest.mark.usefixtures("device")
 
 
 def _defaults(cls: type) -> dict[str, object]:
-    return {n: p.default for n, p in inspect.signature(cls).parameters.items()}
+    """Each keyword's default as the signature shows it (a Default: the value it stands for)."""
+    params = inspect.signature(cls).parameters.items()
+    return {n: p.default.value if isinstance(p.default, Default) else p.default for n, p in params}
 
 
 def test_seed_003_signatures() -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar
 
 from mixprec.core.policy import (
+    APEX_SCALER,
     NAIVE_SCALER,
     TORCH_SCALER,
     UNIT_SCALE,
@@ -135,6 +136,108 @@ def naive_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
     elif config:
         extra["loss_scale"] = replace(NAIVE_SCALER, **config)
     return replace(policy, **extra)
+
+
+@dataclass(frozen=True)
+class Default:
+    """A keyword's default in a signature: the value it stands for (what `help()` shows), and
+    the mark that the caller did not pass it. A passed value, even an equal one, is never a
+    Default, so "passed at its default value" is honoured or refused like any other value."""
+
+    value: Any
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+UNSET: Any = Default(None)
+"""A keyword not passed, where no signature default stands for it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalerKeywords:
+    """Colossal-AI's seven loss-scaler keywords as one call passed them (parsed once).
+
+    Each plugin (HybridParallelPlugin, LowLevelZeroPlugin), LowLevelZeroOptimizer and
+    FP16NaiveMixedPrecision takes them under these names; a field holding a Default was not
+    passed and takes the scaler's own value, a passed one replaces it or is refused by name.
+    """
+
+    initial_scale: Any = UNSET
+    """The first loss scale (the core's init_scale)."""
+    min_scale: Any = UNSET
+    """The floor a backoff never goes below."""
+    growth_factor: Any = UNSET
+    """The factor the scale grows by after growth_interval clean steps."""
+    backoff_factor: Any = UNSET
+    """The factor the scale shrinks by once hysteresis overflows are spent."""
+    growth_interval: Any = UNSET
+    """Clean steps between two growths."""
+    hysteresis: Any = UNSET
+    """Overflows tolerated before a backoff (Megatron's rule)."""
+    max_scale: Any = UNSET
+    """The ceiling a growth never goes above."""
+
+    NAMES: ClassVar[tuple[str, ...]]
+    CORE_NAME: ClassVar[dict[str, str]] = {"initial_scale": "init_scale"}
+    """A keyword -> the core's ScalerConfig field, where the two names differ."""
+
+    def __post_init__(self) -> None:
+        core = self.to_core()  # a bad value fails at construction, under the keyword's name
+        check_scaler_values(core, {v: k for k, v in self.CORE_NAME.items()})
+
+    @classmethod
+    def of(cls, given: Mapping[str, Any]) -> ScalerKeywords:
+        """The scaler keywords among a call's arguments (a locals() dict, or some of them)."""
+        return cls(**{name: given[name] for name in cls.NAMES if name in given})
+
+    @classmethod
+    def defaults(cls, scaler: ScalerConfig) -> ScalerKeywords:
+        """Every keyword as a Default standing for scaler's value (signature defaults)."""
+        return cls(**{n: Default(getattr(scaler, cls.CORE_NAME.get(n, n))) for n in cls.NAMES})
+
+    @classmethod
+    def of_scaler(cls, scaler: ScalerConfig) -> ScalerKeywords:
+        """Every keyword passed, with scaler's values (to hand a resolved scaler on)."""
+        return cls(**{n: getattr(scaler, cls.CORE_NAME.get(n, n)) for n in cls.NAMES})
+
+    def passed(self) -> dict[str, Any]:
+        """The keywords the caller passed, under their Colossal names."""
+        out = {n: getattr(self, n) for n in self.NAMES}
+        return {n: v for n, v in out.items() if not isinstance(v, Default)}
+
+    def to_core(self) -> dict[str, Any]:
+        """The passed keywords under the core's ScalerConfig field names."""
+        return {self.CORE_NAME.get(n, n): v for n, v in self.passed().items()}
+
+    def scaler(self, base: ScalerConfig) -> ScalerConfig:
+        """base with every passed keyword's value (a dynamic scaler: these set its rule)."""
+        core = self.to_core()
+        check_scaler_values({**_scaler_values(base), **core}, {"init_scale": "initial_scale"})
+        return replace(base, **core) if core else base
+
+    def refuse(self, call: str, why: str) -> None:
+        """Raise naming the passed keywords when the precision has no scaler they could set."""
+        passed = self.passed()
+        if passed:
+            shown = ", ".join(f"{n}={v!r}" for n, v in passed.items())
+            raise ValueError(f"{call}({shown}): {why}; leave the scaler keywords unset.")
+
+
+ScalerKeywords.NAMES = tuple(f.name for f in fields(ScalerKeywords))
+
+
+def _scaler_values(scaler: ScalerConfig) -> dict[str, Any]:
+    return {"min_scale": scaler.min_scale, "max_scale": scaler.max_scale}
+
+
+LOW_LEVEL_ZERO_SCALER = replace(NAIVE_SCALER, max_scale=2.0**32)
+"""LowLevelZeroPlugin's scaler defaults (Colossal's signature): Megatron's rule from 2**32,
+capped at 2**32."""
+HYBRID_SCALER = replace(LOW_LEVEL_ZERO_SCALER, init_scale=APEX_SCALER.init_scale)
+"""HybridParallelPlugin's (Colossal's signature): LowLevelZeroPlugin's, starting at 2**16."""
+ZERO_OPTIMIZER_SCALER = replace(APEX_SCALER, hysteresis=2)
+"""LowLevelZeroOptimizer's (Colossal's signature): Apex's 2**16 .. 2**24, hysteresis 2."""
 
 
 # The core's to_policy / preset take AMP_TYPE (a str enum) and its values ("torch", ...) through

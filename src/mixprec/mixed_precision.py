@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.amp_type import naive_amp_policy, torch_amp_policy
+from mixprec.amp_type import Default, ScalerKeywords, naive_amp_policy, torch_amp_policy
 from mixprec.apex.policy import apex_policy
 from mixprec.core.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
 from mixprec.core.optim import MixedPrecisionOptimizer
@@ -209,6 +209,14 @@ def with_optimizer_wrapper_api(optimizer: MixedPrecisionOptimizer) -> MixedPreci
     return optimizer
 
 
+_NAIVE = ScalerKeywords.defaults(NAIVE_SCALER)  # FP16NaiveMixedPrecision's signature defaults
+
+
+def _passed(given: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of given that the caller passed (a Default was not)."""
+    return {k: v for k, v in given.items() if not isinstance(v, Default)}
+
+
 _APEX_DEFAULTS: dict[str, Any] = {
     name: p.default for name, p in inspect.signature(apex_policy).parameters.items()
 }
@@ -274,25 +282,24 @@ class FP32Precision(MixedPrecision):
 
 
 class FP16TorchMixedPrecision(MixedPrecision):
-    """'fp16': fp32 weights, fp16 autocast, dynamic loss scale with torch's GradScaler rules."""
+    """'fp16': fp32 weights, fp16 autocast, dynamic loss scale with torch's GradScaler rules.
+
+    The keywords are torch's GradScaler's; one passed is honoured whatever its value."""
 
     def __init__(
         self,
-        init_scale: float = TORCH_SCALER.init_scale,
-        growth_factor: float = TORCH_SCALER.growth_factor,
-        backoff_factor: float = TORCH_SCALER.backoff_factor,
-        growth_interval: int = TORCH_SCALER.growth_interval,
+        init_scale: float = Default(TORCH_SCALER.init_scale),
+        growth_factor: float = Default(TORCH_SCALER.growth_factor),
+        backoff_factor: float = Default(TORCH_SCALER.backoff_factor),
+        growth_interval: int = Default(TORCH_SCALER.growth_interval),
     ) -> None:
-        super().__init__(
-            torch_amp_policy(
-                {
-                    "init_scale": init_scale,
-                    "growth_factor": growth_factor,
-                    "backoff_factor": backoff_factor,
-                    "growth_interval": growth_interval,
-                }
-            )
-        )
+        given = {
+            "init_scale": init_scale,
+            "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor,
+            "growth_interval": growth_interval,
+        }
+        super().__init__(torch_amp_policy(_passed(given)))
 
 
 class FP16ApexMixedPrecision(MixedPrecision):
@@ -339,30 +346,24 @@ class FP16NaiveMixedPrecision(MixedPrecision):
     def __init__(
         self,
         log_num_zeros_in_grad: bool = False,
-        initial_scale: float = NAIVE_SCALER.init_scale,
-        growth_factor: float = NAIVE_SCALER.growth_factor,
-        backoff_factor: float = NAIVE_SCALER.backoff_factor,
-        hysteresis: int = NAIVE_SCALER.hysteresis,
-        max_scale: float = NAIVE_SCALER.max_scale,
+        initial_scale: float = _NAIVE.initial_scale,
+        growth_factor: float = _NAIVE.growth_factor,
+        backoff_factor: float = _NAIVE.backoff_factor,
+        hysteresis: int = _NAIVE.hysteresis,
+        max_scale: float = _NAIVE.max_scale,
         verbose: bool | None = None,
-        min_scale: float = NAIVE_SCALER.min_scale,
+        min_scale: float = _NAIVE.min_scale,
         keep_norm_fp32: bool = True,
     ) -> None:
-        super().__init__(
-            naive_amp_policy(
-                {
-                    "log_num_zeros_in_grad": log_num_zeros_in_grad,
-                    "initial_scale": initial_scale,
-                    "growth_factor": growth_factor,
-                    "backoff_factor": backoff_factor,
-                    "hysteresis": hysteresis,
-                    "max_scale": max_scale,
-                    "verbose": verbose,
-                    "min_scale": min_scale,
-                    "keep_norm_fp32": keep_norm_fp32,
-                }
-            )
-        )
+        config = {
+            "log_num_zeros_in_grad": log_num_zeros_in_grad,
+            "verbose": verbose,
+            "keep_norm_fp32": keep_norm_fp32,
+        }
+        # Colossal's scaler keywords (growth_interval is not among this class's): only the
+        # ones passed reach the parser, so each is honoured whatever its value
+        config |= ScalerKeywords.of(locals()).passed()
+        super().__init__(naive_amp_policy(config))
 
 
 class BF16MixedPrecision(MixedPrecision):

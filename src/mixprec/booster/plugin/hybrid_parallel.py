@@ -24,7 +24,6 @@ the rest data-parallel replicas.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import os
 from collections.abc import Callable, Mapping
@@ -36,11 +35,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.amp_type import HYBRID_SCALER, ScalerKeywords
 from mixprec.booster.checkpoint_io import find_index, load_state_file
 from mixprec.booster.plugin.low_level_zero import (
     PRECISIONS,
     LowLevelZeroPlugin,
-    colossal_scaler,
     zero_policy,
 )
 from mixprec.booster.plugin.plugin_base import (
@@ -49,7 +48,6 @@ from mixprec.booster.plugin.plugin_base import (
     rank_and_world,
     refuse_non_defaults,
 )
-from mixprec.core.policy import NAIVE_SCALER, TORCH_SCALER
 from mixprec.core.validate import check_max_norm
 from mixprec.mixed_precision import FP32Precision, MixedPrecision, to_mixed_precision
 from mixprec.parallel.comm import to_fp8_comm_dtype
@@ -77,6 +75,9 @@ DDP_KNOB = (
     "the hybrid plugin averages data-parallel gradients itself at step() (no DDP wrapper); "
     "ZeRO is zero_stage"
 )
+
+
+_SCALER = ScalerKeywords.defaults(HYBRID_SCALER)  # Colossal's signature defaults
 
 
 class HybridParallelPlugin(Plugin):
@@ -135,13 +136,13 @@ class HybridParallelPlugin(Plugin):
         parallel_output: bool = True,
         num_microbatches: int | None = None,
         microbatch_size: int | None = None,
-        initial_scale: float = TORCH_SCALER.init_scale,
-        min_scale: float = 1,
-        growth_factor: float = 2,
-        backoff_factor: float = TORCH_SCALER.backoff_factor,
-        growth_interval: int = NAIVE_SCALER.growth_interval,
-        hysteresis: int = 2,
-        max_scale: float = 2**32,
+        initial_scale: float = _SCALER.initial_scale,
+        min_scale: float = _SCALER.min_scale,
+        growth_factor: float = _SCALER.growth_factor,
+        backoff_factor: float = _SCALER.backoff_factor,
+        growth_interval: int = _SCALER.growth_interval,
+        hysteresis: int = _SCALER.hysteresis,
+        max_scale: float = _SCALER.max_scale,
         max_norm: float = 0.0,
         broadcast_buffers: bool = True,
         ddp_bucket_cap_mb: int = 25,
@@ -281,49 +282,8 @@ class HybridParallelPlugin(Plugin):
                 f"tp_size={tp_size!r} with tp_plan={tp_plan!r}: tensor parallelism needs both "
                 "tp_size > 1 and tp_plan (module name -> torch ParallelStyle), or neither."
             )
-        scaler_args = (
-            initial_scale,
-            min_scale,
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis,
-            max_scale,
-        )
-        scaler = colossal_scaler(*scaler_args)  # validated at construction
+        self.precision = _hybrid_precision(precision, ScalerKeywords.of(given), use_fp8)
         colossal = isinstance(precision, str) and precision in PRECISIONS
-        if not (colossal and precision == "fp16"):
-            changed = [
-                name
-                for name in (
-                    "initial_scale",
-                    "min_scale",
-                    "growth_factor",
-                    "backoff_factor",
-                    "growth_interval",
-                    "hysteresis",
-                    "max_scale",
-                )
-                if given[name] != _DEFAULTS[name]
-            ]
-            if changed:
-                raise ValueError(
-                    f"HybridParallelPlugin({', '.join(f'{n}={given[n]!r}' for n in changed)}) "
-                    f"sets the loss scaler of precision='fp16'; precision={precision!r} "
-                    "has none here (a MixedPrecision object carries its own scaler settings)."
-                )
-        if colossal:
-            policy = replace(zero_policy(precision, scaler, True), fp8=use_fp8)
-            self.precision: MixedPrecision | None = MixedPrecision(
-                replace(policy, name=f"colossal_{precision}")
-            )
-        else:
-            if use_fp8:
-                raise ValueError(
-                    f"use_fp8=True goes with precision 'fp16', 'bf16' or 'fp32'; for "
-                    f"precision={precision!r} use the mixprec mode 'fp8'."
-                )
-            self.precision = None if precision is None else to_mixed_precision(precision)
         self.max_norm = float(max_norm)
         self.zero_stage = zero_stage
         self.fp8_communication = to_fp8_comm_dtype(fp8_communication, "HybridParallelPlugin")
@@ -357,16 +317,13 @@ class HybridParallelPlugin(Plugin):
                     "LowLevelZeroPlugin, which takes precision 'fp16'/'bf16'/'fp32' (got "
                     f"precision={precision!r})."
                 )
+            assert self.precision is not None
+            scaler = self.precision.policy.loss_scale
             self._zero = LowLevelZeroPlugin(
                 stage=zero_stage,
                 precision=precision,
-                initial_scale=initial_scale,
-                min_scale=min_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                max_scale=max_scale,
+                # this plugin's scaler, resolved (its defaults start lower than ZeRO's)
+                **(ScalerKeywords.of_scaler(scaler).passed() if precision == "fp16" else {}),
                 max_norm=max_norm,
                 reduce_bucket_size_in_m=zero_bucket_size_in_m,
                 communication_dtype=communication_dtype,
@@ -564,6 +521,40 @@ def _check_no_pipeline_keywords(given: Mapping[str, Any]) -> None:
             )
 
 
+def _hybrid_precision(
+    precision: str | MixedPrecision | None, keywords: ScalerKeywords, use_fp8: bool
+) -> MixedPrecision | None:
+    """The plugin's precision; the scaler keywords the caller passed are honoured where the
+    precision has Colossal's scaler ('fp16', and the mode 'fp16_naive' of the same rule) and
+    refused elsewhere, whatever their values."""
+    call = "HybridParallelPlugin"
+    if isinstance(precision, str) and precision in PRECISIONS:
+        if precision == "fp16":
+            scaler = keywords.scaler(HYBRID_SCALER)
+        else:
+            keywords.refuse(call, f"precision={precision!r} scales no loss")
+            scaler = HYBRID_SCALER
+        policy = replace(zero_policy(precision, scaler, True), fp8=use_fp8)
+        return MixedPrecision(replace(policy, name=f"colossal_{precision}"))
+    if use_fp8:
+        raise ValueError(
+            f"use_fp8=True goes with precision 'fp16', 'bf16' or 'fp32'; for "
+            f"precision={precision!r} use the mixprec mode 'fp8'."
+        )
+    if precision == "fp16_naive":  # Colossal's NAIVE mode: the scaler these keywords set
+        mode = to_mixed_precision(precision)
+        return MixedPrecision(
+            replace(mode.policy, loss_scale=keywords.scaler(mode.policy.loss_scale))
+        )
+    keywords.refuse(
+        call,
+        f"precision={precision!r} brings its own loss scaler (a MixedPrecision object carries "
+        "its settings, None takes the Booster's, a mixprec mode name its preset's; the scaler "
+        "keywords set 'fp16' and 'fp16_naive')",
+    )
+    return None if precision is None else to_mixed_precision(precision)
+
+
 def _split_points(model: nn.Module, layers_per_stage: list[int]) -> tuple[str, ...]:
     """Colossal's num_layers_per_stage as the names of the layers where stages 1.. begin."""
     names = [name for name, _ in model.named_children()]
@@ -584,9 +575,3 @@ def _pipelined(model: nn.Module | None) -> PipelinedModel:
             f"PipelinedModel), got {type(model).__name__}."
         )
     return model
-
-
-_DEFAULTS = {
-    name: p.default
-    for name, p in inspect.signature(HybridParallelPlugin.__init__).parameters.items()
-}

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.amp_type import LOW_LEVEL_ZERO_SCALER, ScalerKeywords
 from mixprec.booster.plugin.plugin_base import (
     Plugin,
     refuse_non_defaults,
@@ -23,9 +24,9 @@ from mixprec.booster.plugin.plugin_base import (
 )
 from mixprec.core.checkpoint import hp_model_state_dict
 from mixprec.core.optim import MixedPrecisionOptimizer
-from mixprec.core.policy import NAIVE_SCALER, Policy, ScalerConfig, preset
+from mixprec.core.policy import Policy, ScalerConfig, preset
 from mixprec.core.scaling import default_group
-from mixprec.core.validate import check_max_norm, check_norm_type, check_scaler_values
+from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.mixed_precision import FP32Precision, MixedPrecision
 from mixprec.parallel.zero import (
     ZeroOptimizer,
@@ -36,6 +37,7 @@ from mixprec.parallel.zero import (
 )
 
 PRECISIONS = ("fp16", "bf16", "fp32")
+_SCALER = ScalerKeywords.defaults(LOW_LEVEL_ZERO_SCALER)  # Colossal's signature defaults
 
 
 class LowLevelZeroPlugin(Plugin):
@@ -47,7 +49,9 @@ class LowLevelZeroPlugin(Plugin):
             step(), only the gradients of the params this rank owns.
         precision: 'fp16' (fp16 params, fp32 masters, dynamic loss scale), 'bf16' (bf16 params,
             fp32 masters, no scaling) or 'fp32'.
-        initial_scale ... max_scale: the fp16 loss scaler (Megatron's hysteresis rule).
+        initial_scale ... max_scale: the fp16 loss scaler (Megatron's hysteresis rule),
+            mixprec.amp_type.ScalerKeywords; passed with 'bf16' / 'fp32' or beside policy=
+            they are refused (there is no scaler they could set), whatever their values.
         max_norm, norm_type: clip the gradients by their norm over the whole model (0: off).
         reduce_bucket_size_in_m: at most this many million (2**20) gradient elements per
             collective; a larger model is reduced in several buckets.
@@ -85,13 +89,13 @@ class LowLevelZeroPlugin(Plugin):
         self,
         stage: int = 1,
         precision: str = "fp16",
-        initial_scale: float = NAIVE_SCALER.init_scale,
-        min_scale: float = 1,
-        growth_factor: float = 2,
-        backoff_factor: float = NAIVE_SCALER.backoff_factor,
-        growth_interval: int = NAIVE_SCALER.growth_interval,
-        hysteresis: int = 2,
-        max_scale: float = 2**32,
+        initial_scale: float = _SCALER.initial_scale,
+        min_scale: float = _SCALER.min_scale,
+        growth_factor: float = _SCALER.growth_factor,
+        backoff_factor: float = _SCALER.backoff_factor,
+        growth_interval: int = _SCALER.growth_interval,
+        hysteresis: int = _SCALER.hysteresis,
+        max_scale: float = _SCALER.max_scale,
         max_norm: float = 0.0,
         norm_type: float = 2.0,
         reduce_bucket_size_in_m: int = 12,
@@ -150,15 +154,7 @@ class LowLevelZeroPlugin(Plugin):
                 f"LowLevelZeroPlugin(reduce_bucket_size_in_m={reduce_bucket_size_in_m!r}) must "
                 "be a positive number (million gradient elements per collective)."
             )
-        scaler = colossal_scaler(
-            initial_scale,
-            min_scale,
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis,
-            max_scale,
-        )  # validated here, so a bad scaler argument fails at construction
+        keywords = ScalerKeywords.of(locals())  # validated: a bad value fails here
         self.stage = stage
         if policy is not None:
             _check_policy_alone(policy, locals())
@@ -166,6 +162,11 @@ class LowLevelZeroPlugin(Plugin):
             self.policy = policy
             max_norm = policy.max_norm
         else:
+            if precision == "fp16":
+                scaler = keywords.scaler(LOW_LEVEL_ZERO_SCALER)
+            else:
+                keywords.refuse("LowLevelZeroPlugin", f"precision={precision!r} scales no loss")
+                scaler = LOW_LEVEL_ZERO_SCALER
             self.precision = precision
             self.policy = colossal_zero_policy(
                 precision, scaler, master_weights, update_rounding, optimizer_state
@@ -270,33 +271,6 @@ def _zero(optimizer: MixedPrecisionOptimizer) -> ZeroOptimizer:
             f"{type(optimizer).__name__}."
         )
     return optimizer
-
-
-def colossal_scaler(
-    initial_scale: float,
-    min_scale: float,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    max_scale: float,
-) -> ScalerConfig:
-    """Colossal's plugin scaler keywords as the core's ScalerConfig, checked under their names."""
-    check_scaler_values(
-        {"init_scale": initial_scale, "min_scale": min_scale, "growth_factor": growth_factor}
-        | {"backoff_factor": backoff_factor, "growth_interval": growth_interval}
-        | {"hysteresis": hysteresis, "max_scale": max_scale},
-        {"init_scale": "initial_scale"},
-    )
-    return ScalerConfig(
-        init_scale=initial_scale,
-        min_scale=min_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        hysteresis=hysteresis,
-        max_scale=max_scale,
-    )
 
 
 POLICY_KEYWORDS = (

@@ -2,7 +2,7 @@
 
 A thin face over mixprec.parallel.zero.ZeroOptimizer, the one ZeRO (LowLevelZeroPlugin builds the
 same one): Colossal's keywords become a Policy through the plugin's own translators
-(colossal_scaler, zero_policy) and the optimizer is built by the core's prepare_optimizer. The
+(ScalerKeywords, zero_policy) and the optimizer is built by the core's prepare_optimizer. The
 model is not converted: as in Colossal, the precision is the params' dtype (forced_dtype casts
 them first): fp16 params get fp32 masters and a dynamic loss scale, bf16 params fp32 masters,
 fp32 params neither.
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.booster.plugin.low_level_zero import colossal_scaler, zero_policy
+from mixprec.amp_type import ZERO_OPTIMIZER_SCALER, ScalerKeywords
+from mixprec.booster.plugin.low_level_zero import zero_policy
 from mixprec.booster.plugin.plugin_base import refuse_non_defaults
-from mixprec.core.policy import APEX_SCALER
 from mixprec.core.prepare import prepare_optimizer
 from mixprec.core.scaling import ProcessGroup
 from mixprec.core.validate import check_bool, check_max_norm
@@ -35,6 +35,7 @@ from mixprec.parallel.zero import (
 )
 
 PRECISION_OF_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_SCALER = ScalerKeywords.defaults(ZERO_OPTIMIZER_SCALER)  # Colossal's signature defaults
 
 
 class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
@@ -68,13 +69,13 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
         self,
         optimizer: torch.optim.Optimizer,
         pg_to_param_list: dict[Any, list[nn.Parameter]] | None = None,
-        initial_scale: float = APEX_SCALER.init_scale,  # Colossal's: Apex's 2**16 ... 2**24
-        min_scale: float = 1,
-        growth_factor: float = APEX_SCALER.growth_factor,
-        backoff_factor: float = APEX_SCALER.backoff_factor,
-        growth_interval: int = APEX_SCALER.growth_interval,
-        hysteresis: int = 2,
-        max_scale: float = APEX_SCALER.max_scale,
+        initial_scale: float = _SCALER.initial_scale,
+        min_scale: float = _SCALER.min_scale,
+        growth_factor: float = _SCALER.growth_factor,
+        backoff_factor: float = _SCALER.backoff_factor,
+        growth_interval: int = _SCALER.growth_interval,
+        hysteresis: int = _SCALER.hysteresis,
+        max_scale: float = _SCALER.max_scale,
         clip_grad_norm: float = 0.0,
         verbose: bool = False,
         reduce_bucket_size: int = 1024 * 1024,
@@ -137,15 +138,8 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
         check_max_norm(f"{who}: clip_grad_norm", clip_grad_norm)
         check_communication_dtype(communication_dtype, who)
         check_fp8_communication(fp8_communication, communication_dtype, who)
-        scaler = colossal_scaler(
-            initial_scale,
-            min_scale,
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis,
-            max_scale,
-        )  # checked under Colossal's names even where the precision does not scale
+        # checked under Colossal's names even where the precision does not scale
+        scaler = ScalerKeywords.of(locals()).scaler(ZERO_OPTIMIZER_SCALER)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if not params:
             raise ValueError(f"{who}: the optimizer holds no parameters.")
