@@ -569,15 +569,3 @@ def test_an_overflow_on_one_rank_skips_every_rank_and_is_logged_on_rank_0_only()
     from dist_utils import spawn
 
     spawn(_one_rank_overflows, 2)
-
-
-def test_old_name_of_the_per_loss_optimizer_still_imports_with_a_warning() -> None:
-    """AmpOptimizer differed from Colossal's AMPOptimizer only by case: renamed, still imports."""
-    import mixprec.apex
-    from mixprec.amp import AMPOptimizer
-
-    with pytest.warns(DeprecationWarning, match=r"mixprec\.apex\.PerLossOptimizer"):
-        old = mixprec.apex.AmpOptimizer
-    assert old is PerLossOptimizer and AMPOptimizer is not PerLossOptimizer
-    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
-        mixprec.apex.NoSuchName  # noqa: B018

@@ -13,19 +13,3 @@ from mixprec.apex.policy import apex_policy
 from mixprec.core.per_loss_optim import PerLossOptimizer
 
 __all__ = ["FP16_Optimizer", "PerLossOptimizer", "amp", "apex_policy"]
-
-
-def __getattr__(name: str) -> type:
-    """The class amp.initialize returns was AmpOptimizer, a name that differed from Colossal's
-    AMPOptimizer (mixprec.amp) only by case: it still imports, with a DeprecationWarning."""
-    if name == "AmpOptimizer":
-        import warnings
-
-        warnings.warn(
-            "mixprec.apex.AmpOptimizer is now mixprec.apex.PerLossOptimizer (the old name "
-            "differed from Colossal's mixprec.amp.AMPOptimizer only by case); import that.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return PerLossOptimizer
-    raise AttributeError(f"module 'mixprec.apex' has no attribute {name!r}")
