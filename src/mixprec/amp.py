@@ -11,7 +11,7 @@ from torch import nn
 from mixprec.amp_type import AMP_TYPE
 from mixprec.core.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
 from mixprec.core.optim import MixedPrecisionOptimizer
-from mixprec.core.policy import Policy, to_policy
+from mixprec.core.policy import MODES, Policy, to_policy
 from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.mixed_precision import OptimizerWrapperAPI, with_optimizer_wrapper_api
 
@@ -39,12 +39,19 @@ def convert_to_amp(
 ) -> tuple[PrecisionModule, AMPOptimizer | MultiLossOptimizer, FP32Criterion | None]:
     """Convert model, optimizer and criterion to mixed precision.
 
-    mode: AMP_TYPE.TORCH / APEX / NAIVE, or a mixprec mode name ('bf16', 'fp16', ...).
+    mode: AMP_TYPE.TORCH / APEX / NAIVE, a mixprec mode name ('bf16', 'fp16', ...) or a
+    Policy; required (None is refused, as Colossal-AI asserts an AMP_TYPE: fp32 is 'fp32').
     amp_config: that mode's keys (seed 000: init_scale, growth_interval, ... for TORCH;
     initial_scale, hysteresis, ... for NAIVE; opt_level, loss_scale, ... for APEX).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
+    if not isinstance(mode, AMP_TYPE | str | Policy):
+        valid = ", ".join(f"AMP_TYPE.{t.name}" for t in AMP_TYPE)
+        raise ValueError(
+            f"convert_to_amp(mode={mode!r}); valid: {valid}, a mixprec mode name "
+            f"({', '.join(map(repr, MODES))}) or a Policy."
+        )
     policy = to_policy(mode, amp_config)
     model = prepare_model(model, policy)
     # APEX with num_losses=N: N scalers, optimizer.backward(loss, loss_id=i)
