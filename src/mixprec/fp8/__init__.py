@@ -67,6 +67,7 @@ from mixprec.fp8.quantize import (
     quantize_tensorwise,
 )
 from mixprec.fp8.recipes import RECIPE_OPERANDS, emulated_gemm
+from mixprec.fp8.telemetry import Float8Telemetry, OperandStats, operand_stats
 
 register_fp8_converter(convert_to_fp8)  # the core's prepare_model calls it for 'fp8'
 
@@ -85,6 +86,8 @@ __all__ = [
     "Float8Filter",
     "Float8Linear",
     "Float8Summary",
+    "Float8Telemetry",
+    "OperandStats",
     "Recipe",
     "amax_to_scale",
     "block_fp8_state_dict",
@@ -105,6 +108,7 @@ __all__ = [
     "is_hf_conv1d",
     "load_block_fp8_state_dict",
     "lp_gemm",
+    "operand_stats",
     "per_module_recipes",
     "quantize_blockwise",
     "quantize_mxfp8",

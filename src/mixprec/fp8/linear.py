@@ -12,6 +12,7 @@ from mixprec.fp8.casts import cast_to_fp8
 from mixprec.fp8.config import LP_FORWARD_DTYPE, Float8Config
 from mixprec.fp8.kernels import cpu_has_scaled_mm, lp_gemm, note_recipe_emulation, resolve_emulate
 from mixprec.fp8.recipes import emulated_gemm
+from mixprec.fp8.telemetry import TELEMETRY_ATTR
 
 
 class _Float8LinearFn(torch.autograd.Function):
@@ -244,6 +245,12 @@ class Float8Linear(nn.Linear):
                 emulate,
                 record,
             )
+        observer = self.__dict__.get(TELEMETRY_ATTR)
+        if observer is not None and self.training and torch.is_grad_enabled():
+            telemetry, name = observer  # reads copies only: see mixprec.fp8.telemetry
+            hook = telemetry.on_forward(name, self.config, hp_2d, self.hp_weight_out_in())
+            if hook is not None and out.requires_grad:
+                out.register_hook(hook)
         out = out.reshape(*hp_input.shape[:-1], self.out_features)
         if self.bias is not None:
             # The bias stays out of float8: its gradient is a plain sum in the output dtype.

@@ -36,16 +36,21 @@ Random Hadamard transforms (TE's nvfp4 option for the weight-gradient GEMM) are 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from mixprec.fp8.config import LP_FORWARD_DTYPE, RECIPES, Float8Config
 from mixprec.fp8.quantize import (
     BLOCKWISE_TILE,
+    E2M1_MAX,
+    MX_BLOCK,
     NVFP4_BLOCK,
     dequantize_blockwise,
     dequantize_mxfp8,
     dequantize_nvfp4,
     dequantize_scaled,
+    e8m0_to_fp32,
     quantize_blockwise,
     quantize_mxfp8,
     quantize_nvfp4,
@@ -102,30 +107,55 @@ def operand_lp_dtype(role: str, config: Float8Config) -> torch.dtype:
     return LP_FORWARD_DTYPE
 
 
-def quantize_dequantize(
-    t: torch.Tensor, kind: str, lp_dtype: torch.dtype, config: Float8Config
-) -> torch.Tensor:
+class QuantizedOperand(NamedTuple):
+    """An operand after quantize -> dequantize, with what telemetry reads about it."""
+
+    dequantized: torch.Tensor
+    """fp32, the operand's shape."""
+    scale_inv: torch.Tensor | None
+    """Dequantization scale per block (fp32; nvfp4: global * e4m3 block scale); None for 'hp'."""
+    block: tuple[int, int] | None
+    """The block each scale_inv entry covers (None: scale_inv broadcasts as it is)."""
+    lp_max: float
+    """Largest magnitude of the element format (448, 57344 or 6)."""
+
+
+def quantize_operand(
+    t: torch.Tensor,
+    kind: str,
+    lp_dtype: torch.dtype,
+    config: Float8Config,
+    *,
+    stochastic: bool = True,
+) -> QuantizedOperand:
     """A K-last 2-D operand quantized as `kind` prescribes and dequantized to fp32 (no
-    non-finite propagation: see emulated_operand)."""
+    non-finite propagation: see emulated_operand). stochastic=False rounds 'fp4_sr' to
+    nearest (telemetry: it must not draw from the training RNG)."""
     pow2 = config.resolved_power_of_two
+    lp_max = torch.finfo(lp_dtype).max
     if kind == "hp":
-        return t.to(torch.float32)
-    if kind == "tensor":
-        return dequantize_scaled(*quantize_tensorwise(t, lp_dtype, power_of_two=pow2))
-    if kind == "row":
-        return dequantize_scaled(*quantize_rowwise(t, lp_dtype, power_of_two=pow2))
+        return QuantizedOperand(t.to(torch.float32), None, None, lp_max)
+    if kind in ("tensor", "row"):
+        quantize = quantize_tensorwise if kind == "tensor" else quantize_rowwise
+        data, scale_inv = quantize(t, lp_dtype, power_of_two=pow2)
+        return QuantizedOperand(dequantize_scaled(data, scale_inv), scale_inv, None, lp_max)
     if kind in ("tile", "block"):
         block = OPERAND_BLOCKS[kind]
         data, scale_inv = quantize_blockwise(t, lp_dtype, block=block, power_of_two=pow2)
-        return dequantize_blockwise(data, scale_inv, block=block)
+        deq = dequantize_blockwise(data, scale_inv, block=block)
+        return QuantizedOperand(deq, scale_inv, block, lp_max)
     if kind == "mx":
-        return dequantize_mxfp8(*quantize_mxfp8(t, lp_dtype, scale_mode=config.mx_scale_mode))
+        data, scale = quantize_mxfp8(t, lp_dtype, scale_mode=config.mx_scale_mode)
+        deq = dequantize_mxfp8(data, scale)
+        return QuantizedOperand(deq, e8m0_to_fp32(scale), (1, MX_BLOCK), lp_max)
     if kind in ("fp4", "fp4_sr", "fp4_2d"):
         block = OPERAND_BLOCKS[kind]
         codes, block_scale, global_scale = quantize_nvfp4(
-            t, block=block, stochastic=kind == "fp4_sr"
+            t, block=block, stochastic=stochastic and kind == "fp4_sr"
         )
-        return dequantize_nvfp4(codes, block_scale, global_scale, block=block)
+        deq = dequantize_nvfp4(codes, block_scale, global_scale, block=block)
+        scale_inv = global_scale * block_scale.to(torch.float32)
+        return QuantizedOperand(deq, scale_inv, block, E2M1_MAX)
     raise ValueError(f"unknown operand quantization {kind!r}; valid: {sorted(_KINDS)}.")
 
 
@@ -135,8 +165,9 @@ _KINDS = {"hp", "tensor", "row", *OPERAND_BLOCKS, "mx"}
 def emulated_operand(
     t: torch.Tensor, kind: str, lp_dtype: torch.dtype, config: Float8Config
 ) -> torch.Tensor:
-    """quantize_dequantize, with t's inf and nan elements kept as they are (see module doc)."""
-    deq = quantize_dequantize(t, kind, lp_dtype, config)
+    """quantize_operand's fp32 operand, with t's inf and nan elements kept as they are (see
+    the module docstring)."""
+    deq = quantize_operand(t, kind, lp_dtype, config).dequantized
     return torch.where(torch.isfinite(t), deq, t.to(torch.float32))
 
 

@@ -1,0 +1,109 @@
+"""Quantization telemetry: exact figures on constructed tensors, the operands each GEMM
+reports, and training bit-identical with it on or off."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.fp8 import (
+    RECIPE_OPERANDS,
+    RECIPES,
+    Float8Config,
+    Float8Linear,
+    Float8Telemetry,
+    convert_to_fp8,
+    operand_stats,
+)
+
+E4M3 = torch.float8_e4m3fn
+
+
+def test_counts_on_a_constructed_tensor_mx_floor():
+    """One 1x32 MX block with amax 500: 'floor' gives scale 2**0, so 500 > 448 saturates
+    (1 clipped); 2**-12 is below e4m3's smallest subnormal 2**-9 (1 underflow); the block
+    spans 500 / 2**-12 = 2**(log2 500 + 12)."""
+    x = torch.ones(1, 32)
+    x[0, 0], x[0, 1], x[0, 2] = 500.0, 2.0**-12, 0.0
+    stats = operand_stats(x, "mx", E4M3, Float8Config(recipe="mxfp8", mx_scale_mode="floor"))
+    assert stats["clipped_pct"] == 100 / 32 and stats["underflow_pct"] == 100 / 32
+    assert stats["amax"] == 500.0 and stats["scale_inv_min"] == stats["scale_inv_max"] == 1.0
+    assert stats["block_range_log2"] == pytest.approx(math.log2(500) + 12, abs=1e-6)
+    # rceil never saturates: scale 2**ceil(log2(500/448)) = 2, 500 -> 250 representable
+    rceil = operand_stats(x, "mx", E4M3, Float8Config(recipe="mxfp8"))
+    assert rceil["clipped_pct"] == 0 and rceil["scale_inv_max"] == 2.0
+
+
+def test_tensorwise_and_exact_sqnr():
+    x = torch.tensor([[448.0, 1.0, 0.5, 0.0]])  # all e4m3 values at scale 1: exact
+    stats = operand_stats(x, "tensor", E4M3, Float8Config())
+    assert stats["sqnr_db"] == math.inf and stats["underflow_pct"] == 0
+    assert stats["clipped_pct"] == 0 and stats["block_range_log2"] == pytest.approx(
+        math.log2(896), rel=1e-6
+    )  # fp32 log2
+    y = torch.tensor([[448.0, 1e-9, 1.0, 3.0]])  # 1e-9 * 1 underflows
+    assert operand_stats(y, "tensor", E4M3, Float8Config())["underflow_pct"] == 25.0
+
+
+def test_every_gemm_operand_is_reported_per_recipe():
+    for recipe in RECIPES:
+        layer = Float8Linear(32, 48, config=Float8Config(recipe=recipe))
+        telemetry = Float8Telemetry().attach(nn.Sequential(layer))
+        layer(torch.randn(8, 32, requires_grad=True)).sum().backward()
+        got = {(r.gemm, r.operand, r.kind) for r in telemetry.report()}
+        want = {
+            (gemm, op, kind)
+            for gemm, kinds in RECIPE_OPERANDS[recipe].items()
+            for op, kind in zip("AB", kinds, strict=True)
+            if kind != "hp"
+        }
+        assert got == want, recipe
+        sqnrs = [r.sqnr_db for r in telemetry.report()]
+        assert sqnrs == sorted(sqnrs)  # worst first
+    assert "sqnr_dB" in telemetry.table()
+
+
+def test_every_n_calls_and_eval_is_not_observed():
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 32)))
+    telemetry = Float8Telemetry(every=2).attach(model)
+    for _ in range(3):
+        model(torch.randn(4, 32)).sum().backward()
+    model.eval()
+    model(torch.randn(4, 32))
+    assert sorted({r.call for r in telemetry.records}) == [0, 2]
+    Float8Telemetry.detach(model)
+    model.train()
+    model(torch.randn(4, 32)).sum().backward()
+    assert sorted({r.call for r in telemetry.records}) == [0, 2]
+    with pytest.raises(ValueError, match="every=0"):
+        Float8Telemetry(every=0)
+    with pytest.raises(ValueError, match="no Float8Linear"):
+        Float8Telemetry().attach(nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_training_is_bit_identical_with_telemetry_on_or_off(recipe):
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    config = Float8Config(recipe=recipe, emulate=True if recipe == "tensorwise" else None)
+    runs = []
+    for observe in (False, True):
+        model = convert_to_fp8(copy.deepcopy(base), config=config)
+        if observe:
+            telemetry = Float8Telemetry().attach(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1)  # nvfp4's stochastic rounding draws from here
+        for i in range(3):
+            gen = torch.Generator().manual_seed(i)
+            x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 32, generator=gen)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert telemetry.records
+    for p, q in zip(*runs, strict=True):
+        assert torch.equal(p, q)
