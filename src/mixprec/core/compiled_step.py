@@ -296,7 +296,7 @@ class CompiledStep:
         """Match each param the optimizer steps to the model param that gets its gradient."""
         master_to_lp = {}
         if isinstance(self.optimizer, MixedPrecisionOptimizer):
-            master_to_lp = self.optimizer._master_to_lp()
+            master_to_lp = self.optimizer.transfer.master_to_lp()
         names = {id(p): n for n, p in self.model.named_parameters()}
         self.train_names: list[str] = []  # model param names, in optimizer order
         self.hp: list[torch.Tensor] = []  # what the optimizer steps (fp32 master, or the param)
@@ -304,7 +304,7 @@ class CompiledStep:
         self.states: list[list[torch.Tensor]] = []
         self.param_index: list[int] = []  # each hp's place in param_groups (its rounding key)
         self._param_count = sum(len(g["params"]) for g in self.inner.param_groups)
-        zeros = sm._torch_zeros if self.lean is None else self.lean._zeros
+        zeros = sm.torch_zeros if self.lean is None else self.lean.zeros
         place = -1
         self.group_of: list[int] = []
         for index, group in enumerate(self.inner.param_groups):

@@ -286,13 +286,13 @@ class LeanUpdate:
             plan = GroupPlan.of(optimizer, group)
             device = _local(items[0][1]).device
             params = [p for _, p in items]
-            prepared = plan.prepare(optimizer, params, None, device, self._zeros)
+            prepared = plan.prepare(optimizer, params, None, device, self.zeros)
             work = [(i, p, st, s) for (i, p), (st, s) in zip(items, prepared, strict=True)]
             self._run(plan.kind, (False, *plan.flags), keys, work)
         if keys is not None:
             self.counter += 1
 
-    def _zeros(self, like: torch.Tensor, key: str) -> torch.Tensor:
+    def zeros(self, like: torch.Tensor, key: str) -> torch.Tensor:
         """A new state tensor in this config's format for key (the second moment's for
         exp_avg_sq, the first's otherwise; step_math's initial state calls it)."""
         second = key in UNSIGNED_KEYS
@@ -428,7 +428,7 @@ class LeanUpdate:
                     state[key] = value
                     continue
                 if key not in state:
-                    state[key] = self._zeros(p, key)
+                    state[key] = self.zeros(p, key)
                 target = state[key]
                 if _same_format(target, value):  # codes and scales as saved: bit for bit
                     target.codes.copy_(value["codes"])

@@ -294,9 +294,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _device(self) -> torch.device:
         return self.transfer.device()
 
-    def _master_to_lp(self) -> dict[int, torch.Tensor]:
-        return self.transfer.master_to_lp()
-
     def _own_params(self) -> list[torch.Tensor]:
         """Params the inner optimizer steps directly (fp32, or low precision without masters)."""
         return list(self.transfer.layout().own)
@@ -327,7 +324,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def nonfinite_params(self) -> list[str]:
         """Names (or group/index) of the parameters whose current gradient holds inf/nan."""
         bad = []
-        master_to_lp = self._master_to_lp()
+        master_to_lp = self.transfer.master_to_lp()
         for g, group in enumerate(self.optim.param_groups):
             for i, p in enumerate(group["params"]):
                 lp = master_to_lp.get(id(p))
@@ -650,7 +647,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         values = torch.cat([found_inf, scale, norm.reshape(1), growth]).tolist()
         flag, scale_value, norm_value, growth_value = values
         self.scaler.update(found_inf, clean_growth=None if flag > 0 else growth_value)
-        master_to_lp = self._master_to_lp()
+        master_to_lp = self.transfer.master_to_lp()
         unit = self.scaler.is_unit
         factor = None if unit and clip is None else inv_scale if clip is None else inv_scale * clip
         self._keep_grads(fused=True, factor=factor)

@@ -114,14 +114,15 @@ def scalar_vector(
 
 
 # ----- torch's initial optimizer state -----
-def _torch_zeros(like: torch.Tensor, key: str) -> torch.Tensor:
+def torch_zeros(like: torch.Tensor, key: str) -> torch.Tensor:
+    """torch's own zero state for `key` (zeros_like): the default `Zeros`."""
     return torch.zeros_like(like, memory_format=torch.preserve_format)
 
 
 Zeros = Callable[[torch.Tensor, str], torch.Tensor]
 
 
-def adam_state(state: dict[str, Any], like: torch.Tensor, zeros: Zeros = _torch_zeros) -> None:
+def adam_state(state: dict[str, Any], like: torch.Tensor, zeros: Zeros = torch_zeros) -> None:
     """torch's Adam/AdamW initial state in `state` where missing: step 0.0 (a CPU tensor of the
     default dtype, as torch's non-capturable Adam) and zero moments (`zeros(like, key)`: torch's
     zeros_like by default; lean passes its state format), so either path continues the other."""
@@ -133,7 +134,7 @@ def adam_state(state: dict[str, Any], like: torch.Tensor, zeros: Zeros = _torch_
 
 
 def momentum_buffer(
-    state: dict[str, Any], like: torch.Tensor, zeros: Zeros = _torch_zeros
+    state: dict[str, Any], like: torch.Tensor, zeros: Zeros = torch_zeros
 ) -> tuple[torch.Tensor, bool]:
     """(SGD's momentum buffer, whether it was created now: see sgd_scalars' `first`)."""
     buf = state.get("momentum_buffer")

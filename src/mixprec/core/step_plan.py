@@ -55,7 +55,7 @@ class GroupPlan:
         return cls("adam", (*head, bool(decoupled)), values)
 
     def init_state(
-        self, state: dict[str, Any], like: torch.Tensor, zeros: sm.Zeros = sm._torch_zeros
+        self, state: dict[str, Any], like: torch.Tensor, zeros: sm.Zeros = sm.torch_zeros
     ) -> tuple[list[torch.Tensor], bool]:
         """torch's initial state in `state` where missing (`zeros(like, key)` makes a zero
         state tensor: torch's zeros_like by default, lean's format otherwise), so every path
@@ -75,7 +75,7 @@ class GroupPlan:
         params: list[torch.Tensor],
         head: list[torch.Tensor] | None,
         device: torch.device,
-        zeros: sm.Zeros = sm._torch_zeros,
+        zeros: sm.Zeros = sm.torch_zeros,
     ) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         """This step of params (the group's, each with a gradient): per param, its state
         tensors (created where missing; Adam's step counts advanced) and its scalar vector
