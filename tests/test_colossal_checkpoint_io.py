@@ -140,6 +140,33 @@ def test_unsharded_safetensors_file(tmp_path: Path) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shard", [False, True])
+def test_low_cpu_mem_mode_is_a_hint_that_loads_the_same_values(tmp_path: Path, shard: bool) -> None:
+    """Colossal's checkpoint tests load with low_cpu_mem_mode False and True: both give the
+    saved tensors exactly (model weights with their masters, optimizer state, scaler)."""
+    booster, model, opt, criterion = _boost(mixed_precision=FP16NaiveMixedPrecision())
+    _step(booster, model, opt, criterion, *_data())
+    booster.save_model(model, tmp_path / "model", shard=shard)
+    booster.save_optimizer(opt, tmp_path / "optim", shard=shard)
+    loaded = []
+    for low_cpu_mem_mode in (False, True):
+        booster2, model2, opt2, _ = _boost(mixed_precision=FP16NaiveMixedPrecision())
+        booster2.load_model(model2, tmp_path / "model", low_cpu_mem_mode=low_cpu_mem_mode)
+        booster2.load_optimizer(opt2, tmp_path / "optim", low_cpu_mem_mode=low_cpu_mem_mode)
+        loaded.append((model2, opt2))
+    for model2, opt2 in loaded:
+        for a, b in zip(_weights(model2), _weights(model), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for a, b in zip(opt2.hp_masters, opt.hp_masters, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert opt2.loss_scale == opt.loss_scale and opt2.steps == opt.steps == 1
+        state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        state2 = [v for s in opt2.state.values() for v in s.values() if torch.is_tensor(v)]
+        assert len(state) == len(state2)
+        for a, b in zip(state2, state, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_refused_and_misused_keywords_name_themselves(tmp_path: Path) -> None:
     booster, model, opt, _ = _boost()
     with pytest.raises(NotImplementedError, match="use_async"):
@@ -153,8 +180,8 @@ def test_refused_and_misused_keywords_name_themselves(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="gather_dtensor=False"):
         booster.save_model(model, tmp_path / "m", gather_dtensor=False)
     booster.save_model(model, tmp_path / "m")
-    with pytest.raises(NotImplementedError, match="low_cpu_mem_mode"):
-        booster.load_model(model, tmp_path / "m", low_cpu_mem_mode=False)
+    with pytest.raises(TypeError, match="low_cpu_mem_mode='no' must be a bool"):
+        booster.load_model(model, tmp_path / "m", low_cpu_mem_mode="no")
     with pytest.raises(NotImplementedError, match="num_threads"):
         booster.load_optimizer(opt, tmp_path / "m", num_threads=4)
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temp left behind

@@ -279,7 +279,12 @@ class Booster:
         num_threads: int = 1,
     ) -> None:
         """Load weights saved in any mode and layout (file, sharded directory, safetensors,
-        torch.distributed.checkpoint directory); the masters (if any) get the fp32 values."""
+        torch.distributed.checkpoint directory); the masters (if any) get the fp32 values.
+
+        low_cpu_mem_mode: Colossal's memory/speed hint (False: cache shards in RAM to load
+        faster). Either value loads the same tensor values; mixprec reads every checkpoint the
+        one way (each file into CPU memory, then applied), so the hint changes nothing else.
+        num_threads: must be 1 (shards are read one after another)."""
         _check_load_keywords(low_cpu_mem_mode, num_threads)
         self.plugin.load_model(model, checkpoint, self._optimizer_of.get(id(model)), strict=strict)
 
@@ -315,6 +320,8 @@ class Booster:
         low_cpu_mem_mode: bool = True,
         num_threads: int = 1,
     ) -> None:
+        """Load optimizer state, fp32 masters and the loss-scaler state saved by
+        save_optimizer (low_cpu_mem_mode and num_threads as load_model's)."""
         optimizer = self._check_optimizer(optimizer)
         _check_load_keywords(low_cpu_mem_mode, num_threads)
         self.plugin.load_optimizer(optimizer, checkpoint, self._model_of.get(id(optimizer)))
@@ -348,11 +355,8 @@ def _check_save_keywords(
 
 
 def _check_load_keywords(low_cpu_mem_mode: bool, num_threads: int) -> None:
-    if low_cpu_mem_mode is not True:
-        raise NotImplementedError(
-            f"low_cpu_mem_mode={low_cpu_mem_mode!r} is not supported by mixprec: checkpoints "
-            "are read into CPU memory and applied (no pinned-memory fast path). Leave it True."
-        )
+    if not isinstance(low_cpu_mem_mode, bool):  # a hint: either value loads the same tensors
+        raise TypeError(f"low_cpu_mem_mode={low_cpu_mem_mode!r} must be a bool.")
     if num_threads != 1:
         raise NotImplementedError(
             f"num_threads={num_threads!r} is not supported by mixprec: shards are read one "
