@@ -10,8 +10,15 @@ All in one process, one sitting, so the ratios to bf16 compare like with like. A
 forward and one backward (all three GEMMs per layer: the input requires grad too).
 Writes runs/bench_fp8-<UTC time>/fp8_<device>.{md,json,png} (--out DIR to choose).
 
+The recipe axis (--recipes, instead of the mode sweep): for each Float8Config recipe, the
+quantization error of its GEMM operands (SQNR, from mixprec.fp8.telemetry.operand_stats, on
+N(0, 1) operands of the benchmarked shapes) and the step time of one Linear(w, w) with that
+recipe (every recipe emulated: quantize, dequantize, fp32 GEMM; tensorwise too, so that the
+times compare) against bf16, written as fp8_recipes_<device>.{md,json,png}.
+
     python benchmarks/bench_fp8.py                              # the default sweep (< 3 min)
     python benchmarks/bench_fp8.py --widths 1024 2048 --steps 5
+    python benchmarks/bench_fp8.py --recipes all --widths 1024   # the recipe axis
 """
 
 from __future__ import annotations
@@ -31,7 +38,16 @@ from mixprec.bench.command import fresh_out_dir
 from mixprec.bench.report import write_record
 from mixprec.bench.runner import cpu_model
 from mixprec.bench.timing import time_call
-from mixprec.fp8 import Float8Config, convert_to_fp8, fp8_kernel_problem, fp8_summary
+from mixprec.fp8 import (
+    RECIPE_OPERANDS,
+    RECIPES,
+    Float8Config,
+    convert_to_fp8,
+    fp8_kernel_problem,
+    fp8_summary,
+    operand_stats,
+)
+from mixprec.fp8.recipes import OPERAND_ROLES, operand_lp_dtype
 
 MODES = ("bf16", "fp8", "fp8-emulated")
 MLP_DEPTH = 9
@@ -77,7 +93,13 @@ FAST_ACCUM = True  # set by --fast-accum: the real kernel's forward GEMM (Float8
 def build(width: int, depth: int, mode: str, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).to(device)
-    if mode != "bf16":
+    if mode.startswith("recipe:"):  # the recipe axis: every recipe emulated
+        recipe = mode.removeprefix("recipe:")
+        config = Float8Config(recipe=recipe, emulate=True if recipe == "tensorwise" else None)
+        model = convert_to_fp8(model, config=config)
+        summary = fp8_summary(model)
+        assert len(summary.converted) == depth, summary
+    elif mode != "bf16":
         config = Float8Config(emulate=mode == "fp8-emulated", use_fast_accum_forward=FAST_ACCUM)
         model = convert_to_fp8(model, config=config)
         summary = fp8_summary(model)
@@ -201,6 +223,135 @@ def chart(results: list[dict], machine: dict[str, str], path: Path) -> None:
     plt.close(fig)
 
 
+def recipe_sqnr(recipe: str, tokens: int, width: int) -> dict[str, float]:
+    """SQNR (dB) of each quantized operand of the recipe's three GEMMs on N(0, 1) tensors:
+    input (tokens, width), weight (width, width) / sqrt(width), grad (tokens, width)."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, width, generator=gen)
+    w = torch.randn(width, width, generator=gen) / width**0.5
+    dy = torch.randn(tokens, width, generator=gen)
+    operands = {
+        "forward": (x, w),
+        "grad_input": (dy, w.t()),
+        "grad_weight": (dy.t(), x.t()),
+    }
+    config = Float8Config(recipe=recipe)
+    out = {}
+    for gemm, kinds in RECIPE_OPERANDS[recipe].items():
+        for name, t, kind, role in zip(
+            "AB", operands[gemm], kinds, OPERAND_ROLES[gemm], strict=True
+        ):
+            if kind != "hp":
+                lp = operand_lp_dtype(role, config)
+                out[f"{gemm}.{name}"] = operand_stats(t, kind, lp, config)["sqnr_db"]
+    return out
+
+
+def recipe_markdown(rows: list[dict], machine: dict[str, str], args: argparse.Namespace) -> str:
+    lines = [
+        f"# fp8 recipes: quantization error and emulated cost ({machine['device']})",
+        "",
+        "Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()),
+        "",
+        f"Command: `{' '.join(['python benchmarks/bench_fp8.py', *args.argv])}`",
+        f"tokens={args.tokens}, warmup={args.warmup}, timed steps={args.steps} per case, cases "
+        "taking turns; each time is the fastest step. SQNR: N(0,1) operands, the worst and "
+        "best operand of the recipe's quantized GEMM operands (stochastically rounded ones "
+        "measured rounded to nearest, as telemetry does). Every recipe emulated "
+        "(quantize, dequantize, fp32 GEMM), tensorwise included: this measures the "
+        "quantization's cost on this device, not a float8 kernel.",
+        "",
+        "| recipe | width | min SQNR dB | max SQNR dB | step ms | / bf16 |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        sq = list(row["sqnr_db"].values())
+        lines.append(
+            f"| {row['recipe']} | {row['width']} | {min(sq):.2f} | {max(sq):.2f} | "
+            f"{row['seconds'] * 1e3:.1f} | {row['seconds'] / row['bf16_seconds']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def recipe_chart(rows: list[dict], machine: dict[str, str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    widths = sorted({r["width"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+    for i, width in enumerate(widths):
+        sub = {r["recipe"]: r for r in rows if r["width"] == width}
+        pos = [j + (i - (len(widths) - 1) / 2) * 0.8 / len(widths) for j in range(len(recipes))]
+        axes[0].bar(
+            pos,
+            [min(sub[r]["sqnr_db"].values()) for r in recipes],
+            width=0.8 / len(widths),
+            label=f"w={width}",
+        )
+        axes[1].bar(
+            pos,
+            [sub[r]["seconds"] / sub[r]["bf16_seconds"] for r in recipes],
+            width=0.8 / len(widths),
+            label=f"w={width}",
+        )
+    for ax, label in zip(
+        axes, ("worst operand SQNR (dB)", "emulated step / bf16 step"), strict=True
+    ):
+        ax.set_xticks(range(len(recipes)), recipes, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"fp8 recipes on {machine.get('gpu', machine['cpu'])}, torch {machine['torch']}", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_recipes(args: argparse.Namespace, device: torch.device) -> int:
+    """The recipe axis: SQNR and emulated step time per recipe (see the module docstring)."""
+    recipes = list(RECIPES) if args.recipes == ["all"] else args.recipes
+    machine = machine_description(device)
+    rows = []
+    start = time.perf_counter()
+    for width in args.widths:
+        modes = ["bf16", *(f"recipe:{r}" for r in recipes)]
+        times = time_case(width, 1, modes, args.tokens, args.warmup, args.steps, device)
+        for recipe in recipes:
+            rows.append(
+                {
+                    "recipe": recipe,
+                    "width": width,
+                    "sqnr_db": recipe_sqnr(recipe, args.tokens, width),
+                    "seconds": min(times[f"recipe:{recipe}"]),
+                    "bf16_seconds": min(times["bf16"]),
+                    "all_seconds": times[f"recipe:{recipe}"],
+                }
+            )
+        print(f"w={width} (elapsed {time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    table = recipe_markdown(rows, machine, args)
+    print(table)
+    if not args.no_write:
+        payload = {
+            "machine": machine,
+            "args": {k: v for k, v in vars(args).items() if k not in ("argv",)},
+            "total_seconds": round(time.perf_counter() - start, 1),
+            "results": rows,
+        }
+        paths = write_record(
+            args.out or fresh_out_dir("bench_fp8"),
+            f"fp8_recipes_{device.type}",
+            table,
+            payload,
+            lambda png: recipe_chart(rows, machine, png),
+        )
+        print("wrote " + ", ".join(map(str, paths.values())), file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -238,6 +389,14 @@ def main(argv: list[str] | None = None) -> int:
         help="directory for md/json/png (default: a new runs/bench_fp8-<UTC time>/; "
         "benchmarks/results/ holds the references, rewritten only when named here)",
     )
+    parser.add_argument(
+        "--recipes",
+        nargs="+",
+        default=None,
+        choices=[*RECIPES, "all"],
+        help="the recipe axis instead of the mode sweep: SQNR and emulated step time per "
+        "Float8Config recipe ('all': every recipe)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     args.argv, args.skipped = argv, []
@@ -251,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     global FAST_ACCUM
     FAST_ACCUM = args.fast_accum == "on"
     device = torch.device(args.device)
+    if args.recipes is not None:
+        return run_recipes(args, device)
     modes = list(args.modes)
     problem = fp8_kernel_problem(device)
     args.scaled_mm_ops = None if problem else scaled_mm_ops(device)
