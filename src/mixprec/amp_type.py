@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
+from mixprec.core.keywords import Default
 from mixprec.core.policy import (
     APEX_SCALER,
     NAIVE_SCALER,
@@ -136,18 +137,6 @@ def naive_amp_policy(config: Mapping[str, Any] | None = None) -> Policy:
     elif config:
         extra["loss_scale"] = replace(NAIVE_SCALER, **config)
     return replace(policy, **extra)
-
-
-@dataclass(frozen=True)
-class Default:
-    """A keyword's default in a signature: the value it stands for (what `help()` shows), and
-    the mark that the caller did not pass it. A passed value, even an equal one, is never a
-    Default, so "passed at its default value" is honoured or refused like any other value."""
-
-    value: Any
-
-    def __repr__(self) -> str:
-        return repr(self.value)
 
 
 UNSET: Any = Default(None)
