@@ -85,3 +85,22 @@ def test_a_filter_returning_a_config_reaches_the_booster():
     opt.zero_grad()
     opt.backward(crit(model(torch.randn(4, 32)), torch.randn(4, 32)))
     assert not opt.step().skipped
+
+
+def test_fp8_mixed_precision_takes_a_recipe_keeping_the_config_fields():
+    precision = mixprec.FP8MixedPrecision(
+        config=Float8Config(allow_emulation=True), recipe="blockwise"
+    )
+    assert precision.config == Float8Config(allow_emulation=True, recipe="blockwise")
+    assert mixprec.FP8MixedPrecision(recipe="nvfp4").config.recipe == "nvfp4"
+    assert mixprec.FP8MixedPrecision().config is None  # convert_to_fp8's default, as before
+    with pytest.raises(ValueError, match="recipe='mx'.*'mxfp8'"):
+        mixprec.FP8MixedPrecision(recipe="mx")
+    with pytest.raises(TypeError, match="Float8Config or None"):
+        mixprec.FP8MixedPrecision(config={"recipe": "rowwise"}, recipe="rowwise")
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, *_ = mixprec.Booster(mixed_precision=mixprec.FP8MixedPrecision(recipe="mxfp8")).boost(
+        model, opt
+    )
+    assert set(fp8_summary(model).recipes.values()) == {"mxfp8"}

@@ -9,6 +9,7 @@ the policy they build.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ from mixprec.core.policy import (
 from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model
 from mixprec.core.scaling import ProcessGroup
 from mixprec.core.validate import check_max_norm, check_norm_type
+from mixprec.fp8.config import Float8Config
 
 # Modules whose optimizers hold the one clip of each parallelism (single process, ZeRO's
 # shards, the pipeline's stages); a face's override of clip_grad_norm is its legacy form.
@@ -385,16 +387,25 @@ class BF16SRMixedPrecision(MixedPrecision):
 class FP8MixedPrecision(MixedPrecision):
     """'fp8': eligible Linear layers become Float8Linear; the rest runs under bf16 autocast.
 
-    module_filter_fn and config are convert_to_fp8's (None: its defaults).
+    module_filter_fn and config are convert_to_fp8's (None: its defaults). recipe (a
+    Float8Config recipe name: 'tensorwise', 'rowwise', 'rowwise_with_gw_hp', 'blockwise',
+    'mxfp8', 'nvfp4') replaces config's recipe, keeping its other fields.
     """
 
     def __init__(
         self,
-        module_filter_fn: Callable[[nn.Module, str], bool | str] | None = None,
+        module_filter_fn: Callable[[nn.Module, str], Any] | None = None,
         config: Any = None,
+        *,
+        recipe: str | None = None,
     ) -> None:
         super().__init__(to_policy("fp8"))
         self.module_filter_fn = module_filter_fn
+        if recipe is not None:
+            base = Float8Config() if config is None else config
+            if not isinstance(base, Float8Config):
+                raise TypeError(f"config must be a Float8Config or None, got {config!r}.")
+            config = dataclasses.replace(base, recipe=recipe)  # Float8Config checks the name
         self.config = config
 
     def convert_module(self, model: nn.Module, policy: Policy | None = None) -> PrecisionModule:
