@@ -27,7 +27,7 @@ import contextlib
 import itertools
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,11 +79,214 @@ DDP_KNOB = (
 
 _SCALER = ScalerKeywords.defaults(HYBRID_SCALER)  # Colossal's signature defaults
 
+REFUSED: dict[str, tuple[Any, str]] = {
+    # Colossal's keywords mixprec does not implement: name -> (the default, why not)
+    "sp_size": (None, "sequence parallelism is " + SHARDFORMER),
+    "enable_all_optimization": (False, "fused kernels are " + SHARDFORMER),
+    "enable_fused_normalization": (False, "fused normalization is " + SHARDFORMER),
+    "enable_flash_attention": (False, "flash attention is " + SHARDFORMER),
+    "enable_jit_fused": (False, "jit-fused ops are " + SHARDFORMER),
+    "enable_sequence_parallelism": (False, "sequence parallelism is " + SHARDFORMER),
+    "sequence_parallelism_mode": (None, "sequence parallelism is " + SHARDFORMER),
+    "enable_sequence_overlap": (False, "sequence overlap is " + SHARDFORMER),
+    "parallel_output": (True, "gathering vocab-parallel outputs is " + SHARDFORMER),
+    "custom_policy": (None, "a shard policy is " + SHARDFORMER),
+    "gradient_checkpoint_config": (
+        None,
+        "wrap layers in torch.utils.checkpoint yourself; shardformer's gradient checkpoint "
+        "config is " + SHARDFORMER,
+    ),
+    "make_vocab_size_divisible_by": (64, "vocab padding is " + SHARDFORMER),
+    "inner_ring_size": (None, "ring attention is " + SHARDFORMER),
+    "broadcast_buffers": (True, DDP_KNOB),
+    "ddp_bucket_cap_mb": (25, DDP_KNOB),
+    "find_unused_parameters": (False, DDP_KNOB),
+    "check_reduction": (False, DDP_KNOB),
+    "gradient_as_bucket_view": (False, DDP_KNOB),
+    "static_graph": (False, DDP_KNOB),
+    "overlap_allgather": (False, "ZeRO gathers params at the end of step()"),
+    "enable_metadata_cache": (
+        True,
+        "torch.distributed.pipelining infers stage shapes once by itself",
+    ),
+    "overlap_p2p": (True, "torch.distributed.pipelining batches its p2p ops itself"),
+    "dp_outside": (True, "the mesh is (dp, pp, tp): data parallel outside"),
+}
+"""The refusal table: a keyword set away from its default raises NotImplementedError."""
+
+ZERO_KEYWORDS: dict[str, Any] = {
+    "zero_bucket_size_in_m": 12,
+    "cpu_offload": False,
+    "communication_dtype": None,
+    "overlap_communication": False,
+}
+"""ZeRO's keywords and their defaults: set away from them they need zero_stage 1 or 2."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridSettings:
+    """HybridParallelPlugin's keywords, checked and parsed once (what the plugin runs on)."""
+
+    pipeline: PipelineConfig
+    """The pipeline (pp_size=1: one stage, the model itself) and tp_size."""
+    num_layers_per_stage: list[int] | None
+    """Colossal's top-level layers per stage (cut at configure), or None."""
+    tp_plan: dict[str, Any] | None
+    """Module name -> torch ParallelStyle (tp_size > 1), or None."""
+    precision: MixedPrecision | None
+    """The one precision channel: its Policy reaches the core (None: the Booster's)."""
+    max_norm: float
+    """Clip by the norm over every stage and shard (0: off)."""
+    zero_stage: int
+    """0, 1 or 2."""
+    fp8_communication: torch.dtype | None
+    """The fp8 dtype data-parallel gradients travel in, or None."""
+    zero: LowLevelZeroPlugin | None
+    """pp = tp = 1 with ZeRO: the LowLevelZeroPlugin over this precision's Policy."""
+    stage_zero: LowLevelZeroPlugin | None
+    """pp or tp > 1 with ZeRO: ZeRO's settings per stage (only they are read from it)."""
+
+    @classmethod
+    def parse(cls, given: dict[str, Any]) -> HybridSettings:
+        """given: the plugin's keywords (its locals()); every check raises naming the value."""
+        refuse_non_defaults("HybridParallelPlugin", given, REFUSED)
+        zero_stage, max_norm = given["zero_stage"], given["max_norm"]
+        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
+            raise ValueError(f"HybridParallelPlugin(zero_stage={zero_stage!r}); valid: 0, 1, 2.")
+        for name, default in ZERO_KEYWORDS.items():
+            if zero_stage == 0 and given[name] != default:
+                raise ValueError(
+                    f"HybridParallelPlugin({name}={given[name]!r}) is a ZeRO setting: it "
+                    "needs zero_stage=1 or 2."
+                )
+        check_max_norm("max_norm", max_norm)
+        pipeline, layers = _pipeline_config(given)
+        tp_size, tp_plan = given["tp_size"], dict(given["tp_plan"] or {}) or None
+        if (tp_size != 1) != bool(tp_plan):
+            raise ValueError(
+                f"tp_size={tp_size!r} with tp_plan={given['tp_plan']!r}: tensor parallelism "
+                "needs both tp_size > 1 and tp_plan (module name -> torch ParallelStyle), or "
+                "neither."
+            )
+        precision = _hybrid_precision(
+            given["precision"], ScalerKeywords.of(given), given["use_fp8"]
+        )
+        zero, stage_zero = _zero_settings(given, precision)
+        return cls(
+            pipeline=pipeline,
+            num_layers_per_stage=layers,
+            tp_plan=tp_plan,
+            precision=precision,
+            max_norm=float(max_norm),
+            zero_stage=zero_stage,
+            fp8_communication=to_fp8_comm_dtype(given["fp8_communication"], "HybridParallelPlugin"),
+            zero=zero,
+            stage_zero=stage_zero,
+        )
+
+
+def _pipeline_config(given: Mapping[str, Any]) -> tuple[PipelineConfig, list[int] | None]:
+    """The PipelineConfig and num_layers_per_stage of the plugin's pipeline keywords."""
+    pp_size, pp_style, pp_schedule = given["pp_size"], given["pp_style"], given["pp_schedule"]
+    m, per, chunks = given["num_microbatches"], given["microbatch_size"], given["num_model_chunks"]
+    layers, split_points = given["num_layers_per_stage"], given["split_points"]
+    if pp_schedule is not None and pp_style not in ("1f1b", pp_schedule):
+        raise ValueError(
+            f"pp_style={pp_style!r} and pp_schedule={pp_schedule!r} disagree; pp_schedule "
+            "is mixprec's older name for pp_style: set one."
+        )
+    schedule = pp_schedule or pp_style
+    if layers is not None and split_points is not None:
+        raise ValueError("num_layers_per_stage and split_points both cut stages; set one.")
+    if m is not None and per is not None:
+        raise ValueError(
+            f"num_microbatches={m!r} and microbatch_size={per!r} both set how a batch is "
+            "split; set one (Colossal-AI takes one of the two)."
+        )
+    if pp_size == 1:
+        _check_no_pipeline_keywords(given)
+    if m is None and per is None:
+        if pp_size != 1:
+            raise ValueError(
+                f"num_microbatches=None and microbatch_size=None: pp_size={pp_size} needs "
+                "one of them set (num_microbatches >= pp_size micro-batches per batch, or "
+                "microbatch_size samples per micro-batch; either must divide the batch)."
+            )
+        m = 1  # one stage: the whole batch at once, as without a pipeline
+    if chunks not in (None, 1) and schedule != "interleaved":
+        raise ValueError(
+            f"num_model_chunks={chunks!r} needs pp_style='interleaved' (got {schedule!r}, "
+            "which runs one stage per rank)."
+        )
+    config = PipelineConfig(
+        pp_size=pp_size,
+        num_microbatches=m,
+        microbatch_size=per,
+        schedule=schedule,
+        num_model_chunks=chunks if schedule == "interleaved" else None,
+        split_points=None if split_points is None else tuple(split_points),
+        tp_size=given["tp_size"],
+    )
+    if layers is not None:
+        stages = pp_size * config.chunks
+        layers = list(layers)
+        if len(layers) != stages or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers
+        ):
+            raise ValueError(
+                f"num_layers_per_stage={given['num_layers_per_stage']!r} must be {stages} "
+                "positive ints (pp_size x num_model_chunks stages)."
+            )
+    return config, layers
+
+
+def _zero_settings(
+    given: Mapping[str, Any], precision: MixedPrecision | None
+) -> tuple[LowLevelZeroPlugin | None, LowLevelZeroPlugin | None]:
+    """(ZeRO over the world for pp = tp = 1, ZeRO's settings per stage otherwise)."""
+    stage, pp_size, tp_size = given["zero_stage"], given["pp_size"], given["tp_size"]
+    if not stage:
+        return None, None
+    zero_keywords = {
+        "reduce_bucket_size_in_m": given["zero_bucket_size_in_m"],
+        "communication_dtype": given["communication_dtype"],
+        "fp8_communication": given["fp8_communication"],
+        "cpu_offload": given["cpu_offload"],
+    }
+    if pp_size != 1 or tp_size != 1:
+        if given["overlap_communication"]:
+            raise ValueError(
+                f"HybridParallelPlugin(overlap_communication=True, pp_size={pp_size}, "
+                f"tp_size={tp_size}): each micro-batch's backward would redo its buckets' "
+                "reduction (num_microbatches times the communication); with a pipeline or "
+                "tensor parallelism ZeRO reduces once, at step(). Leave "
+                "overlap_communication False."
+            )
+        # checked as LowLevelZeroPlugin checks them; the stages run this plugin's precision
+        return None, LowLevelZeroPlugin(stage=stage, precision="fp32", **zero_keywords)
+    name = given["precision"]
+    if not (isinstance(name, str) and name in PRECISIONS) or precision is None:
+        raise NotImplementedError(
+            f"HybridParallelPlugin(zero_stage={stage}, pp_size=1) is LowLevelZeroPlugin, "
+            f"which takes precision 'fp16'/'bf16'/'fp32' (got precision={name!r})."
+        )
+    # the precision's one channel: its Policy (scaler and fp8 included), with the clip
+    policy = replace(precision.policy, max_norm=float(given["max_norm"]))
+    zero = LowLevelZeroPlugin(
+        stage=stage,
+        policy=policy,
+        overlap_communication=given["overlap_communication"],
+        **zero_keywords,
+    )
+    return zero, None
+
 
 class HybridParallelPlugin(Plugin):
     """Pipeline (x tensor x data) parallelism under any precision, with Colossal-AI's keywords.
 
-    Colossal's keywords (its signature; what mixprec lacks is refused when set):
+    The keywords are parsed and checked once, into HybridSettings.
+
+    Colossal's keywords (its signature; what mixprec lacks is refused when set: REFUSED):
         tp_size, pp_size: tensor-parallel ranks per stage (with tp_plan) and pipeline ranks;
             pp_size x tp_size must divide the world (the rest is data parallel, outside).
         precision: 'fp16' (Colossal's default: fp16 params, fp32 masters, dynamic loss scale),
@@ -99,7 +302,9 @@ class HybridParallelPlugin(Plugin):
             stay at what means "no schedule" (NO_PIPELINE_KEYWORDS).
         microbatch_size: samples per micro-batch instead (the count is the batch size over it,
             fixed at the first batch); exactly one of the two with pp_size > 1.
-        initial_scale ... max_scale: precision='fp16''s loss scaler.
+        initial_scale ... max_scale: the loss scaler of precision 'fp16' (and of the mode
+            'fp16_naive', whose rule it is): mixprec.amp_type.ScalerKeywords. Passed with any
+            other precision they are refused, whatever their values.
         max_norm: clip gradients to this norm over all stages (0: off).
         zero_bucket_size_in_m, cpu_offload, communication_dtype, overlap_communication: ZeRO's
             (zero_stage > 0; see LowLevelZeroPlugin).
@@ -172,166 +377,19 @@ class HybridParallelPlugin(Plugin):
         split_points: list[str] | tuple[str, ...] | None = None,
         tp_plan: Mapping[str, Any] | None = None,
     ) -> None:
-        given = dict(locals())
-        refuse_non_defaults(
-            "HybridParallelPlugin",
-            given,
-            {
-                "sp_size": (None, "sequence parallelism is " + SHARDFORMER),
-                "enable_all_optimization": (False, "fused kernels are " + SHARDFORMER),
-                "enable_fused_normalization": (False, "fused normalization is " + SHARDFORMER),
-                "enable_flash_attention": (False, "flash attention is " + SHARDFORMER),
-                "enable_jit_fused": (False, "jit-fused ops are " + SHARDFORMER),
-                "enable_sequence_parallelism": (False, "sequence parallelism is " + SHARDFORMER),
-                "sequence_parallelism_mode": (None, "sequence parallelism is " + SHARDFORMER),
-                "enable_sequence_overlap": (False, "sequence overlap is " + SHARDFORMER),
-                "parallel_output": (True, "gathering vocab-parallel outputs is " + SHARDFORMER),
-                "custom_policy": (None, "a shard policy is " + SHARDFORMER),
-                "gradient_checkpoint_config": (
-                    None,
-                    "wrap layers in torch.utils.checkpoint yourself; shardformer's gradient "
-                    "checkpoint config is " + SHARDFORMER,
-                ),
-                "make_vocab_size_divisible_by": (64, "vocab padding is " + SHARDFORMER),
-                "inner_ring_size": (None, "ring attention is " + SHARDFORMER),
-                "broadcast_buffers": (True, DDP_KNOB),
-                "ddp_bucket_cap_mb": (25, DDP_KNOB),
-                "find_unused_parameters": (False, DDP_KNOB),
-                "check_reduction": (False, DDP_KNOB),
-                "gradient_as_bucket_view": (False, DDP_KNOB),
-                "static_graph": (False, DDP_KNOB),
-                "overlap_allgather": (False, "ZeRO gathers params at the end of step()"),
-                "enable_metadata_cache": (
-                    True,
-                    "torch.distributed.pipelining infers stage shapes once by itself",
-                ),
-                "overlap_p2p": (True, "torch.distributed.pipelining batches its p2p ops itself"),
-                "dp_outside": (True, "the mesh is (dp, pp, tp): data parallel outside"),
-            },
-        )
-        if sp_size == 1:
-            sp_size = None
-        if pp_schedule is not None and pp_style not in ("1f1b", pp_schedule):
-            raise ValueError(
-                f"pp_style={pp_style!r} and pp_schedule={pp_schedule!r} disagree; pp_schedule "
-                "is mixprec's older name for pp_style: set one."
-            )
-        schedule = pp_schedule or pp_style
-        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
-            raise ValueError(f"HybridParallelPlugin(zero_stage={zero_stage!r}); valid: 0, 1, 2.")
-        if zero_stage == 0:
-            for name, default in (
-                ("zero_bucket_size_in_m", 12),
-                ("cpu_offload", False),
-                ("communication_dtype", None),
-                ("overlap_communication", False),
-            ):
-                if given[name] != default:
-                    raise ValueError(
-                        f"HybridParallelPlugin({name}={given[name]!r}) is a ZeRO setting: it "
-                        "needs zero_stage=1 or 2."
-                    )
-        if num_layers_per_stage is not None and split_points is not None:
-            raise ValueError("num_layers_per_stage and split_points both cut stages; set one.")
-        if num_microbatches is not None and microbatch_size is not None:
-            raise ValueError(
-                f"num_microbatches={num_microbatches!r} and microbatch_size={microbatch_size!r} "
-                "both set how a batch is split; set one (Colossal-AI takes one of the two)."
-            )
-        if pp_size == 1:
-            _check_no_pipeline_keywords(given)
-        if num_microbatches is None and microbatch_size is None:
-            if pp_size != 1:
-                raise ValueError(
-                    f"num_microbatches=None and microbatch_size=None: pp_size={pp_size} needs "
-                    "one of them set (num_microbatches >= pp_size micro-batches per batch, or "
-                    "microbatch_size samples per micro-batch; either must divide the batch)."
-                )
-            num_microbatches = 1  # one stage: the whole batch at once, as without a pipeline
-        check_max_norm("max_norm", max_norm)
-        self.config = PipelineConfig(
-            pp_size=pp_size,
-            num_microbatches=num_microbatches,
-            microbatch_size=microbatch_size,
-            schedule=schedule,
-            num_model_chunks=num_model_chunks if schedule == "interleaved" else None,
-            split_points=None if split_points is None else tuple(split_points),
-            tp_size=tp_size,
-        )
-        if num_model_chunks not in (None, 1) and schedule != "interleaved":
-            raise ValueError(
-                f"num_model_chunks={num_model_chunks!r} needs pp_style='interleaved' (got "
-                f"{schedule!r}, which runs one stage per rank)."
-            )
-        self.num_layers_per_stage = (
-            None if num_layers_per_stage is None else list(num_layers_per_stage)
-        )
-        if self.num_layers_per_stage is not None:
-            stages = pp_size * self.config.chunks
-            if len(self.num_layers_per_stage) != stages or any(
-                isinstance(n, bool) or not isinstance(n, int) or n < 1
-                for n in self.num_layers_per_stage
-            ):
-                raise ValueError(
-                    f"num_layers_per_stage={num_layers_per_stage!r} must be {stages} positive "
-                    f"ints (pp_size x num_model_chunks stages)."
-                )
-        self.tp_plan = dict(tp_plan) if tp_plan else None
-        if (tp_size != 1) != bool(self.tp_plan):
-            raise ValueError(
-                f"tp_size={tp_size!r} with tp_plan={tp_plan!r}: tensor parallelism needs both "
-                "tp_size > 1 and tp_plan (module name -> torch ParallelStyle), or neither."
-            )
-        self.precision = _hybrid_precision(precision, ScalerKeywords.of(given), use_fp8)
-        colossal = isinstance(precision, str) and precision in PRECISIONS
-        self.max_norm = float(max_norm)
-        self.zero_stage = zero_stage
-        self.fp8_communication = to_fp8_comm_dtype(fp8_communication, "HybridParallelPlugin")
-        self._zero: LowLevelZeroPlugin | None = None  # pp = tp = 1: ZeRO over the world
+        settings = HybridSettings.parse(dict(locals()))
+        self.settings = settings
+        self.config = settings.pipeline
+        self.num_layers_per_stage = settings.num_layers_per_stage
+        self.tp_plan = settings.tp_plan
+        self.precision = settings.precision
+        self.max_norm = settings.max_norm
+        self.zero_stage = settings.zero_stage
+        self.fp8_communication = settings.fp8_communication
+        self._zero = settings.zero  # pp = tp = 1: ZeRO over the world
         # pp > 1 or tp > 1: ZeRO settings per stage (over each stage's data-parallel group of
         # each tp index, on the DTensors' local shards)
-        self._stage_zero: LowLevelZeroPlugin | None = None
-        if zero_stage and (pp_size != 1 or tp_size != 1):
-            if overlap_communication:
-                raise ValueError(
-                    f"HybridParallelPlugin(overlap_communication=True, pp_size={pp_size}, "
-                    f"tp_size={tp_size}): each micro-batch's backward would redo its buckets' "
-                    "reduction (num_microbatches times the communication); with a pipeline or "
-                    "tensor parallelism ZeRO reduces once, at step(). Leave "
-                    "overlap_communication False."
-                )
-            # ZeRO's settings, checked as LowLevelZeroPlugin checks them; only they are read
-            # from it (the stages run this plugin's precision and scaler, any mode).
-            self._stage_zero = LowLevelZeroPlugin(
-                stage=zero_stage,
-                precision="fp32",
-                reduce_bucket_size_in_m=zero_bucket_size_in_m,
-                communication_dtype=communication_dtype,
-                fp8_communication=fp8_communication,
-                cpu_offload=cpu_offload,
-            )
-        elif zero_stage:
-            if not colossal:
-                raise NotImplementedError(
-                    f"HybridParallelPlugin(zero_stage={zero_stage}, pp_size=1) is "
-                    "LowLevelZeroPlugin, which takes precision 'fp16'/'bf16'/'fp32' (got "
-                    f"precision={precision!r})."
-                )
-            assert self.precision is not None
-            scaler = self.precision.policy.loss_scale
-            self._zero = LowLevelZeroPlugin(
-                stage=zero_stage,
-                precision=precision,
-                # this plugin's scaler, resolved (its defaults start lower than ZeRO's)
-                **(ScalerKeywords.of_scaler(scaler).passed() if precision == "fp16" else {}),
-                max_norm=max_norm,
-                reduce_bucket_size_in_m=zero_bucket_size_in_m,
-                communication_dtype=communication_dtype,
-                overlap_communication=overlap_communication,
-                fp8_communication=fp8_communication,
-                cpu_offload=cpu_offload,
-                use_fp8=use_fp8,
-            )
+        self._stage_zero = settings.stage_zero
         if is_distributed():  # every rank sees the same sizes: all raise, none hangs
             check_pp_size(pp_size, dist.get_world_size(), tp_size)
 
