@@ -15,6 +15,9 @@ Differences from Apex, each deliberate:
   norm), as the core Policy's keep_norm_fp32 does; Apex kept BatchNorm only.
 - master_weights=True over fp32 model weights is an error (Apex made no masters, silently).
 - min_loss_scale=None means no floor but positivity: the scale stops at fp32's smallest normal.
+- min_loss_scale / max_loss_scale passed beside a static loss_scale the caller passed are
+  refused (Apex ignored them); beside a level's own static scale (O0, O3) they stay ignored, as
+  Apex documents, so one call can serve every opt level.
 
 cast_model_type=False is Apex's "don't cast": the model keeps its dtypes (a model that already
 holds fp16 params needs `amp._amp_state.allow_incoming_model_not_fp32 = True`), and a level
@@ -23,11 +26,12 @@ with masters (O2) gives fp32 masters to whichever params are fp16/bf16.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from mixprec.core.keywords import Default, passed, value_of
 from mixprec.core.policy import (
     APEX_SCALER,
     OPT_LEVELS,
@@ -39,20 +43,6 @@ from mixprec.core.policy import (
     register_mode_parser,
 )
 
-APEX_KEYS = (
-    "enabled",
-    "opt_level",
-    "cast_model_type",
-    "patch_torch_functions",
-    "keep_batchnorm_fp32",
-    "master_weights",
-    "loss_scale",
-    "cast_model_outputs",
-    "num_losses",
-    "verbosity",
-    "min_loss_scale",
-    "max_loss_scale",
-)
 CAST_TYPES = (torch.float16, torch.bfloat16, torch.float32)
 NO_FLOOR = float(torch.finfo(torch.float32).tiny)
 """Apex's min_loss_scale=None: no floor, but a scale must stay > 0 (2**-126)."""
@@ -124,43 +114,135 @@ def _scaler_config(
     return ScalerConfig(dynamic=False, init_scale=static)
 
 
-def apex_policy(
-    *,
-    enabled: bool = True,
-    opt_level: str = "O1",
-    cast_model_type: torch.dtype | None = None,
-    patch_torch_functions: bool | None = None,
-    keep_batchnorm_fp32: bool | str | None = None,
-    master_weights: bool | None = None,
-    loss_scale: float | str | None = None,
-    cast_model_outputs: torch.dtype | None = None,
-    num_losses: int = 1,
-    verbosity: int = 1,
-    min_loss_scale: float | None = None,
-    max_loss_scale: float = APEX_SCALER.max_scale,
-    **unknown: Any,
-) -> Policy:
-    """Apex's `amp.initialize` keywords -> Policy (num_losses and verbosity travel in it).
+@dataclass(frozen=True, kw_only=True)
+class ApexOptions:
+    """amp.initialize's keywords as one call passed them, checked and parsed once.
 
-    Like Apex, a cast model (O2/O3 or cast_model_type) returns fp32 outputs unless
-    cast_model_outputs says otherwise. Unknown keywords raise, naming the closest valid one.
+    `ApexOptions.parse(**keywords)` takes Apex's names and defaults; `given` names the keywords
+    the caller passed (Apex's None means "the opt level's own value" for the overrides, as in
+    Apex). The Policy, Apex's opt_properties and the optimizer's master_weights all derive
+    from this one object.
     """
-    check_keys("Apex amp", unknown, APEX_KEYS)
+
+    enabled: bool
+    """False: every amp call is a no-op (Apex's enabled); the other keywords are not applied."""
+    opt_level: str
+    """'O0'..'O3' (Apex's table; see the module docstring)."""
+    cast_model_type: torch.dtype | bool | None
+    """The model's param dtype; None: the level's; False: leave the model's dtypes as they are."""
+    patch_torch_functions: bool | None
+    """Run the forward under autocast (O1's patched functions); None: the level's."""
+    keep_batchnorm_fp32: bool | None
+    """Keep normalisation layers fp32 in a cast model; None: the level's."""
+    master_weights: bool | None
+    """fp32 master copies of a cast model's params; None: the level's."""
+    loss_scale: float | str | None
+    """'dynamic' or a static scale; None: the level's."""
+    cast_model_outputs: torch.dtype | None
+    """The dtype a patched forward returns; None: fp32 for a cast model, as produced otherwise."""
+    num_losses: int
+    """Loss scalers, one per loss_id."""
+    verbosity: int
+    """0 silences amp's messages."""
+    min_loss_scale: float | None
+    """The dynamic scale's floor (None: none but positivity)."""
+    max_loss_scale: float
+    """The dynamic scale's ceiling, which also caps its first value."""
+    given: frozenset[str]
+    """The keywords the caller passed (each honoured or refused, whatever its value)."""
+    policy: Policy
+    """What these options mean to the core."""
+
+    @classmethod
+    def parse(cls, **keywords: Any) -> ApexOptions:
+        """Check Apex's keywords (Default values: not passed) and parse them once.
+
+        Unknown keywords raise naming the closest valid one; conflicts Apex refused raise naming
+        the conflict; min/max_loss_scale passed beside a static loss_scale are refused (Apex
+        ignored them).
+        """
+        check_keys("Apex amp", passed(keywords), APEX_KEYS)
+        given = frozenset(passed(keywords))
+        values = {key: value_of(keywords.get(key, default)) for key, default in DEFAULTS.items()}
+        opt_level, num_losses, verbosity = (
+            values["opt_level"], values["num_losses"], values["verbosity"]
+        )  # fmt: skip
+        if opt_level not in OPT_LEVELS:
+            raise ValueError(
+                f"Unknown opt_level {opt_level!r}." + did_you_mean(opt_level, OPT_LEVELS)
+            )
+        if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+            raise ValueError(f"num_losses={num_losses!r} must be an int >= 1.")
+        if isinstance(verbosity, bool) or not isinstance(verbosity, int):
+            raise TypeError(
+                f"verbosity={verbosity!r} must be an int (0 silences mixprec's messages)."
+            )
+        for name in ("enabled", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights"):
+            values[name] = _as_bool(name, values[name])
+        values["given"] = given
+        values["policy"] = _policy(values)
+        return cls(**values)
+
+    def properties(self) -> dict[str, Any]:
+        """Apex's opt_properties: the level's defaults, then each override that is not None,
+        normalised as Apex's setters did."""
+        if not self.enabled:
+            return dict(DISABLED_PROPERTIES)
+        props = {"enabled": True, "opt_level": self.opt_level, **LEVEL_PROPERTIES[self.opt_level]}
+        overrides = {
+            "cast_model_type": self.cast_model_type,
+            "patch_torch_functions": self.patch_torch_functions,
+            "keep_batchnorm_fp32": self.keep_batchnorm_fp32,
+            "master_weights": self.master_weights,
+            "loss_scale": self.loss_scale,
+        }
+        props.update({k: v for k, v in overrides.items() if v is not None})
+        if props["loss_scale"] != "dynamic":
+            props["loss_scale"] = float(props["loss_scale"])
+        return props
+
+    def optimizer_master_weights(self) -> bool | None:
+        """The optimizer's master_weights: the Policy's; under cast_model_type=False, None
+        (masters for whatever params arrive in fp16/bf16) when the level or the override asks
+        for masters, else False."""
+        if self.cast_model_type is not False:
+            return self.policy.master_weights
+        asked = self.master_weights
+        if asked is None:
+            asked = preset(self.opt_level).master_weights
+        return None if asked else False
+
+
+DEFAULTS: dict[str, Default] = {
+    "enabled": Default(True),
+    "opt_level": Default("O1"),
+    "cast_model_type": Default(None),
+    "patch_torch_functions": Default(None),
+    "keep_batchnorm_fp32": Default(None),
+    "master_weights": Default(None),
+    "loss_scale": Default(None),
+    "cast_model_outputs": Default(None),
+    "num_losses": Default(1),
+    "verbosity": Default(1),
+    "min_loss_scale": Default(None),
+    "max_loss_scale": Default(APEX_SCALER.max_scale),
+}
+"""Apex's amp.initialize defaults, as the signatures that take its keywords write them."""
+APEX_KEYS = tuple(DEFAULTS)
+
+
+def _policy(values: dict[str, Any]) -> Policy:
+    """Checked, parsed options (ApexOptions.parse) -> Policy."""
+    if not values["enabled"]:
+        return replace(preset("O0"), name="O0 (amp disabled)")
+    opt_level = values["opt_level"]
+    cast_model_type = values["cast_model_type"]
     no_cast = cast_model_type is False  # Apex: leave the model's dtypes as they are
     if no_cast:
         cast_model_type = torch.float32
-    if opt_level not in OPT_LEVELS:
-        raise ValueError(f"Unknown opt_level {opt_level!r}." + did_you_mean(opt_level, OPT_LEVELS))
-    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
-        raise ValueError(f"num_losses={num_losses!r} must be an int >= 1.")
-    if isinstance(verbosity, bool) or not isinstance(verbosity, int):
-        raise TypeError(f"verbosity={verbosity!r} must be an int (0 silences mixprec's messages).")
-    enabled = _as_bool("enabled", enabled)
-    if not enabled:
-        return replace(preset("O0"), name="O0 (amp disabled)")
-    patch = _as_bool("patch_torch_functions", patch_torch_functions)
-    keep_bn = _as_bool("keep_batchnorm_fp32", keep_batchnorm_fp32)
-    masters = _as_bool("master_weights", master_weights)
+    patch, keep_bn, masters = (
+        values["patch_torch_functions"], values["keep_batchnorm_fp32"], values["master_weights"]
+    )  # fmt: skip
     _check_level_conflicts(
         opt_level,
         {
@@ -170,6 +252,7 @@ def apex_policy(
             "master_weights": masters,
         },
     )
+    cast_model_outputs = values["cast_model_outputs"]
     for name, dt in (
         ("cast_model_type", cast_model_type),
         ("cast_model_outputs", cast_model_outputs),
@@ -184,14 +267,23 @@ def apex_policy(
     if masters is None:
         masters = base.master_weights and param_dtype != torch.float32
     if no_cast:
-        masters = False  # the Policy's masters follow a cast; see uncast_master_weights
+        masters = False  # the Policy's masters follow a cast; see optimizer_master_weights
     if masters and param_dtype == torch.float32:
         raise ValueError(
             f"opt_level={opt_level!r} with master_weights=True but fp32 model weights: "
             "masters only make sense for a cast model (cast_model_type=torch.float16)."
         )
+    loss_scale = values["loss_scale"]
     if loss_scale is None:
         loss_scale = "dynamic" if base.loss_scale.dynamic else base.loss_scale.init_scale
+    bounds = [k for k in ("min_loss_scale", "max_loss_scale") if k in values["given"]]
+    if bounds and "loss_scale" in values["given"] and loss_scale != "dynamic":
+        # the caller's own keywords disagree (a level's static scale keeps Apex's rule: the
+        # bounds apply to dynamic scaling only, so one call serves every opt level)
+        raise ValueError(
+            f"{' and '.join(bounds)} bound a dynamic loss scale, but loss_scale={loss_scale!r} "
+            f"is static: drop {', '.join(bounds)}, or pass loss_scale='dynamic'."
+        )
     if cast_model_outputs is None and param_dtype != torch.float32:
         cast_model_outputs = torch.float32  # Apex's patched forward hands back fp32 by default
     return Policy(
@@ -201,10 +293,49 @@ def apex_policy(
         master_weights=masters,
         keep_norm_fp32=base.keep_norm_fp32 if keep_bn is None else keep_bn,
         cast_outputs_to=cast_model_outputs,
-        loss_scale=_scaler_config(loss_scale, min_loss_scale, max_loss_scale),
-        num_losses=num_losses,
-        verbosity=min(max(verbosity, 0), 1),  # Apex's verbosity only switches messages on/off
+        loss_scale=_scaler_config(loss_scale, values["min_loss_scale"], values["max_loss_scale"]),
+        num_losses=values["num_losses"],
+        verbosity=min(max(values["verbosity"], 0), 1),  # Apex's verbosity: messages on/off
     )
+
+
+def apex_policy(
+    *,
+    enabled: bool = DEFAULTS["enabled"],
+    opt_level: str = DEFAULTS["opt_level"],
+    cast_model_type: torch.dtype | None = DEFAULTS["cast_model_type"],
+    patch_torch_functions: bool | None = DEFAULTS["patch_torch_functions"],
+    keep_batchnorm_fp32: bool | str | None = DEFAULTS["keep_batchnorm_fp32"],
+    master_weights: bool | None = DEFAULTS["master_weights"],
+    loss_scale: float | str | None = DEFAULTS["loss_scale"],
+    cast_model_outputs: torch.dtype | None = DEFAULTS["cast_model_outputs"],
+    num_losses: int = DEFAULTS["num_losses"],
+    verbosity: int = DEFAULTS["verbosity"],
+    min_loss_scale: float | None = DEFAULTS["min_loss_scale"],
+    max_loss_scale: float = DEFAULTS["max_loss_scale"],
+    **unknown: Any,
+) -> Policy:
+    """Apex's `amp.initialize` keywords -> Policy (num_losses and verbosity travel in it):
+    `ApexOptions.parse(...).policy`.
+
+    Like Apex, a cast model (O2/O3 or cast_model_type) returns fp32 outputs unless
+    cast_model_outputs says otherwise. Unknown keywords raise, naming the closest valid one.
+    """
+    return ApexOptions.parse(
+        enabled=enabled,
+        opt_level=opt_level,
+        cast_model_type=cast_model_type,
+        patch_torch_functions=patch_torch_functions,
+        keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights,
+        loss_scale=loss_scale,
+        cast_model_outputs=cast_model_outputs,
+        num_losses=num_losses,
+        verbosity=verbosity,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        **unknown,
+    ).policy
 
 
 # Apex's Properties as each opt level reports them before overrides (amp._amp_state.opt_properties)
@@ -222,43 +353,6 @@ DISABLED_PROPERTIES: dict[str, Any] = {
     "enabled": False, "opt_level": None, "cast_model_type": None, "patch_torch_functions": False,
     "keep_batchnorm_fp32": None, "master_weights": None, "loss_scale": 1.0,
 }  # fmt: skip
-
-
-def apex_properties(
-    *,
-    enabled: bool | str = True,
-    opt_level: str = "O1",
-    cast_model_type: torch.dtype | bool | None = None,
-    patch_torch_functions: bool | str | None = None,
-    keep_batchnorm_fp32: bool | str | None = None,
-    master_weights: bool | str | None = None,
-    loss_scale: float | str | None = None,
-) -> dict[str, Any]:
-    """Apex's opt_properties for (already validated) initialize arguments: the level's
-    defaults, then each override that is not None, normalised as Apex's setters did."""
-    if not _as_bool("enabled", enabled):
-        return dict(DISABLED_PROPERTIES)
-    props: dict[str, Any] = {"enabled": True, "opt_level": opt_level, **LEVEL_PROPERTIES[opt_level]}
-    overrides = {
-        "cast_model_type": cast_model_type,
-        "patch_torch_functions": _as_bool("patch_torch_functions", patch_torch_functions),
-        "keep_batchnorm_fp32": _as_bool("keep_batchnorm_fp32", keep_batchnorm_fp32),
-        "master_weights": _as_bool("master_weights", master_weights),
-        "loss_scale": loss_scale,
-    }
-    props.update({k: v for k, v in overrides.items() if v is not None})
-    if props["loss_scale"] != "dynamic":
-        props["loss_scale"] = float(props["loss_scale"])
-    return props
-
-
-def uncast_master_weights(opt_level: str, master_weights: bool | str | None) -> bool | None:
-    """The optimizer's master_weights under cast_model_type=False: None (masters for whatever
-    params arrive in fp16/bf16) when the level or the override asks for masters, else False."""
-    asked = _as_bool("master_weights", master_weights)
-    if asked is None:
-        asked = preset(opt_level).master_weights
-    return None if asked else False
 
 
 # the core's to_policy('fp16_apex', {...}) parses Apex's keys here: the face hands it the rules

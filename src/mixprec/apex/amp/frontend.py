@@ -25,7 +25,7 @@ from mixprec.apex import functions
 from mixprec.apex._optimizer_like import REQUIRED, OptimizerLike, missing_members
 from mixprec.apex.amp._amp_state import _amp_state
 from mixprec.apex.amp_state import AmpHandle, Properties
-from mixprec.apex.policy import _as_bool, apex_policy, apex_properties, uncast_master_weights
+from mixprec.apex.policy import DEFAULTS, ApexOptions, apex_policy
 from mixprec.core.amp_warning import warn_if_amp_cannot_help
 from mixprec.core.autocast import fp32_region
 from mixprec.core.casting import cast_call_args, cast_floating, cast_module
@@ -35,7 +35,7 @@ from mixprec.core.per_loss_optim import (
     is_rank_zero,
     reduce_found_inf_,
 )
-from mixprec.core.policy import APEX_SCALER, Policy, describe
+from mixprec.core.policy import Policy, describe
 from mixprec.core.prepare import autocast_context, param_probe, probe_device_type
 from mixprec.core.scaling import LossScaler
 from mixprec.core.validate import check_module_has_parameters
@@ -209,27 +209,27 @@ def _as_list(value: Any, kind: type, what: str) -> tuple[list[Any], bool]:
 def initialize(
     models: nn.Module | list[nn.Module],
     optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
-    enabled: bool = True,
-    opt_level: str = "O1",
-    cast_model_type: torch.dtype | None = None,
-    patch_torch_functions: bool | None = None,
-    keep_batchnorm_fp32: bool | str | None = None,
-    master_weights: bool | None = None,
-    loss_scale: float | str | None = None,
-    cast_model_outputs: torch.dtype | None = None,
-    num_losses: int = 1,
-    verbosity: int = 1,
-    min_loss_scale: float | None = None,
-    max_loss_scale: float = APEX_SCALER.max_scale,
+    enabled: bool = DEFAULTS["enabled"],
+    opt_level: str = DEFAULTS["opt_level"],
+    cast_model_type: torch.dtype | None = DEFAULTS["cast_model_type"],
+    patch_torch_functions: bool | None = DEFAULTS["patch_torch_functions"],
+    keep_batchnorm_fp32: bool | str | None = DEFAULTS["keep_batchnorm_fp32"],
+    master_weights: bool | None = DEFAULTS["master_weights"],
+    loss_scale: float | str | None = DEFAULTS["loss_scale"],
+    cast_model_outputs: torch.dtype | None = DEFAULTS["cast_model_outputs"],
+    num_losses: int = DEFAULTS["num_losses"],
+    verbosity: int = DEFAULTS["verbosity"],
+    min_loss_scale: float | None = DEFAULTS["min_loss_scale"],
+    max_loss_scale: float = DEFAULTS["max_loss_scale"],
 ) -> Any:
     """Cast models and wrap optimizers for an opt level; returns them as they were passed.
 
     Returns model / (model, optimizer) / ([models], [optimizers]) / ... mirroring the
     structure of the arguments, as Apex does (the model alone when optimizers is None).
-    The overrides adjust the opt level's properties (see mixprec.apex.policy).
+    The overrides adjust the opt level's properties (see mixprec.apex.policy.ApexOptions).
     """
     global _state
-    policy = apex_policy(
+    options = ApexOptions.parse(
         enabled=enabled,
         opt_level=opt_level,
         cast_model_type=cast_model_type,
@@ -243,23 +243,14 @@ def initialize(
         min_loss_scale=min_loss_scale,
         max_loss_scale=max_loss_scale,
     )
+    policy, verbosity = options.policy, options.verbosity
     model_list, models_was_list = _as_list(models, nn.Module, "models")
     if optimizers is None:
         optimizer_list, optimizers_was_list = [], False
     else:
         optimizer_list, optimizers_was_list = _optimizer_list(optimizers)
-    properties = Properties(
-        apex_properties(
-            enabled=enabled,
-            opt_level=opt_level,
-            cast_model_type=cast_model_type,
-            patch_torch_functions=patch_torch_functions,
-            keep_batchnorm_fp32=keep_batchnorm_fp32,
-            master_weights=master_weights,
-            loss_scale=loss_scale,
-        )
-    )
-    if not _as_bool("enabled", enabled):  # Apex: every amp call becomes a no-op
+    properties = Properties(options.properties())
+    if not options.enabled:  # Apex: every amp call becomes a no-op
         functions.apply_to(False)  # registered functions run as they were
         _state = _AmpState(policy, False, verbosity, [])
         _amp_state.bind([], properties, verbosity=verbosity)
@@ -268,7 +259,7 @@ def initialize(
         _check_model(model, index)
     device = next((p.device for m in model_list for p in m.parameters()), torch.device("cpu"))
     warn_if_amp_cannot_help(policy, device, "amp.initialize")  # once per device and dtype
-    scalers = [LossScaler(policy.loss_scale, device) for _ in range(num_losses)]
+    scalers = [LossScaler(policy.loss_scale, device) for _ in range(options.num_losses)]
     patches = policy.compute_dtype is not None
     handle = AmpHandle(
         active=patches,
@@ -279,9 +270,7 @@ def initialize(
     for model in model_list:
         _cast_and_patch(model, policy, handle)
     # after the casts: the masters copy the cast weights
-    masters = policy.master_weights
-    if cast_model_type is False:  # uncast: masters for the params that arrive in fp16/bf16
-        masters = uncast_master_weights(opt_level, master_weights)
+    masters = options.optimizer_master_weights()
     amp_optimizers = [_wrap_optimizer(o, masters, scalers, verbosity) for o in optimizer_list]
     for opt in amp_optimizers:  # so a collapsing scale names the params that overflowed
         for index, model in enumerate(model_list):
@@ -295,7 +284,7 @@ def initialize(
         opt.amp_state = _state
     functions.apply_to(patches)  # O1: patch the registered functions
     if verbosity > 0 and is_rank_zero():
-        log.info("amp.initialize: opt_level %s -> %s", opt_level, describe(policy))
+        log.info("amp.initialize: opt_level %s -> %s", options.opt_level, describe(policy))
     out_models = model_list if models_was_list else model_list[0]
     if optimizers_was_list:
         return out_models, amp_optimizers
