@@ -65,6 +65,15 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     assert shlex.split(ci_tests)  # one shell line
 
 
+def test_readme_links_resolve() -> None:
+    """README.md is read on GitHub, outside the site's --strict build: its links checked here."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    relative = [link for link in links if "://" not in link]
+    assert relative
+    missing = [link for link in relative if not (ROOT / link).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
+
+
 def test_every_public_module_has_an_api_directive() -> None:
     api = "\n".join(p.read_text() for p in (ROOT / "docs" / "api").glob("*.md"))
     documented = set(re.findall(r"^::: (\S+)", api, flags=re.M))
