@@ -54,6 +54,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, get_overridable_functions
+from typing_extensions import override
 
 from mixprec.core.policy import did_you_mean, to_low_dtype
 
@@ -440,6 +441,7 @@ class autocast(_RegionContext):  # noqa: N801 - mirrors torch.autocast
 
             warn_if_amp_cannot_help(self.dtype, self.device_type, type(self).__name__)
 
+    @override
     def _region(self) -> _Region:
         outer = _outer_region(None)
         white, black = self.custom_white_list, self.custom_black_list
@@ -494,6 +496,7 @@ class fp32_region(_RegionContext):  # noqa: N801 - used like a function: `with f
     def __init__(self, device_type: str | None = None) -> None:
         self.device_type = None if device_type is None else _check_device_type(device_type)
 
+    @override
     def _region(self) -> _Region:
         return replace(_outer_region(self.device_type), enabled=False)
 
@@ -514,6 +517,7 @@ class low_precision_region(_RegionContext):  # noqa: N801 - used like a function
         self.dtype = None if dtype is None else to_low_dtype(dtype)
         self.device_type = None if device_type is None else _check_device_type(device_type)
 
+    @override
     def _region(self) -> _Region:
         outer = _outer_region(self.device_type)
         return replace(outer, enabled=True, lp_dtype=self.dtype or outer.lp_dtype)

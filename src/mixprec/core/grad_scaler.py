@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
+from typing_extensions import override
 
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import TORCH_SCALER, ScalerConfig, did_you_mean
@@ -157,18 +158,22 @@ class GradScaler(torch.amp.GradScaler):
         the user called it ("GradScaler.set_growth_factor: new_factor=1.0 must be > 1 ...")."""
         check_scaler_value(field, value, name=f"{type(self).__name__}.{call}")
 
+    @override
     def set_growth_factor(self, new_factor: float) -> None:
         self._check_setting("set_growth_factor: new_factor", "growth_factor", new_factor)
         super().set_growth_factor(new_factor)
 
+    @override
     def set_backoff_factor(self, new_factor: float) -> None:
         self._check_setting("set_backoff_factor: new_factor", "backoff_factor", new_factor)
         super().set_backoff_factor(new_factor)
 
+    @override
     def set_growth_interval(self, new_interval: int) -> None:
         self._check_setting("set_growth_interval: new_interval", "growth_interval", new_interval)
         super().set_growth_interval(new_interval)
 
+    @override
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._hysteresis_tracker = torch.full(
@@ -179,6 +184,7 @@ class GradScaler(torch.amp.GradScaler):
         tracker = self._hysteresis_tracker
         return self._init_hysteresis_tracker if tracker is None else int(tracker)
 
+    @override
     def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -206,6 +212,7 @@ class GradScaler(torch.amp.GradScaler):
             all_reduce_found_inf_(flag, group)
         return per_device
 
+    @override
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         if not self._enabled or new_scale is not None:
             super().update(new_scale)  # a set scale leaves both trackers alone, as in torch
@@ -251,6 +258,7 @@ class GradScaler(torch.amp.GradScaler):
             self._lazy_init_scale_growth_tracker(torch.device(self._device))
         return self._scale
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """torch's five entries plus mixprec's (torch's load_state_dict ignores the extras)."""
         state = super().state_dict()
@@ -264,6 +272,7 @@ class GradScaler(torch.amp.GradScaler):
             state["dynamic"] = cfg.dynamic
         return state
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict of this class or of torch.amp.GradScaler.
 
@@ -290,6 +299,7 @@ class GradScaler(torch.amp.GradScaler):
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(hyst)
 
+    @override
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()  # torch drops the tensors and keeps their values
         if self._enabled:
@@ -297,6 +307,7 @@ class GradScaler(torch.amp.GradScaler):
             state["_hysteresis_tracker"] = None
         return state
 
+    @override
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "cfg" in state:  # pickled before `cfg` became a view over torch's live factors
             state["_base_cfg"] = state.pop("cfg")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from mixprec.core import fused_step as fused
 from mixprec.core import lean as lean_step
@@ -271,12 +272,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optim.defaults
 
+    @override
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__
 
+    @override
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
+    @override
     def __repr__(self) -> str:
         return f"MixedPrecisionOptimizer({self.optim!r}, scaler={self.scaler.cfg})"
 
@@ -336,6 +340,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     )
         return bad
 
+    @override
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
         params = group["params"]
@@ -489,6 +494,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return int(sum(int((g == 0).sum()) for g in grads))  # host sync per tensor: debug counter
 
     # ----- the step: one fixed sequence, configured by the stages below -----
+    @override
     @torch.no_grad()
     def step(self, closure: Any = None) -> StepResult:  # type: ignore[override]
         """transfer -> reduce -> unscale+check -> clip -> decide -> update -> commit.
@@ -859,6 +865,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if _is_rank_zero():
             log.warning(message)
 
+    @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad over the model's params (GradTransfer.zero_grad); the grads a
         step left in .grad are dropped with the rest, and this step's flags cleared."""
@@ -866,10 +873,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._clear_step_flags()
 
     # ----- checkpoints (mixprec.core.optim_state) -----
+    @override
     def state_dict(self) -> dict[str, Any]:
         """torch's layout with mixprec's additions beside it: see optim_state.optimizer_state."""
         return optimizer_state(self)
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint of this class (any mode), of a plain torch optimizer or of Apex:
         see optim_state.load_optimizer_state."""

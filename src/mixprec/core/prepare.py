@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from mixprec.core.casting import cast_call_args, cast_floating, cast_module
 from mixprec.core.lean import lean_config
@@ -72,11 +73,13 @@ class PrecisionModule(nn.Module):
         self.policy = policy
         self._probe = param_probe(module)  # the wrapper's _apply and load_state_dict renew it
 
+    @override
     def _apply(self, fn: Any, recurse: bool = True) -> PrecisionModule:
         out = super()._apply(fn, recurse)
         self._probe = param_probe(self.module)
         return out
 
+    @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         policy = self.policy
         if policy.casts_params and policy.cast_inputs:
@@ -87,10 +90,12 @@ class PrecisionModule(nn.Module):
             out = cast_floating(out, policy.cast_outputs_to)
         return out
 
+    @override
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped model's state, keys unprefixed (as the user's model has them)."""
         return self.module.state_dict(*args, **kwargs)
 
+    @override
     def load_state_dict(
         self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
     ):
@@ -109,6 +114,7 @@ class FP32Criterion(nn.Module):
         check_callable("criterion", criterion, what="a loss (an nn.Module or a function)")
         self.criterion = criterion
 
+    @override
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         args, kwargs = cast_call_args(args, kwargs, torch.float32)
         on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]

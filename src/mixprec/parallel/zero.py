@@ -31,6 +31,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
 from mixprec.core.clip import clip_grads_, local_shards
 from mixprec.core.lean import LeanConfig, base_seed, rank_seed, state_bytes
@@ -281,6 +282,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         if self.world == 1:
             log.warning("mixprec ZeRO: a world of 1 rank, so ZeRO shards nothing.")
 
+    @override
     def __repr__(self) -> str:
         return (
             f"ZeroOptimizer(stage={self.stage}, rank={self.rank}/{self.world}, "
@@ -297,6 +299,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         return self.owners[index] == self.rank
 
     # ----- gradients: reduced once per step, then handed to this rank's masters -----
+    @override
     def _lp_grads_to_masters(self) -> None:
         reduced = self._reduce_grads()
         lp_to_hp = {id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
@@ -516,6 +519,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
         return _LaunchedBucket(self, chunks[self.rank], sizes[self.rank], not pre, finish)
 
+    @override
     def clip_grad_norm(self, max_norm: float, norm_type: float | None = None) -> torch.Tensor:
         """Clip every rank's gradients by the norm over the whole model (all shards)."""
         check_max_norm("max_norm", max_norm)
@@ -529,6 +533,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         return clip_grads_(grads, max_norm, p, group=group, device=device)
 
     # ----- the step: this rank's shard, then the updated lp params to every rank -----
+    @override
     def _after_update(self, result: StepResult) -> None:
         self._carry_grads()
         if not result.skipped and self.world > 1:
@@ -612,6 +617,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             offset += p.numel()
         return views
 
+    @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._discard_pending()  # reductions of grads about to be dropped
         super().zero_grad(set_to_none)
@@ -627,10 +633,12 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         """Which rank owns which param: a shard only loads where this layout is the same."""
         return {"stage": self.stage, "world": self.world, "rank": self.rank, "owners": self.owners}
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: its optimizer state and masters, the scaler, and the layout."""
         return {**super().state_dict(), "zero": self.shard_layout()}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("zero")
         mine = self.shard_layout()

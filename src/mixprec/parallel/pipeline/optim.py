@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
 from mixprec.core.clip import clip_grads_
 from mixprec.core.optim import MixedPrecisionOptimizer, local_shards
@@ -100,6 +101,7 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         lp.grad = None
         self._grads_on_masters = True  # the step must not copy (absent) lp grads over these
 
+    @override
     def note_scaled_backward(self) -> None:
         """A round of the schedule is about to run backward on every stage: the grads the last
         step left are brought to this round's loss scale first (GradTransfer.rescale_carried;
@@ -107,6 +109,7 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         super().note_scaled_backward()
         self.transfer.rescale_carried(self.scaler)
 
+    @override
     def grads_to_masters(self) -> None:
         """This step's grads are on the masters already; drop stale ones, average over dp.
 
@@ -133,6 +136,7 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
             torch._foreach_div_(grads, float(self._dp_size))
             self._dp_averaged = True
 
+    @override
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every stage's unscaled gradients by one coefficient from their joint norm."""
         check_max_norm("max_norm", max_norm)
@@ -143,9 +147,11 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         device = self.scaler.scale_tensor.device
         return clip_grads_(grads, max_norm, norm_type, group=self.pp_group, device=device)
 
+    @override
     def _end_step(self) -> None:
         self._dp_averaged = False  # the sums stay (_fresh): the next round adds to them
 
+    @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._fresh.clear()  # accumulated master grads are discarded with the lp ones

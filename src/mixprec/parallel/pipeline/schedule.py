@@ -27,6 +27,7 @@ from typing import Any, Literal, get_args
 import torch
 import torch.distributed as dist
 from torch import nn
+from typing_extensions import override
 
 from mixprec.core.policy import Policy, did_you_mean
 from mixprec.core.prepare import PrecisionModule, prepare_model, prepare_optimizer
@@ -212,6 +213,7 @@ class PipelinedModel(nn.Module):
     def has_last_stage(self) -> bool:
         return self.config.num_stages - 1 in self.stage_ids
 
+    @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """One stage (pp_size=1, no pipeline): the model itself, run as any module is."""
         if self.config.num_stages == 1:

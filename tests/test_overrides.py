@@ -1,0 +1,67 @@
+"""The subclass contract is explicit: every method a class in core/ or parallel/ overrides is
+marked @override (typing_extensions'), so a renamed base method cannot leave a silent orphan."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+from typing_extensions import override
+
+import mixprec
+
+LAYERS = ("mixprec.core", "mixprec.parallel")
+NOT_YET = ("mixprec.core.per_loss_optim", "mixprec.core.multi_loss", "mixprec.core.backward_watch")
+"""Apex's per-loss optimizers, marked in their own change."""
+DUNDERS = ("__getstate__", "__setstate__", "__repr__")  # the dunders a class here overrides
+
+
+def modules() -> list[str]:
+    return [
+        info.name
+        for info in pkgutil.walk_packages(mixprec.__path__, "mixprec.")
+        if info.name.startswith(LAYERS) and info.name not in NOT_YET
+    ]
+
+
+def unmarked_overrides(cls: type) -> list[str]:
+    """The methods (and properties) cls defines over a base's without @override."""
+    found = []
+    for name, value in vars(cls).items():
+        if name.startswith("__") and name not in DUNDERS:
+            continue
+        function = value.fget if isinstance(value, property) else value
+        if not callable(function):
+            continue
+        if not any(name in vars(base) for base in cls.__mro__[1:] if base is not object):
+            continue
+        if not getattr(function, "__override__", False):
+            found.append(f"{cls.__qualname__}.{name}")
+    return found
+
+
+@pytest.mark.parametrize("module_name", modules())
+def test_every_override_is_marked(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    classes = [c for c in vars(module).values() if inspect.isclass(c)]
+    found = [u for c in classes if c.__module__ == module_name for u in unmarked_overrides(c)]
+    assert found == []
+
+
+def test_the_check_sees_an_unmarked_override() -> None:
+    class Base:
+        def run(self) -> None: ...
+
+        def stop(self) -> None: ...
+
+    class Child(Base):
+        def run(self) -> None: ...
+
+        @override
+        def stop(self) -> None: ...
+
+        def own(self) -> None: ...
+
+    assert [u.rsplit(".", 2)[-2:] for u in unmarked_overrides(Child)] == [["Child", "run"]]
