@@ -118,6 +118,48 @@ def _refusal(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def _runnable_inner(
+    model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Callable[..., torch.Tensor]
+) -> torch.optim.Optimizer:
+    """The torch optimizer the step runs (optimizer's inner one, or optimizer); raises
+    TypeError or CompileStepError naming what the compiled step cannot run."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
+    if not callable(criterion):
+        raise TypeError(f"criterion must be callable (a loss), got {criterion!r}.")
+    wrapped = isinstance(optimizer, MixedPrecisionOptimizer)
+    inner = optimizer.optim if wrapped else optimizer
+    reason = _refusal(inner)
+    if reason is not None:
+        raise CompileStepError(
+            f"compile_step cannot run {type(inner).__name__}: {reason}. Supported: "
+            "SGD (dampening 0 with momentum), Adam, AdamW; step it eagerly instead."
+        )
+    if wrapped and optimizer.whole_step_refusal is not None:
+        raise CompileStepError(
+            f"compile_step cannot run {type(optimizer).__name__}: "
+            f"{optimizer.whole_step_refusal}. Step it eagerly."
+        )
+    if any(hasattr(p, "to_local") for p in model.parameters()):  # DTensor params
+        raise CompileStepError(
+            "compile_step cannot run a model with DTensor parameters (FSDP2, tensor "
+            "parallel, ZeRO level 3): their collectives live outside the functional step. "
+            "Step it eagerly."
+        )
+    if wrapped and optimizer.log_num_zeros_in_grad:
+        raise CompileStepError(
+            "log_num_zeros_in_grad=True counts zeros on the host every step; the compiled "
+            "step has no host sync. Turn it off or step eagerly."
+        )
+    if len(getattr(optimizer, "scalers", ())) > 1:
+        raise CompileStepError(
+            f"num_losses={len(optimizer.scalers)}: compile_step runs one loss per step."
+        )
+    return inner
+
+
 class _UnitScale:
     """The scale of a step no scaler owns (a plain optimizer), or of one whose scaler is off:
     static 1.0, still skips inf/nan (ScaleRule)."""
@@ -189,40 +231,8 @@ class CompiledStep:
         compile_options: dict[str, Any],
         check_every: int = 32,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
-        if not callable(criterion):
-            raise TypeError(f"criterion must be callable (a loss), got {criterion!r}.")
         wrapped = isinstance(optimizer, MixedPrecisionOptimizer)
-        inner = optimizer.optim if wrapped else optimizer
-        reason = _refusal(inner)
-        if reason is not None:
-            raise CompileStepError(
-                f"compile_step cannot run {type(inner).__name__}: {reason}. Supported: "
-                "SGD (dampening 0 with momentum), Adam, AdamW; step it eagerly instead."
-            )
-        if wrapped and optimizer.whole_step_refusal is not None:
-            raise CompileStepError(
-                f"compile_step cannot run {type(optimizer).__name__}: "
-                f"{optimizer.whole_step_refusal}. Step it eagerly."
-            )
-        if any(hasattr(p, "to_local") for p in model.parameters()):  # DTensor params
-            raise CompileStepError(
-                "compile_step cannot run a model with DTensor parameters (FSDP2, tensor "
-                "parallel, ZeRO level 3): their collectives live outside the functional step. "
-                "Step it eagerly."
-            )
-        if wrapped and optimizer.log_num_zeros_in_grad:
-            raise CompileStepError(
-                "log_num_zeros_in_grad=True counts zeros on the host every step; the compiled "
-                "step has no host sync. Turn it off or step eagerly."
-            )
-        if len(getattr(optimizer, "scalers", ())) > 1:
-            raise CompileStepError(
-                f"num_losses={len(optimizer.scalers)}: compile_step runs one loss per step."
-            )
+        inner = _runnable_inner(model, optimizer, criterion)
         if max_norm is None:
             max_norm = optimizer.max_norm if wrapped else 0.0
         check_max_norm("max_norm", max_norm)  # None: the optimizer's own, checked when set
