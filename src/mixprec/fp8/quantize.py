@@ -287,6 +287,14 @@ def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     return code | (torch.signbit(x).to(torch.uint8) << 3)
 
 
+def _e2m1_magnitude(code: torch.Tensor) -> torch.Tensor:
+    """The magnitude of E2M1 codes 0..7 in fp32, arithmetically (0.5 c below 2, else
+    2**(c // 2 - 1) * (1 + (c % 2) / 2)): no table lookup, which torch.compile fuses freely."""
+    c = code.to(torch.float32)
+    half = torch.floor(c / 2)
+    return torch.where(c < 2, c * 0.5, torch.exp2(half - 1) * (1 + (c - 2 * half) * 0.5))
+
+
 def e2m1_stochastic_round(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """fp32 -> E2M1 codes, rounding |x| up to the next grid value with probability equal to its
     distance from the lower one over the gap (unbiased: E[value] = x for |x| <= 6).
@@ -295,12 +303,13 @@ def e2m1_stochastic_round(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     reproducible). |x| above 6 saturates; nan gives code 0 with its sign.
     """
     mag = x.abs().clamp(max=E2M1_MAX)
-    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
-    lower = (torch.searchsorted(grid, mag.contiguous(), right=True) - 1).clamp(0, 6)
-    lo = grid[lower]
-    hi = grid[lower + 1]
+    lower = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for value in E2M1_VALUES[1:-1]:  # the grid value at or below |x|, capped at code 6 (4.0)
+        lower += (mag >= value).to(torch.uint8)
+    lo = _e2m1_magnitude(lower)
+    hi = _e2m1_magnitude(lower + 1)
     up = noise * (hi - lo) < (mag - lo)
-    code = (lower + up.to(lower.dtype)).to(torch.uint8)
+    code = lower + up.to(torch.uint8)
     code = torch.where(torch.isnan(x), 0, code).to(torch.uint8)
     return code | (torch.signbit(x).to(torch.uint8) << 3)
 

@@ -159,6 +159,12 @@ def quantize_operand(
     raise ValueError(f"unknown operand quantization {kind!r}; valid: {sorted(_KINDS)}.")
 
 
+_EAGER_UNDER_COMPILE = frozenset({"mx", "fp4", "fp4_sr", "fp4_2d"})
+"""Operand kinds quantized outside torch.compile's graph (a graph break): inductor (torch
+2.13) fails with an AssertionError fusing the block reductions of an operand and of its
+transpose (mxfp8's and nvfp4's backward GEMMs) in one graph; each alone compiles."""
+_quantize_outside_compile = torch.compiler.disable(quantize_operand)
+
 _KINDS = {"hp", "tensor", "row", *OPERAND_BLOCKS, "mx"}
 
 
@@ -167,7 +173,8 @@ def emulated_operand(
 ) -> torch.Tensor:
     """quantize_operand's fp32 operand, with t's inf and nan elements kept as they are (see
     the module docstring)."""
-    deq = quantize_operand(t, kind, lp_dtype, config).dequantized
+    quantize = _quantize_outside_compile if kind in _EAGER_UNDER_COMPILE else quantize_operand
+    deq = quantize(t, kind, lp_dtype, config).dequantized
     return torch.where(torch.isfinite(t), deq, t.to(torch.float32))
 
 
