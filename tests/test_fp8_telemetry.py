@@ -107,3 +107,44 @@ def test_training_is_bit_identical_with_telemetry_on_or_off(recipe):
     assert telemetry.records
     for p, q in zip(*runs, strict=True):
         assert torch.equal(p, q)
+
+
+def test_recommend_names_the_layer_an_outlier_hurts_and_the_rule_keeps_it():
+    """An outlier feature (1e4 among N(0,1)) crushes the tensorwise input scale of the layer
+    that reads it: its small inputs underflow, though the outlier's energy keeps its SQNR
+    high; the rule keeps exactly that layer."""
+    from mixprec.fp8 import per_module_recipes
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    model = convert_to_fp8(copy.deepcopy(base), config=Float8Config(emulate=True))
+    telemetry = Float8Telemetry().attach(model)
+    x = torch.randn(64, 32)
+    x[:, 3] *= 1e4
+    model(x).sum().backward()
+    assert telemetry.recommend(min_sqnr_db=20.0) == {}  # SQNR alone misses it
+    recommended = telemetry.recommend(min_sqnr_db=20.0, max_underflow_pct=1.0)
+    assert list(recommended) == ["0"]
+    assert recommended["0"].startswith("forward operand A (input, tensor): underflow above 1.0 %")
+    line = Float8Telemetry.keep_rule(recommended)
+    assert line == "convert_to_fp8(model, per_module_recipes(model, {'0': 'keep'}), config)"
+    again = copy.deepcopy(base)
+    convert_to_fp8(again, per_module_recipes(again, {"0": "keep"}, keep_first_last=False))
+    assert not isinstance(again[0], Float8Linear) and isinstance(again[2], Float8Linear)
+    with pytest.raises(TypeError, match="min_sqnr_db"):
+        telemetry.recommend(min_sqnr_db="20")  # type: ignore[arg-type]
+
+
+def test_recommend_by_sqnr_flags_layers_below_the_threshold():
+    """nvfp4 operands sit near 20 dB on N(0,1)-like data: a 25 dB bar flags every layer, a
+    10 dB bar none."""
+    torch.manual_seed(0)
+    model = convert_to_fp8(
+        nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)),
+        config=Float8Config(recipe="nvfp4"),
+    )
+    telemetry = Float8Telemetry().attach(model)
+    model(torch.randn(64, 32)).sum().backward()
+    flagged = telemetry.recommend(min_sqnr_db=25.0)
+    assert set(flagged) == {"0", "2"} and all("SQNR below 25.0 dB" in v for v in flagged.values())
+    assert telemetry.recommend(min_sqnr_db=10.0) == {}

@@ -237,6 +237,45 @@ class Float8Telemetry:
             "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
         )
 
+    def recommend(
+        self, min_sqnr_db: float, max_underflow_pct: float | None = None
+    ) -> dict[str, str]:
+        """Layers expected to hurt -> why: an observed operand below min_sqnr_db, or (when
+        given) one whose underflow exceeds max_underflow_pct. Worst SQNR first.
+
+        SQNR weighs errors by energy, so an outlier-dominated operand can keep a high SQNR
+        while its small values vanish: max_underflow_pct catches that. There is no default
+        threshold: on N(0, 1) operands e4m3 gives ~31.5 dB, e5m2 ~25.6 dB, nvfp4 ~20 dB
+        (tests/test_fp8_recipes.py), real activations and gradients less. keep_rule() turns
+        the result into per_module_recipes rules keeping those layers in high precision.
+        """
+        for name, value in (("min_sqnr_db", min_sqnr_db), ("max_underflow_pct", max_underflow_pct)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+            ):
+                raise TypeError(f"{name} must be a number, got {value!r}.")
+        found: dict[str, str] = {}
+        for r in self.report():  # lowest SQNR first
+            what = f"{r.gemm} operand {r.operand} ({r.role}, {r.kind})"
+            detail = (
+                f"{r.sqnr_db:.1f} dB, underflow {r.underflow_pct:.2f} %, clipped "
+                f"{r.clipped_pct:.2f} %, in-block range 2**{r.block_range_log2:.0f}"
+            )
+            if r.sqnr_db < min_sqnr_db:
+                found.setdefault(r.layer, f"{what}: SQNR below {min_sqnr_db} dB ({detail})")
+            elif max_underflow_pct is not None and r.underflow_pct > max_underflow_pct:
+                found.setdefault(
+                    r.layer, f"{what}: underflow above {max_underflow_pct} % ({detail})"
+                )
+        return found
+
+    @staticmethod
+    def keep_rule(recommended: dict[str, str]) -> str:
+        """The one line keeping `recommended` layers in high precision:
+        per_module_recipes(model, {...: 'keep'}) as convert_to_fp8's module_filter_fn."""
+        rules = ", ".join(f"{layer!r}: 'keep'" for layer in recommended)
+        return f"convert_to_fp8(model, per_module_recipes(model, {{{rules}}}), config)"
+
     def as_dicts(self) -> list[dict[str, Any]]:
         """report() as plain dicts (for CSV / JSON)."""
         return [asdict(r) for r in self.report()]
