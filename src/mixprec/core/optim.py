@@ -143,6 +143,36 @@ class _Counted:
         setattr(obj.counts, self.name, value)
 
 
+def _check_arguments(
+    optimizer: Any, loss_scale: Any, max_norm: Any, fused_step: Any, log_num_zeros_in_grad: Any
+) -> None:
+    """MixedPrecisionOptimizer's arguments checked before anything is built, each error naming
+    the value passed."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
+    if isinstance(optimizer, MixedPrecisionOptimizer):
+        raise TypeError("This optimizer is already wrapped by mixprec; wrap the inner one once.")
+    check_max_norm("max_norm", max_norm)
+    check_bool("log_num_zeros_in_grad", log_num_zeros_in_grad)
+    check_bool("fused_step", fused_step, optional=True)  # None: decided per step
+    if not isinstance(loss_scale, ScalerConfig):
+        raise TypeError(f"loss_scale={loss_scale!r} must be a mixprec.ScalerConfig.")
+    reason = fused.unsupported_reason(optimizer)
+    if fused_step and reason:
+        raise ValueError(f"fused_step=True cannot run this optimizer: {reason}.")
+
+
+TORCH_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+"""The hook registries torch.optim.Optimizer.__init__ would make (the wrapper skips it)."""
+
+
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """Wraps any torch optimizer; `backward(loss)` scales, `step()` unscales, checks and steps.
 
@@ -195,25 +225,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         fused_step: bool | None = None,
         lean: lean_step.LeanConfig | None = None,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
-        if isinstance(optimizer, MixedPrecisionOptimizer):
-            raise TypeError(
-                "This optimizer is already wrapped by mixprec; wrap the inner one once."
-            )
-        check_max_norm("max_norm", max_norm)
-        check_bool("log_num_zeros_in_grad", log_num_zeros_in_grad)
-        for name, flag in (
-            ("master_weights", master_weights),
-            ("keep_master_grads", keep_master_grads),
-            ("fused_step", fused_step),
-        ):
-            check_bool(name, flag, optional=True)  # None: decided per device / per step
-        if not isinstance(loss_scale, ScalerConfig):
-            raise TypeError(f"loss_scale={loss_scale!r} must be a mixprec.ScalerConfig.")
-        reason = fused.unsupported_reason(optimizer)
-        if fused_step and reason:
-            raise ValueError(f"fused_step=True cannot run this optimizer: {reason}.")
+        _check_arguments(optimizer, loss_scale, max_norm, fused_step, log_num_zeros_in_grad)
+        check_bool("master_weights", master_weights, optional=True)  # None: per device/step
+        check_bool("keep_master_grads", keep_master_grads, optional=True)
         self.counts = StepCounter(max_consecutive_skips)  # checks it before anything changes
         """steps, skips, the skip monitor and the collapse guard (core.skip_monitor)."""
         self.optim = optimizer
@@ -248,12 +262,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._clean_growth: float | None = None  # see _decide
         self.lean = None if lean is None else lean_step.LeanUpdate(lean, optimizer)
         # torch.optim.Optimizer's bookkeeping, for hooks and LR schedulers.
-        self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = OrderedDict()
+        for hooks in TORCH_HOOK_DICTS:
+            setattr(self, hooks, OrderedDict())
 
     # ----- torch.optim.Optimizer's face, delegated to the wrapped optimizer -----
     @property
