@@ -251,3 +251,26 @@ def test_get_grad_norm_after_a_step_that_clipped_by_max_norm() -> None:
     result = opt.step()
     assert opt.get_grad_norm() == result.grad_norm
     torch.testing.assert_close(torch.tensor(opt.get_grad_norm()), ref_norm, **FP32_REORDER)
+
+
+def test_colossal_optimizer_classes_are_declared_not_made_at_run_time() -> None:
+    """Each optimizer class a Colossal face returns has its OptimizerWrapper subclass declared
+    in mixprec.mixed_precision (no module __getattr__, no class written into its globals)."""
+    import mixprec.mixed_precision as face
+
+    assert not hasattr(face, "__getattr__")
+    names = set(vars(face))
+    for base, api in face.WITH_API.items():
+        assert issubclass(api, base) and issubclass(api, OptimizerWrapperAPI)
+        assert getattr(face, api.__name__) is api, api
+    _boosted("fp32", tiny_mlp(WIDTH))
+    assert set(vars(face)) == names  # wrapping wrote nothing into the module
+
+
+def test_an_optimizer_without_a_colossal_class_is_refused_by_name() -> None:
+    from mixprec.core.per_loss_optim import StashingOptimizer
+    from mixprec.mixed_precision import with_optimizer_wrapper_api
+
+    opt = StashingOptimizer.__new__(StashingOptimizer)
+    with pytest.raises(TypeError, match="StashingOptimizer has no Colossal OptimizerWrapper"):
+        with_optimizer_wrapper_api(opt)

@@ -33,6 +33,8 @@ from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model
 from mixprec.core.scaling import ProcessGroup
 from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.fp8.config import Float8Config
+from mixprec.parallel.pipeline.optim import PipelineOptimizer, PipelineZeroOptimizer
+from mixprec.parallel.zero import ZeroOptimizer
 
 # Modules whose optimizers hold the one clip of each parallelism (single process, ZeRO's
 # shards, the pipeline's stages); a face's override of clip_grad_norm is its legacy form.
@@ -167,47 +169,54 @@ class OptimizerWrapperAPI:
         return result
 
 
-_WITH_API: dict[type, type] = {}
-# Where the optimizer classes a Colossal face returns live: an unpickling process finds
-# "Colossal<name>" here (see __getattr__) before any optimizer was wrapped in it.
-_OPTIMIZER_MODULES = (
-    "mixprec.core.optim",
-    "mixprec.parallel.zero",
-    "mixprec.parallel.pipeline.optim",
-)
+# Colossal's OptimizerWrapper methods over each optimizer class a Colossal face returns, each
+# declared here (pickle finds them by this module and their names).
+class ColossalMixedPrecisionOptimizer(OptimizerWrapperAPI, MixedPrecisionOptimizer):
+    """The core optimizer (single process, DDP, FSDP) with Colossal's methods."""
 
 
-def _api_class(cls: type) -> type:
-    """cls with OptimizerWrapperAPI mixed in, one per class, importable by its name."""
-    api_cls = _WITH_API.get(cls)
-    if api_cls is None:
-        name = f"Colossal{cls.__name__}"
-        api_cls = type(name, (OptimizerWrapperAPI, cls), {"__module__": __name__})
-        _WITH_API[cls] = api_cls
-        globals().setdefault(name, api_cls)  # pickle finds the class by module and name
-    return api_cls
+class ColossalMultiLossOptimizer(OptimizerWrapperAPI, MultiLossOptimizer):
+    """Apex's per-loss optimizer ('fp16_apex', num_losses) with Colossal's methods."""
 
 
-def __getattr__(name: str) -> Any:
-    if name.startswith("Colossal"):
-        import importlib
+class ColossalZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
+    """ZeRO (LowLevelZeroPlugin) with Colossal's methods."""
 
-        base = name.removeprefix("Colossal")
-        for module in (*_OPTIMIZER_MODULES, "mixprec.core.multi_loss"):
-            cls = getattr(importlib.import_module(module), base, None)
-            if isinstance(cls, type) and issubclass(cls, MixedPrecisionOptimizer):
-                return _api_class(cls)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+class ColossalPipelineOptimizer(OptimizerWrapperAPI, PipelineOptimizer):
+    """A pipeline stage's optimizer (HybridParallelPlugin) with Colossal's methods."""
+
+
+class ColossalPipelineZeroOptimizer(OptimizerWrapperAPI, PipelineZeroOptimizer):
+    """A pipeline stage's ZeRO optimizer (HybridParallelPlugin, zero_stage) with its methods."""
+
+
+WITH_API: dict[type, type] = {
+    MixedPrecisionOptimizer: ColossalMixedPrecisionOptimizer,
+    MultiLossOptimizer: ColossalMultiLossOptimizer,
+    ZeroOptimizer: ColossalZeroOptimizer,
+    PipelineOptimizer: ColossalPipelineOptimizer,
+    PipelineZeroOptimizer: ColossalPipelineZeroOptimizer,
+}
+"""Optimizer class -> its declared subclass with OptimizerWrapperAPI (the one mechanism by
+which every Colossal face's optimizer gets Colossal's methods)."""
 
 
 def with_optimizer_wrapper_api(optimizer: MixedPrecisionOptimizer) -> MixedPrecisionOptimizer:
-    """optimizer, its class now a subclass with OptimizerWrapperAPI mixed in (one per class).
+    """optimizer, its class now the declared subclass of WITH_API with Colossal's methods.
 
-    The instance keeps its state and isinstance of its own class: every plugin's optimizer
-    (core, ZeRO, pipeline, Apex multi-loss) gets Colossal's methods in one place.
-    """
-    if not isinstance(optimizer, OptimizerWrapperAPI):
-        optimizer.__class__ = _api_class(type(optimizer))
+    The instance keeps its state and isinstance of its own class. The core and parallel layers
+    build their own classes (they import no face), so the face sets the class it returns."""
+    if isinstance(optimizer, OptimizerWrapperAPI):
+        return optimizer
+    api_cls = WITH_API.get(type(optimizer))
+    if api_cls is None:
+        raise TypeError(
+            f"{type(optimizer).__name__} has no Colossal OptimizerWrapper class; the Colossal "
+            f"faces return {', '.join(c.__name__ for c in WITH_API)} (built by boost(), "
+            "convert_to_amp or initialize)."
+        )
+    optimizer.__class__ = api_cls
     return optimizer
 
 
