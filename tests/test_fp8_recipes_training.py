@@ -300,3 +300,16 @@ def test_compiled_forward_backward_equals_eager_bitwise(recipe):
     compiled = run_linear(torch.compile(layer), x, dy, seed=4)
     for got, want in zip(compiled, eager, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_emulation_is_said_once_per_device_type_and_recipe(caplog, monkeypatch):
+    from mixprec.fp8 import kernels
+
+    monkeypatch.setattr(kernels, "_FALLBACK_LOGGED", set())
+    layer = Float8Linear(32, 32, config=Float8Config(recipe="mxfp8"))
+    with caplog.at_level("INFO", logger="mixprec.fp8.kernels"):
+        for _ in range(3):
+            layer(torch.randn(4, 32))
+        Float8Linear(32, 32, config=Float8Config(recipe="nvfp4"))(torch.randn(4, 32))
+    said = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(said) == 2 and "'mxfp8' on cpu" in said[0] and "'nvfp4' on cpu" in said[1]
