@@ -39,8 +39,8 @@ def test_auto_cast_od_level(conv_linear) -> None:
         out3 = linear(out2)
     assert out1.dtype == LP
     assert out2.dtype == torch.float32
-    # Paddle: float32 (its Linear is matmul + a bias add, and OD runs the add in fp32); torch's
-    # F.linear is one op, on Paddle's white list (linear_v2): low
+    # Paddle's test: float32 (its Linear was matmul + a bias add, and OD runs the add in fp32);
+    # Paddle 3.3.1 runs Linear as linear_v2, one white-listed op, as torch's F.linear: low
     assert out3.dtype == LP
 
 
@@ -54,7 +54,9 @@ def test_eager_o2_promote_simple(conv_linear, use_promote) -> None:
         add_out = conv_out + torch.rand(conv_out.shape, dtype=LP)
         linear_out = linear(add_out)
     assert conv_out.dtype == add_out.dtype == LP
-    assert linear_out.dtype == LP  # Paddle: float32 with use_promote, float16 without
+    # Paddle's test: float32 with use_promote (Linear as matmul + a promoted bias add, before
+    # 3.3.1's linear_v2), float16 without; see test_paddle_promote.py
+    assert linear_out.dtype == LP
 
 
 class ConvModel(nn.Module):

@@ -31,6 +31,9 @@ with its reason:
         fp32 inputs cast down; only NORM_OPS and the black list in fp32. Layers `decorate` kept
         in fp32 (norm layers, excluded_layers) run in an fp32_region either way.
     In every level the custom white list runs low and the custom black list fp32.
+    A Conv layer's bias is added by its own add after the convolution, as Paddle's Conv layers
+    do, so under O1, OD and O2 with use_promote an fp32 bias (a layer decorate did not cast)
+    makes the layer's output fp32 (tests/test_paddle_promote.py holds Paddle 3.3.1's dtypes).
 
 `decorate(..., level='O2')` casts the models in place (norm layers and excluded_layers stay
 fp32). With optimizers (master_weight None or True) each one is wrapped in a
@@ -46,6 +49,9 @@ Differences from Paddle, each deliberate:
   all arithmetic still runs in fp32.
 - O2 with use_promote promotes through torch's type promotion and keeps torch.autocast's own
   fp32 list (on CUDA: exp, log, softmax, sum, ... run fp32 where Paddle runs fp16 inputs low).
+- nn.Linear is one white-listed op (low at every level), as Paddle 3.3.1's linear_v2 on its
+  CUDA builds; Paddle's CPU builds, FLAGS_use_legacy_linear and Paddle < 3.3.1 add the bias by
+  its own op (then an fp32 bias gives an fp32 output, as for Conv here).
 - All norm layers stay fp32 in O2 (Paddle keeps LayerNorm/InstanceNorm bf16 under bfloat16).
 - Nested auto_cast contexts add their lists to the enclosing ones (mixprec.autocast's rule);
   Paddle's replace them. O0 / enable=False inside any level turns everything off, as Paddle.
@@ -66,6 +72,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F  # noqa: N812 - torch's own alias
+from torch.overrides import TorchFunctionMode
 
 from mixprec.core.autocast import autocast, fp16_guard, fp32, is_fp32_module, resolve_ops
 from mixprec.core.casting import NORM_TYPES, cast_module
@@ -129,6 +137,19 @@ NORM_OPS: tuple[str, ...] = (
 """Normalisations: fp32 under OD and O2 (their statistics lose accuracy in fp16)."""
 
 _PURE_LP_MARK = "_mixprec_pure_lp"  # on params decorate cast: low-precision grads are intended
+
+_BIASED_LAYER_OPS: dict[str, int] = {
+    # torch op taking `bias` third -> its spatial dims (the bias broadcasts over them). Not
+    # F.linear: Paddle 3.3.1 runs Linear as one white-listed op (linear_v2) where it has AMP
+    # (CUDA builds; FLAGS_use_legacy_linear=0, its default), low like torch's.
+    F.conv1d.__name__: 1,
+    F.conv2d.__name__: 2,
+    F.conv3d.__name__: 3,
+    F.conv_transpose1d.__name__: 1,
+    F.conv_transpose2d.__name__: 2,
+    F.conv_transpose3d.__name__: 3,
+}
+"""Ops torch fuses with their bias and Paddle's layers run as two ops: the op, then an add."""
 
 
 def _check_level(level: object, valid: tuple[str, ...]) -> str:
@@ -200,6 +221,35 @@ def level_op_lists(
     return (base_white - black) | white, (base_black - white) | black
 
 
+class _SeparateBiasMode(TorchFunctionMode):
+    """Runs a biased convolution as Paddle's Conv layers do: the op without its bias, then the
+    bias added by its own add, which the level's rule types like any add (promote: fp32 when
+    the bias is fp32; OD: fp32 always). torch fuses the bias into the white-listed op, which
+    would make the whole layer low where Paddle's output is fp32."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.shadowed = 0  # > 0 while an inner auto_cast decides instead
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # by name, as mixprec.core.autocast matches ops: dynamo cannot hash every callable
+        spatial = _BIASED_LAYER_OPS.get(getattr(func, "__name__", ""))
+        # autocast is off in fp32 regions (norm and excluded layers): there the add is fp32 too
+        if spatial is None or self.shadowed or not torch.is_autocast_enabled(self.device_type):
+            return func(*args, **kwargs)
+        if len(args) > 2:
+            bias, args = args[2], (*args[:2], None, *args[3:])
+        else:
+            bias, kwargs = kwargs.get("bias"), {**kwargs, "bias": None}
+        out = func(*args, **kwargs)
+        if bias is None:
+            return out
+        # the channel dim precedes the spatial ones, batched or not
+        return out + bias.reshape(-1, *([1] * spatial))
+
+
 class auto_cast(autocast):  # noqa: N801 - Paddle's name
     """paddle.amp.auto_cast: a mixprec.autocast configured by a Paddle AMP level.
 
@@ -241,6 +291,10 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
             enabled=enable and self.level != "O0",
             device_type=device_type,
         )
+        # Where a layer's bias add can take another dtype than its white-listed op: every level
+        # that promotes (O1 always, O2 with use_promote) or runs unlisted ops fp32 (OD), and a
+        # black-listed add. O2 without promote runs the add low, as torch's fused op.
+        self._splits_bias = self.enabled and (self.level != "O2" or use_promote or "add" in hp_ops)
 
     def __enter__(self) -> auto_cast:
         # Paddle records the dtype of every auto_cast entered, and keeps it after exit: a
@@ -248,9 +302,23 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
         amp_global_state().amp_dtype = _dtype_name(self.dtype)
         super().__enter__()
         _ACTIVE.stack.append(self)
+        # pushed after the region's op-list mode, so the two ops it makes pass through that
+        outer = _ACTIVE.bias_modes[-1] if _ACTIVE.bias_modes else None
+        mode = _SeparateBiasMode(self.device_type) if self._splits_bias else None
+        if outer is not None:  # the innermost auto_cast decides, as with its lists
+            outer.shadowed += 1
+        if mode is not None:
+            mode.__enter__()
+        _ACTIVE.bias_modes.append(mode)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        mode = _ACTIVE.bias_modes.pop()
+        if mode is not None:
+            mode.__exit__(*exc)
+        outer = _ACTIVE.bias_modes[-1] if _ACTIVE.bias_modes else None
+        if outer is not None:
+            outer.shadowed -= 1
         if _ACTIVE.stack and _ACTIVE.stack[-1] is self:
             _ACTIVE.stack.pop()
         super().__exit__(*exc)
@@ -286,6 +354,7 @@ def amp_global_state() -> AmpGlobalState:
 class _ActiveAutoCasts(threading.local):
     def __init__(self) -> None:
         self.stack: list[auto_cast] = []
+        self.bias_modes: list[_SeparateBiasMode | None] = []  # per entered auto_cast
 
 
 _ACTIVE = _ActiveAutoCasts()
