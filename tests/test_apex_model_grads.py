@@ -292,3 +292,28 @@ def test_colossal_naive_fp16_matches_apex_o2(name: str) -> None:
         naive_model.parameters(), apex_model.parameters(), strict=True
     ):
         torch.testing.assert_close(naive_param.float(), apex_param.float(), **LOOSE)
+
+
+@pytest.mark.parametrize("between_losses", [False, True], ids=["before-step", "between-losses"])
+def test_a_nan_written_after_scale_loss_is_checked_again_and_skips(between_losses: bool):
+    """A grad the step applies, written after its check at scale_loss's exit (before the step,
+    or before the next loss's backward adds to it), is checked again: the step skips."""
+    model, opt = amp.initialize(
+        *sgd(mlp(), momentum=0.9), opt_level="O2", loss_scale=SCALE, verbosity=0
+    )
+    x = torch.randn(3, 4)
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    assert not opt.step().skipped  # momentum state exists
+    opt.zero_grad()
+    before = [t.detach().clone() for t in (*model.parameters(), *amp.master_params(opt))]
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    next(iter(amp.master_params(opt))).grad.view(-1)[0] = float("nan")  # after the check
+    if between_losses:
+        with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+            scaled.backward()  # adds to the nan: the sum is checked before the step
+    assert opt.step().skipped
+    after = [*model.parameters(), *amp.master_params(opt)]
+    for a, b in zip(after, before, strict=True):
+        torch.testing.assert_close(a, b, **EXACT)
