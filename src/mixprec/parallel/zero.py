@@ -144,6 +144,39 @@ def check_cpu_offload(cpu_offload: bool, device: torch.device) -> None:
     )
 
 
+def _check_zero_arguments(
+    stage: Any,
+    optimizer: Any,
+    communication_dtype: Any,
+    reduce_bucket_numel: Any,
+    overlap_communication: Any,
+) -> None:
+    """ZeroOptimizer's own arguments checked before anything is built or communicated."""
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(
+            f"stage={stage!r}; valid: 1 (sharded optimizer state and fp32 masters), 2 (and "
+            "sharded gradients). Stage 3 (sharded params) is FSDP2: TorchFSDPPlugin."
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
+    if optimizer.state:
+        raise ValueError(
+            "ZeRO: the optimizer already holds state for the whole model; wrap it before "
+            "its first step so each rank creates only its own shard."
+        )
+    check_communication_dtype(communication_dtype, "ZeroOptimizer")
+    if reduce_bucket_numel is not None and (
+        isinstance(reduce_bucket_numel, bool)
+        or not isinstance(reduce_bucket_numel, int)
+        or reduce_bucket_numel < 1
+    ):
+        raise ValueError(
+            f"reduce_bucket_numel={reduce_bucket_numel!r} must be a positive int or None."
+        )
+    if not isinstance(overlap_communication, bool):
+        raise TypeError(f"overlap_communication={overlap_communication!r} must be a bool.")
+
+
 class ZeroOptimizer(MixedPrecisionOptimizer):
     """MixedPrecisionOptimizer whose masters and state are sharded over a process group.
 
@@ -203,30 +236,10 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         shard_group: ProcessGroup | None = None,
         norm_group: ProcessGroup | None = None,
     ) -> None:
-        if isinstance(stage, bool) or stage not in STAGES:
-            raise ValueError(
-                f"stage={stage!r}; valid: 1 (sharded optimizer state and fp32 masters), 2 (and "
-                "sharded gradients). Stage 3 (sharded params) is FSDP2: TorchFSDPPlugin."
-            )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}.")
-        if optimizer.state:
-            raise ValueError(
-                "ZeRO: the optimizer already holds state for the whole model; wrap it before "
-                "its first step so each rank creates only its own shard."
-            )
-        check_communication_dtype(communication_dtype, "ZeroOptimizer")
-        if reduce_bucket_numel is not None and (
-            isinstance(reduce_bucket_numel, bool)
-            or not isinstance(reduce_bucket_numel, int)
-            or reduce_bucket_numel < 1
-        ):
-            raise ValueError(
-                f"reduce_bucket_numel={reduce_bucket_numel!r} must be a positive int or None."
-            )
+        _check_zero_arguments(
+            stage, optimizer, communication_dtype, reduce_bucket_numel, overlap_communication
+        )
         self.reduce_bucket_numel = reduce_bucket_numel
-        if not isinstance(overlap_communication, bool):
-            raise TypeError(f"overlap_communication={overlap_communication!r} must be a bool.")
         self.fp8_communication = check_fp8_communication(
             fp8_communication, communication_dtype, "ZeroOptimizer"
         )
@@ -242,29 +255,17 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         self.norm_type = check_norm_type("norm_type", norm_type)
         self.rank, self.world = group_rank_and_world(shard)
         gloo = shard is not None and dist.get_backend(shard) == "gloo"
-        if reduce_scatter is None:
-            reduce_scatter = not gloo
-        self.reduce_scatter = reduce_scatter
+        self.reduce_scatter = not gloo if reduce_scatter is None else reduce_scatter
         # Over gloo (measured on 1M elements, 2 and 4 ranks): an fp16 all-reduce ran 1.3-1.6x
         # slower than fp32's on the same elements (gloo sums fp16 element by element) and bf16
         # no faster than fp32, so gradients travel in fp32 there; and each owner broadcasting
         # its chunk beat all_gather by 1.1-2x.
         self.gather_by_broadcast = gloo
-        if communication_dtype is None and gloo:
-            communication_dtype = torch.float32
-        self.communication_dtype = communication_dtype
-        self.all_params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.group_of = [k for k, g in enumerate(optimizer.param_groups) for _ in g["params"]]
-        if len({id(p) for p in self.all_params}) != len(self.all_params):
-            raise ValueError("A parameter appears twice in the optimizer's param_groups.")
-        if self.world > 1:
-            _broadcast_from_first(self.all_params, shard)  # every rank starts from rank 0's
-        # A DTensor's numel is its global one: every tp rank picks the same owners (the clip
-        # norm's collectives over the tp mesh need a param's owners to be tp peers).
-        self.owners = partition_params([p.numel() for p in self.all_params], self.world)
-        mine = {id(p) for p, r in zip(self.all_params, self.owners, strict=True) if r == self.rank}
-        for g in optimizer.param_groups:  # an emptied group keeps its hyperparameters (LR)
-            g["params"] = [p for p in g["params"] if id(p) in mine]
+        gloo_dtype = torch.float32 if gloo else None
+        self.communication_dtype = (
+            gloo_dtype if communication_dtype is None else communication_dtype
+        )
+        self._take_shard(optimizer, shard)
         super().__init__(
             optimizer,
             loss_scale=loss_scale,
@@ -281,6 +282,22 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             self._install_overlap_hooks()
         if self.world == 1:
             log.warning("mixprec ZeRO: a world of 1 rank, so ZeRO shards nothing.")
+
+    def _take_shard(self, optimizer: torch.optim.Optimizer, shard: ProcessGroup | None) -> None:
+        """Every rank starts from rank 0's params; each param gets its owner rank, and the inner
+        optimizer keeps only this rank's (an emptied group keeps its hyperparameters)."""
+        self.all_params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.group_of = [k for k, g in enumerate(optimizer.param_groups) for _ in g["params"]]
+        if len({id(p) for p in self.all_params}) != len(self.all_params):
+            raise ValueError("A parameter appears twice in the optimizer's param_groups.")
+        if self.world > 1:
+            _broadcast_from_first(self.all_params, shard)  # every rank starts from rank 0's
+        # A DTensor's numel is its global one: every tp rank picks the same owners (the clip
+        # norm's collectives over the tp mesh need a param's owners to be tp peers).
+        self.owners = partition_params([p.numel() for p in self.all_params], self.world)
+        mine = {id(p) for p, r in zip(self.all_params, self.owners, strict=True) if r == self.rank}
+        for g in optimizer.param_groups:  # an emptied group keeps its hyperparameters (LR)
+            g["params"] = [p for p in g["params"] if id(p) in mine]
 
     @override
     def __repr__(self) -> str:
