@@ -370,6 +370,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     last_result = _Counted(read_record=True)
 
     @property
+    def unread_steps(self) -> int:
+        """Steps whose skip flag is still on the sync-free step's device record (a host count,
+        no sync): the skip counters cover every step but these until the record is read."""
+        return 0 if self._record is None else self._record.pending
+
+    @property
     def skip_monitor(self) -> SkipMonitor:
         """Says when a run starts by skipping, or skips too often."""
         return self.counts.monitor
