@@ -120,6 +120,8 @@ def test_recipe_names_come_from_one_literal_and_bad_names_list_them():
         ({"recipe": "mxfp8", "emulate": False}, "emulate=False"),
         ({"recipe": "mxfp8", "power_of_two_scale": False}, "power_of_two_scale=False"),
         ({"recipe": "nvfp4", "grad_dtype": "e5m2"}, "grad_dtype='e5m2'"),
+        ({"recipe": "blockwise", "mx_scale_mode": "floor"}, "only the mxfp8 recipe"),
+        ({"mx_scale_mode": "ceil"}, "recipe='tensorwise'.*mx_scale_mode='ceil'"),
     ],
 )
 def test_recipes_refuse_fields_they_cannot_honour(kwargs, needle):

@@ -144,6 +144,11 @@ class Float8Config:
     def _check_recipe_fields(self) -> None:
         """Refuse the fields the chosen recipe cannot honour (never accept and ignore one)."""
         recipe = self.recipe
+        if recipe != "mxfp8" and self.mx_scale_mode != "rceil":
+            raise ValueError(
+                f"Float8Config(recipe={recipe!r}) cannot take mx_scale_mode="
+                f"{self.mx_scale_mode!r}: only the mxfp8 recipe has E8M0 block scales."
+            )
         if recipe == "tensorwise":
             return
         refused = []
