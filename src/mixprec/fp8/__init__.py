@@ -1,5 +1,5 @@
 """Float8 linear layers: e4m3 forward, e5m2 backward, per-tensor scaling over torch._scaled_mm,
-and finer-grained recipes (Float8Config(recipe=...): rowwise, blockwise, MXFP8, NVFP4; emulated).
+and finer-grained recipes (Float8Config(recipe=...)).
 
 `convert_to_fp8(model)` swaps eligible `nn.Linear` layers for `Float8Linear` (and Hugging Face's
 `Conv1D` for `Float8Conv1D`) in place and returns the model; `fp8_summary(model)` says which
@@ -16,6 +16,12 @@ Scales are "dynamic" (from the amax of the tensor being cast, on every call) or 
 keep their dtype (fp32 masters); the layer casts them per call, so the state_dict has exactly
 nn.Linear's keys. Where no float8 GEMM kernel exists, `Float8Config(emulate=True)` casts to
 float8 and back and runs the GEMM in fp32: the same rounding, no speedup.
+
+The other recipes (rowwise, rowwise_with_gw_hp, blockwise, mxfp8, nvfp4) scale per row or per
+block (quantize.py: one quantizer per granularity; recipes.py: each GEMM's operand layout) and
+are emulated on every device. per_module_recipes chooses a recipe (or high precision) per layer;
+Float8Telemetry observes each GEMM operand's quantization error; checkpoint.py reads and writes
+DeepSeek-V3's block-fp8 weight layout.
 """
 
 from mixprec.core.prepare import register_fp8_converter
