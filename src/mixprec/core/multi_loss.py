@@ -37,7 +37,7 @@ def _first_device(optimizer: torch.optim.Optimizer) -> torch.device:
 
 
 class MultiLossOptimizer(PerLossOptimizer):
-    """An PerLossOptimizer with its own `num_losses` scalers; `backward(loss, loss_id)` does the rest.
+    """A PerLossOptimizer with its own `num_losses` scalers; `backward(loss, loss_id)` does the rest.
 
     state_dict() adds every scaler under 'loss_scalers' (the core's 'scaler' is scaler 0).
     """

@@ -133,7 +133,7 @@ def _optimizer_list(optimizers: Any) -> tuple[list[Any], bool]:
         kind = f"{type(opt).__module__}.{type(opt).__qualname__}"
         if isinstance(opt, PerLossOptimizer):
             raise ValueError(
-                f"{where} is an PerLossOptimizer that amp.initialize returned; pass it once. For a "
+                f"{where} is a PerLossOptimizer that amp.initialize returned; pass it once. For a "
                 "fresh model/optimizer pair, build a new torch optimizer over the new model."
             )
         if opt in _wrapped_optimizers:
