@@ -64,9 +64,13 @@ def test_positional_enable_false_is_a_disabled_scaler() -> None:
     assert scaler.is_enable() and not scaler.is_use_dynamic_loss_scaling()
 
 
-def test_a_device_passed_first_is_refused_with_the_keyword_to_use() -> None:
+def test_a_device_passed_first_is_the_device() -> None:
+    """torch's form, which Paddle's development branch takes: a str first is no `enable`
+    (more forms and refusals: test_paddle_scaler_forms.py)."""
+    scaler = amp.GradScaler("cpu")
+    assert scaler.is_enable() and scaler.state_dict() == amp.GradScaler(device="cpu").state_dict()
     with pytest.raises(TypeError, match=r"enable='cpu' must be a bool.*device='cpu'"):
-        amp.GradScaler("cpu")
+        amp.GradScaler(enable="cpu")  # named enable: still refused, with the keyword to use
 
 
 @pytest.mark.parametrize(

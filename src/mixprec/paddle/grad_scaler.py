@@ -58,8 +58,29 @@ def _explicit_arguments(init: Callable) -> Callable:
 
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        filled_enable = False
+        if args and isinstance(args[0], str | torch.device):
+            # torch's order, GradScaler(device, init_scale, growth_factor, backoff_factor,
+            # growth_interval): a device cannot be `enable`, and the next four positions mean
+            # what Paddle's next four do
+            if "device" in kwargs:
+                raise ValueError(
+                    f"GradScaler got the device twice: {args[0]!r} first and device="
+                    f"{kwargs['device']!r}. Pass one."
+                )
+            if len(args) > 5:
+                raise TypeError(
+                    f"GradScaler{args!r}: after a device first, a sixth positional argument "
+                    "is ambiguous (torch's enabled, Paddle's decr_every_n_nan_or_inf); pass it "
+                    "by keyword."
+                )
+            filled_enable = "enable" not in kwargs
+            kwargs = {**kwargs, "device": args[0]}
+            args = (kwargs.pop("enable", True), *args[1:])
         bound = signature.bind(self, *args, **kwargs)
         self._explicit = set(bound.arguments) | set(kwargs)
+        if filled_enable:  # True filled in above, not the caller's: torch's enabled= may set it
+            self._explicit.discard("enable")
         init(self, *args, **kwargs)
 
     return wrapper
@@ -78,8 +99,11 @@ def _scale_value(value: Any) -> float:
 class GradScaler(_CoreGradScaler):
     """paddle.amp.GradScaler on mixprec: Paddle's arguments in Paddle's order.
 
-    enable: False makes scale() an identity and step() a plain optimizer step (a bool:
-        the device goes by keyword, `device=`).
+    enable: False makes scale() an identity and step() a plain optimizer step. A str or
+        torch.device first is torch's form, GradScaler(device, init_scale, growth_factor,
+        backoff_factor, growth_interval) (enabled= by keyword), which Paddle's development
+        branch takes too: the four after it mean Paddle's four; a sixth positional is refused
+        as ambiguous, and so is a device given both first and by keyword.
     init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf,
     use_dynamic_loss_scaling: Paddle's, with Paddle's defaults.
     Keyword-only, mixprec's: device (None: 'cuda' when visible, else 'cpu'), min_scale (the
@@ -144,6 +168,13 @@ class GradScaler(_CoreGradScaler):
                 raise TypeError(f"{name}={value!r} must be a bool.{hint}")
         if isinstance(device, str | torch.device):
             device = str(device)
+            try:
+                torch.device(device)
+            except RuntimeError:
+                raise ValueError(
+                    f"device={device!r} is not a torch device. Valid: 'cpu', 'cuda', 'cuda:<i>' "
+                    "or another torch device type ('xpu', 'mps', ...)."
+                ) from None
         elif device is not None:
             raise TypeError(f"device={device!r} must be a str, a torch.device or None.")
         # each setting named as the user wrote it: Paddle's name, or torch's alias of it
