@@ -410,29 +410,21 @@ def prepare_pipeline(
     if optimizer is None:
         return piped, None
     # every stage and replica skips together: the overflow flag is reduced over the world
-    if zero is not None:
-        mp_optimizer: StageOptimizer = prepare_optimizer(  # type: ignore[assignment]
-            optimizer,
-            policy,
-            max_norm=max_norm,
-            process_group=dist.group.WORLD,
-            optimizer_cls=PipelineZeroOptimizer,
-            pp_group=pp_group,
-            dp_group=dp_group,
-            norm_group=_tp_index_group(mesh) if tp > 1 else None,
-            **zero,  # fp8_communication among them (ZeRO's own buckets)
-        )
+    if zero is not None:  # fp8_communication among zero's keywords (ZeRO's own buckets)
+        norm_group = _tp_index_group(mesh) if tp > 1 else None
+        cls, extra = PipelineZeroOptimizer, {"norm_group": norm_group, **zero}
     else:
-        mp_optimizer = prepare_optimizer(  # type: ignore[assignment]
-            optimizer,
-            policy,
-            max_norm=max_norm,
-            process_group=dist.group.WORLD,
-            optimizer_cls=PipelineOptimizer,
-            pp_group=pp_group,
-            dp_group=dp_group,
-            fp8_communication=fp8_communication,
-        )
+        cls, extra = PipelineOptimizer, {"fp8_communication": fp8_communication}
+    mp_optimizer: StageOptimizer = prepare_optimizer(  # type: ignore[assignment]
+        optimizer,
+        policy,
+        max_norm=max_norm,
+        process_group=dist.group.WORLD,
+        optimizer_cls=cls,
+        pp_group=pp_group,
+        dp_group=dp_group,
+        **extra,
+    )
     for stage in wrapped:
         mp_optimizer.name_params(stage.module)
     return piped, mp_optimizer
