@@ -25,7 +25,13 @@ from mixprec.paddle import op_names
 from mixprec.paddle.dygraph import NORM_OPS
 from mixprec.paddle.grad_scaler import GradScaler
 from mixprec.paddle.op_names import paddle_ops_to_torch
-from mixprec.paddle.static.executor import PROMOTE, CPUPlace, CUDAPlace, build_step
+from mixprec.paddle.static.executor import (
+    PROMOTE,
+    CPUPlace,
+    CUDAPlace,
+    EagerStep,
+    build_step,
+)
 from mixprec.paddle.static.program import Program, Ref, Scope, Variable, fp16_guard
 
 
@@ -173,9 +179,9 @@ class _Minimized:
     def __init__(self, optimizer: torch.optim.Optimizer, loss: Variable) -> None:
         self.optimizer, self.loss_id = optimizer, loss.var_id
         self.loss_shape = tuple(loss.shape)  # what Executor.run fetches: the loss's own shape
-        self._step: CompiledStep | None = None
+        self._step: CompiledStep | EagerStep | None = None
 
-    def step_for(self, program: Program) -> CompiledStep:
+    def step_for(self, program: Program) -> CompiledStep | EagerStep:
         if self._step is None:
             casts = [None] * len(program.ops)
             self._step = build_step(program, self.loss_id, self.optimizer, casts, None)
@@ -282,7 +288,7 @@ class OptimizerWithMixedPrecision(_Minimized):
             return torch.tensor([self.scaler.get_init_loss_scaling()])
         return self.scaler._scale.reshape(1)
 
-    def step_for(self, program: Program) -> CompiledStep:
+    def step_for(self, program: Program) -> CompiledStep | EagerStep:
         if self.wrapped is None:
             raise RuntimeError(
                 "use_pure_fp16=True: call optimizer.amp_init(place) after "

@@ -4,11 +4,15 @@ The recorded program replays as an nn.Module (ProgramModule) whose parameters ar
 parameters the ops referenced, each op's inputs cast as the AMP decoration decided; the core's
 compile_step turns forward, backward, unscale, check, skip, update and the loss-scale update
 into one compiled program, built on the first run and reused (use_program_cache or not).
+An optimizer the compiled step has no fused update for (Adadelta, Adagrad, RMSprop, ...) runs
+the same step eagerly (EagerStep): the same scale, skip and scale-update rules, said once at
+WARNING with the reason.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +21,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from mixprec.core.compiled_step import CompiledStep, compile_step
+from mixprec.core.compiled_step import CompiledStep, CompileStepError, compile_step
+from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import did_you_mean
 from mixprec.paddle.static.program import (
     DTYPES,
@@ -130,6 +135,39 @@ def _is_floating(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
+log = logging.getLogger("mixprec")
+_SAID_EAGER: set[str] = set()  # optimizer types whose eager step was already reported
+
+
+class EagerStep:
+    """A program's training step run eagerly, for an optimizer compile_step cannot run: the
+    same sequence as the compiled step, through the scaler's own methods. Forward, backward of
+    the scaled loss, scaler.step (unscale, one finite check; a non-finite step is not taken, so
+    parameters, masters and optimizer state stay as they were), scaler.update (the scaler's
+    rule), then the gradients are freed. Without a scaler the optimizer runs inside a
+    MixedPrecisionOptimizer of unit scale, which skips a non-finite step the same way."""
+
+    def __init__(
+        self, module: ProgramModule, optimizer: torch.optim.Optimizer, scaler: Any
+    ) -> None:
+        self.module, self.scaler = module, scaler
+        if not isinstance(optimizer, MixedPrecisionOptimizer):
+            optimizer = MixedPrecisionOptimizer(optimizer)  # unit scale: skips inf/nan only
+        self.optimizer = optimizer
+
+    def __call__(self, *feeds: torch.Tensor, target: Any = None) -> torch.Tensor:
+        loss = self.module(*feeds)
+        if self.scaler is None:
+            loss.backward()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)  # each run's gradients are its own
+        return loss.detach()
+
+
 def build_step(
     program: Program,
     loss_id: int,
@@ -137,11 +175,25 @@ def build_step(
     casts: list[torch.dtype | str | None],
     autocast_dtype: torch.dtype | None,
     scaler: Any = None,
-) -> CompiledStep:
-    """The program's compiled training step; scaler: the loss scale's owner (a
-    mixprec.paddle.GradScaler, whose rule advances it) or None."""
+) -> CompiledStep | EagerStep:
+    """The program's training step: compiled, or eager (EagerStep) for an optimizer the
+    compiled step refuses; scaler: the loss scale's owner (a mixprec.paddle.GradScaler, whose
+    rule advances it) or None."""
     module = ProgramModule(program, loss_id, casts, autocast_dtype)
-    return compile_step(module, optimizer, _loss_is_output, scaler=scaler, **COMPILE_OPTIONS)
+    try:
+        return compile_step(module, optimizer, _loss_is_output, scaler=scaler, **COMPILE_OPTIONS)
+    except CompileStepError as exc:
+        inner = optimizer.optim if isinstance(optimizer, MixedPrecisionOptimizer) else optimizer
+        name = type(inner).__name__
+        if name not in _SAID_EAGER:
+            _SAID_EAGER.add(name)
+            log.warning(
+                "mixprec.paddle.static: %s runs its update eagerly, with the same loss-scale "
+                "and skip rules (%s).",
+                name,
+                exc,
+            )
+        return EagerStep(module, optimizer, scaler)
 
 
 class Executor:
