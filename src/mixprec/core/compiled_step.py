@@ -621,7 +621,10 @@ def compile_step(
         the grads over its process group itself.
     max_norm: clip the unscaled grads to this total norm (None: the optimizer's own max_norm).
     scaler: a mixprec.GradScaler (e.g. mixprec.paddle.GradScaler) when the loss scale lives
-        outside the optimizer, as in Paddle's dygraph loop; None otherwise.
+        outside the optimizer, as in Paddle's dygraph loop; None otherwise. Each call asks it
+        for this step's scale (scaling.ScaleRule.active_scale) where a loop calls scale(): a
+        disabled scaler, or a Paddle one switched off under a bfloat16 auto_cast, runs the step
+        unscaled, as the eager loop does.
     compile: False runs the same step eagerly (a reference, and the fallback when compiling
         fails, which warns once).
     check_every: steps between the host's reads of the on-device skip record (one sync each):
