@@ -52,6 +52,16 @@ def test_torch_forms_are_paddles_scaler(torch_form) -> None:
     assert _trajectory(scaler, PATTERN) == _trajectory(paddle_form, PATTERN)
 
 
+def test_torch_positional_enabled_and_a_float_first() -> None:
+    """torch's sixth positional after a device is enabled; a float first is torch's
+    init_scale (torch.cuda.amp.GradScaler's order), as Paddle's development branch reads them."""
+    assert not amp.GradScaler("cpu", 1024.0, 2.0, 0.5, 10, False).is_enable()
+    scaler = amp.GradScaler(512.0, 4.0, 0.25, 3, device="cpu")
+    assert (
+        scaler.state_dict() == amp.GradScaler(True, 512.0, 4.0, 0.25, 3, device="cpu").state_dict()
+    )
+
+
 def test_enabled_by_keyword_after_a_device() -> None:
     scaler = amp.GradScaler("cpu", enabled=False)
     assert not scaler.is_enable()
@@ -65,9 +75,14 @@ def test_enabled_by_keyword_after_a_device() -> None:
     [
         (lambda: amp.GradScaler("cpu", device="cpu"), ValueError, "device twice: 'cpu'"),
         (
-            lambda: amp.GradScaler("cpu", 1024.0, 2.0, 0.5, 10, True),
+            lambda: amp.GradScaler("cpu", 1024.0, 2.0, 0.5, 10, True, 2),
             TypeError,
-            "sixth positional argument is ambiguous",
+            "at most 5 values after the device",
+        ),
+        (
+            lambda: amp.GradScaler("cpu", 1024.0, 2.0, 0.5, 10, False, enabled=True),
+            ValueError,
+            "enabled=False as torch's fifth value",
         ),
         (lambda: amp.GradScaler("gpu0"), ValueError, "device='gpu0' is not a torch device"),
         (lambda: amp.GradScaler(device="nodev"), ValueError, "device='nodev' is not a torch"),

@@ -59,24 +59,33 @@ def _explicit_arguments(init: Callable) -> Callable:
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
         filled_enable = False
-        if args and isinstance(args[0], str | torch.device):
-            # torch's order, GradScaler(device, init_scale, growth_factor, backoff_factor,
-            # growth_interval): a device cannot be `enable`, and the next four positions mean
-            # what Paddle's next four do
-            if "device" in kwargs:
-                raise ValueError(
-                    f"GradScaler got the device twice: {args[0]!r} first and device="
-                    f"{kwargs['device']!r}. Pass one."
-                )
-            if len(args) > 5:
+        if args and isinstance(args[0], str | torch.device | float):
+            # torch's order, GradScaler([device,] init_scale, growth_factor, backoff_factor,
+            # growth_interval, enabled), as Paddle's development branch reads it: a device or
+            # a float first cannot be `enable`; the next four mean Paddle's next four
+            device, rest = (None, args) if isinstance(args[0], float) else (args[0], args[1:])
+            if len(rest) > 5:
                 raise TypeError(
-                    f"GradScaler{args!r}: after a device first, a sixth positional argument "
-                    "is ambiguous (torch's enabled, Paddle's decr_every_n_nan_or_inf); pass it "
-                    "by keyword."
+                    f"GradScaler{args!r}: torch's order takes at most 5 values after the "
+                    "device (init_scale, growth_factor, backoff_factor, growth_interval, "
+                    "enabled); pass Paddle's other settings by keyword."
                 )
+            if device is not None:
+                if "device" in kwargs:
+                    raise ValueError(
+                        f"GradScaler got the device twice: {device!r} first and device="
+                        f"{kwargs['device']!r}. Pass one."
+                    )
+                kwargs = {**kwargs, "device": device}
+            if len(rest) == 5:
+                if "enable" in kwargs or "enabled" in kwargs:
+                    raise ValueError(
+                        f"GradScaler got enabled={rest[4]!r} as torch's fifth value and "
+                        "enable/enabled by keyword: pass one."
+                    )
+                kwargs["enabled"], rest = rest[4], rest[:4]
             filled_enable = "enable" not in kwargs
-            kwargs = {**kwargs, "device": args[0]}
-            args = (kwargs.pop("enable", True), *args[1:])
+            args = (kwargs.pop("enable", True), *rest)
         bound = signature.bind(self, *args, **kwargs)
         self._explicit = set(bound.arguments) | set(kwargs)
         if filled_enable:  # True filled in above, not the caller's: torch's enabled= may set it
@@ -100,10 +109,9 @@ class GradScaler(_CoreGradScaler):
     """paddle.amp.GradScaler on mixprec: Paddle's arguments in Paddle's order.
 
     enable: False makes scale() an identity and step() a plain optimizer step. A str or
-        torch.device first is torch's form, GradScaler(device, init_scale, growth_factor,
-        backoff_factor, growth_interval) (enabled= by keyword), which Paddle's development
-        branch takes too: the four after it mean Paddle's four; a sixth positional is refused
-        as ambiguous, and so is a device given both first and by keyword.
+        torch.device first, or a float, is torch's order, GradScaler([device,] init_scale,
+        growth_factor, backoff_factor, growth_interval, enabled), as Paddle's development
+        branch reads it; a device given both first and by keyword is refused.
     init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf,
     use_dynamic_loss_scaling: Paddle's, with Paddle's defaults.
     Keyword-only, mixprec's: device (None: 'cuda' when visible, else 'cpu'), min_scale (the
