@@ -31,6 +31,28 @@ class EpochShuffledDistributedSampler(DistributedSampler):
         return indices
 
 
+def _distributed_sampler(loader: DataLoader, rank: int, world_size: int) -> DistributedSampler:
+    """The DistributedSampler that keeps loader's order: epoch-reshuffled for a RandomSampler,
+    unshuffled for a SequentialSampler; any other sampler (or a random draw with replacement or
+    of a subset) raises ValueError naming it."""
+    if isinstance(loader.sampler, RandomSampler):
+        if loader.sampler.replacement or loader.sampler._num_samples is not None:
+            raise ValueError(
+                "Cannot shard a RandomSampler that draws with replacement or a num_samples "
+                "subset; pass a DataLoader with shuffle=True or your own DistributedSampler."
+            )
+        return EpochShuffledDistributedSampler(
+            loader.dataset, num_replicas=world_size, rank=rank, shuffle=True
+        )
+    if isinstance(loader.sampler, SequentialSampler):
+        return DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    raise ValueError(
+        f"Cannot shard a DataLoader with sampler {type(loader.sampler).__name__}. Valid: "
+        "RandomSampler (shuffle=True), SequentialSampler (shuffle=False), or a "
+        "DistributedSampler you built yourself."
+    )
+
+
 def dataloader_to_distributed(loader: DataLoader, rank: int, world_size: int) -> DataLoader:
     """The same DataLoader over this rank's shard: one DistributedSampler per rank.
 
@@ -57,25 +79,7 @@ def dataloader_to_distributed(loader: DataLoader, rank: int, world_size: int) ->
             f"Cannot shard a DataLoader built with batch_sampler={loader.batch_sampler!r}: "
             "pass batch_size=... with shuffle=True/False (or your own DistributedSampler)."
         )
-    if isinstance(loader.sampler, RandomSampler):
-        if loader.sampler.replacement or loader.sampler._num_samples is not None:
-            raise ValueError(
-                "Cannot shard a RandomSampler that draws with replacement or a num_samples "
-                "subset; pass a DataLoader with shuffle=True or your own DistributedSampler."
-            )
-        sampler: DistributedSampler = EpochShuffledDistributedSampler(
-            loader.dataset, num_replicas=world_size, rank=rank, shuffle=True
-        )
-    elif isinstance(loader.sampler, SequentialSampler):
-        sampler = DistributedSampler(
-            loader.dataset, num_replicas=world_size, rank=rank, shuffle=False
-        )
-    else:
-        raise ValueError(
-            f"Cannot shard a DataLoader with sampler {type(loader.sampler).__name__}. Valid: "
-            "RandomSampler (shuffle=True), SequentialSampler (shuffle=False), or a "
-            "DistributedSampler you built yourself."
-        )
+    sampler = _distributed_sampler(loader, rank, world_size)
     kwargs: dict[str, Any] = {}
     if loader.num_workers > 0:  # DataLoader refuses these options without worker processes
         kwargs.update(
