@@ -24,7 +24,6 @@ from tolerances import EXACT, FP32_ROUNDING
 from torch import nn
 from torch.nn import functional as F
 
-from mixprec.core.compiled_step import CompileStepError
 from mixprec.paddle import static
 from mixprec.paddle.optimizer import LarsMomentumOptimizer
 from mixprec.paddle.static import executor
@@ -305,8 +304,9 @@ def test_lars_param_groups_and_bad_arguments():
         LarsMomentumOptimizer(0.1, 0.9, parameter_list=[a], exclude_from_weight_decay=["b"])
 
 
-def test_lars_under_the_static_executor_is_refused_by_name():
-    # the Executor runs the compiled step, whose fused update knows SGD, Adam and AdamW only
+def test_lars_under_the_static_executor_steps_eagerly_and_skips_bitwise():
+    # the compiled step's fused update knows SGD, Adam and AdamW: LARS runs the same step
+    # eagerly (fp32 masters, the scaler's skip), as Paddle's static decorate takes any optimizer
     with static.program_guard(static.Program(), static.Program()):
         net = nn.Linear(4, 2)
         x = static.data(name="x", shape=[-1, 4], dtype="float32")
@@ -318,5 +318,13 @@ def test_lars_under_the_static_executor_is_refused_by_name():
         exe = static.Executor(place)
         exe.run(static.default_startup_program())
         opt.amp_init(place)
-        with pytest.raises(CompileStepError, match="cannot run LarsMomentumOptimizer"):
-            exe.run(feed={"x": np.ones((2, 4), np.float32)}, fetch_list=[loss])
+        masters = opt.wrapped.hp_masters
+        start = [m.detach().clone() for m in masters]
+        exe.run(feed={"x": np.ones((2, 4), np.float32)}, fetch_list=[loss])
+        moved = [m.detach().clone() for m in masters]
+        assert all(not torch.equal(a, b) for a, b in zip(start, moved, strict=True))
+        bad = np.ones((2, 4), np.float32)
+        bad[0, 0] = np.inf
+        exe.run(feed={"x": bad}, fetch_list=[loss])
+        for a, b in zip(moved, masters, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
