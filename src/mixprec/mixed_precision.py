@@ -55,6 +55,7 @@ class OptimizerWrapperAPI:
 
     _colossal_grad_norm: torch.Tensor | float | None = None
     _colossal_norm_type: float = 2.0
+    _colossal_step_result: Any = None  # the last step()'s result, its norm not yet taken
 
     @property
     def parameters(self) -> list[torch.Tensor]:
@@ -127,6 +128,7 @@ class OptimizerWrapperAPI:
                 "(error_if_nonfinite=True); step() will skip this step. Pass "
                 "error_if_nonfinite=False to let it skip without raising."
             )
+        self._colossal_step_result = None  # this norm is newer than the last step's
         self._colossal_grad_norm = total
         self._colossal_norm_type = norm_type
         return total
@@ -152,6 +154,7 @@ class OptimizerWrapperAPI:
         None when none was. A host read of the norm."""
         if kwargs:
             raise TypeError(f"get_grad_norm: unexpected arguments {kwargs}.")
+        self._take_step_norm()
         if float(norm_type) != self._colossal_norm_type:
             raise ValueError(
                 f"get_grad_norm(norm_type={norm_type!r}): the last norm computed was of order "
@@ -160,12 +163,18 @@ class OptimizerWrapperAPI:
         norm = self._colossal_grad_norm
         return None if norm is None else float(norm)
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        result = super().step(*args, **kwargs)  # type: ignore[misc]
-        norm = getattr(result, "grad_norm", None)
-        if norm is not None:  # step() clipped by max_norm: that is the last norm now
+    def _take_step_norm(self) -> None:
+        """The last step's norm, if it clipped by max_norm, is the last norm now. Read here, not
+        in step(): a sync-free step's result is on the device until asked for."""
+        result, self._colossal_step_result = self._colossal_step_result, None
+        norm = None if result is None else result.grad_norm
+        if norm is not None:
             self._colossal_grad_norm = norm
             self._colossal_norm_type = float(getattr(self, "norm_type", 2.0))
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().step(*args, **kwargs)  # type: ignore[misc]
+        self._colossal_step_result = result
         return result
 
 

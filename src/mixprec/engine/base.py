@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from mixprec.booster.booster import SkipAwareLRScheduler
 from mixprec.core.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.core.skip_monitor import SkipStats
 
@@ -19,7 +20,19 @@ class EngineBase:
 
     model: nn.Module
     optimizer: MixedPrecisionOptimizer
-    lr_scheduler: Any
+    _lr_rule: SkipAwareLRScheduler | None = None
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The LR scheduler the engine steps (None: the engine owns none)."""
+        return None if self._lr_rule is None else self._lr_rule.scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        # set after the optimizer: the Booster's one LR-on-skip rule, over that optimizer
+        self._lr_rule = (
+            None if scheduler is None else SkipAwareLRScheduler(scheduler, self.optimizer)
+        )
 
     def train(self) -> None:
         self.model.train()
@@ -32,10 +45,11 @@ class EngineBase:
         return self.model.training
 
     def _optimizer_step(self) -> StepResult:
-        """Unscale, check, clip, step or skip; the LR schedule (if owned) only when not skipped."""
+        """Unscale, check, clip, step or skip; the LR schedule (if owned) holds on a skipped
+        step by SkipAwareLRScheduler's rule (host counts: no read of this step's flag)."""
         result = self.optimizer.step()
-        if self.lr_scheduler is not None and not result.skipped:
-            self.lr_scheduler.step()
+        if self._lr_rule is not None:
+            self._lr_rule.step()
         return result
 
     @property
