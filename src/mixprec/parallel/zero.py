@@ -459,6 +459,37 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             sorted(i for mine in segments if b < len(mine) for i in mine[b]) for b in range(count)
         ]
 
+    def _pack_chunk(
+        self,
+        part: torch.Tensor,
+        size: int,
+        chunk: list[int],
+        flags: torch.Tensor,
+        *,
+        divide: bool,
+        fp8: bool,
+    ) -> None:
+        """One owner's slice of a bucket: its params' grads (zeros where a param has none;
+        divided by the world size first when `divide`), one presence count per param (written
+        into flags; left zero in an fp8 buffer, whose counts travel on their own), padding."""
+        views = self._views(chunk, part)
+        grads = [self.all_params[i].grad for i in chunk]
+        grads = [None if g is None else _local(g) for g in grads]
+        given = [(v, g) for v, g in zip(views, grads, strict=True) if g is not None]
+        if given:
+            torch._foreach_copy_([v for v, _ in given], [g for _, g in given])
+        for v, g in zip(views, grads, strict=True):
+            if g is None:
+                v.zero_()
+        if divide:
+            part[:size].div_(self.world)  # the grads only: a flag is a count of ranks
+        flags[: len(chunk)] = torch.tensor([g is not None for g in grads])
+        if fp8:
+            part[size : size + len(chunk)].zero_()
+        else:
+            part[size : size + len(chunk)].copy_(flags[: len(chunk)])
+        part[size + len(chunk) :].zero_()  # padding
+
     def _launch_bucket(self, dtype: torch.dtype, indices: list[int]) -> _LaunchedBucket:
         """Pack one flat buffer of rank-ordered chunks of equal length and launch its
         reduction: a chunk holds its owner's grads, then one presence count per param (a param
@@ -482,25 +513,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         flat = torch.empty(world * length, dtype=torch.float32 if fp8 else dtype, device=device)
         flags = torch.zeros(world, max(len(c) for c in chunks), dtype=torch.float32)
         for rank, chunk in enumerate(chunks):
-            start, end = rank * length, rank * length + sizes[rank]
-            views = self._views(chunk, flat[start:])
-            grads = [params[i].grad for i in chunk]
-            grads = [None if g is None else _local(g) for g in grads]
-            given = [(v, g) for v, g in zip(views, grads, strict=True) if g is not None]
-            if given:
-                torch._foreach_copy_([v for v, _ in given], [g for _, g in given])
-            for v, g in zip(views, grads, strict=True):
-                if g is None:
-                    v.zero_()
-            if pre:
-                flat[start:end].div_(world)  # the grads only: a flag is a count of ranks
-            flags[rank, : len(chunk)] = torch.tensor([g is not None for g in grads])
-            # fp8: the counts go on their own, so their slots stay zero in the fp8 buffer
-            if fp8:
-                flat[end : end + len(chunk)].zero_()
-            else:
-                flat[end : end + len(chunk)].copy_(flags[rank, : len(chunk)])
-            flat[end + len(chunk) : (rank + 1) * length].zero_()  # padding
+            part = flat[rank * length : (rank + 1) * length]
+            self._pack_chunk(part, sizes[rank], chunk, flags[rank], divide=pre, fp8=fp8)
         group = self.shard_group
         if fp8:
             flags = flags.to(device)
