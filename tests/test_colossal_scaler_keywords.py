@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from mixprec.amp_type import Default, ScalerKeywords
+from mixprec.amp_type import ScalerKeywords
 from mixprec.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin
+from mixprec.core.keywords import Default
 from mixprec.core.policy import ScalerConfig, to_policy
 from mixprec.mixed_precision import FP16NaiveMixedPrecision, FP16TorchMixedPrecision
 from mixprec.zero import LowLevelZeroOptimizer

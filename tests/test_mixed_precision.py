@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import tiny_mlp
 
-from mixprec.amp_type import Default, naive_amp_policy, torch_amp_policy
+from mixprec.amp_type import naive_amp_policy, torch_amp_policy
 from mixprec.apex.policy import apex_policy
+from mixprec.core.keywords import Default
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import MODES, ScalerConfig, to_policy
 from mixprec.core.prepare import FP32Criterion, PrecisionModule

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.amp_type import Default, ScalerKeywords, naive_amp_policy, torch_amp_policy
+from mixprec.amp_type import ScalerKeywords, naive_amp_policy, torch_amp_policy
 from mixprec.apex.policy import apex_policy
+from mixprec.core.keywords import Default, passed
 from mixprec.core.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import (
@@ -232,11 +233,6 @@ def with_optimizer_wrapper_api(optimizer: MixedPrecisionOptimizer) -> MixedPreci
 _NAIVE = ScalerKeywords.defaults(NAIVE_SCALER)  # FP16NaiveMixedPrecision's signature defaults
 
 
-def _passed(given: dict[str, Any]) -> dict[str, Any]:
-    """The keywords of given that the caller passed (a Default was not)."""
-    return {k: v for k, v in given.items() if not isinstance(v, Default)}
-
-
 _APEX_DEFAULTS: dict[str, Any] = {
     name: p.default for name, p in inspect.signature(apex_policy).parameters.items()
 }
@@ -319,7 +315,7 @@ class FP16TorchMixedPrecision(MixedPrecision):
             "backoff_factor": backoff_factor,
             "growth_interval": growth_interval,
         }
-        super().__init__(torch_amp_policy(_passed(given)))
+        super().__init__(torch_amp_policy(passed(given)))
 
 
 class FP16ApexMixedPrecision(MixedPrecision):
