@@ -154,9 +154,6 @@ def test_criterion_runs_in_fp32_inside_autocast(device: str) -> None:
         (AMP_TYPE.APEX, {"opt_level": "O4"}, "Unknown opt_level 'O4'.*'O0', 'O1', 'O2', 'O3'"),
         (AMP_TYPE.APEX, {"num_losses": 0}, "num_losses=0"),
         (AMP_TYPE.TORCH, {"dtype": "float8"}, "dtype='float8' is not a low-precision dtype"),
-        # issue 39 fault 5: None was taken as fp32, silently; Colossal asserts an AMP_TYPE
-        (None, None, r"mode=None\); valid: AMP_TYPE.TORCH, AMP_TYPE.APEX, AMP_TYPE.NAIVE.*'fp32'"),
-        (2, None, r"mode=2\); valid: AMP_TYPE.TORCH"),
     ],
 )
 def test_bad_config_names_value_and_choices(mode, cfg, match) -> None:
@@ -164,6 +161,23 @@ def test_bad_config_names_value_and_choices(mode, cfg, match) -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=match):
         convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1), CE, mode, cfg)
+    for key, value in model.state_dict().items():  # refused before the model is touched
+        assert value.dtype == before[key].dtype and torch.equal(value, before[key]), key
+
+
+@pytest.mark.parametrize(
+    "mode, match",
+    [
+        # issue 39 fault 5: None was taken as fp32, silently; Colossal asserts an AMP_TYPE
+        (None, r"mode=None\); valid: AMP_TYPE.TORCH, AMP_TYPE.APEX, AMP_TYPE.NAIVE.*'fp32'"),
+        (2, r"mode=2\); valid: AMP_TYPE.TORCH"),
+    ],
+)
+def test_mode_of_wrong_type_is_refused_naming_the_modes(mode, match) -> None:
+    model = tiny_mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match=match):
+        convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1), CE, mode)
     for key, value in model.state_dict().items():  # refused before the model is touched
         assert value.dtype == before[key].dtype and torch.equal(value, before[key]), key
 

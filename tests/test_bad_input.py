@@ -60,7 +60,7 @@ def load_config(path):
 CASES = [
     # (id, callable, exception, a regex the message must match: the value and the choices)
     ("mode typo", lambda: convert("bf61"), ValueError, r"'bf61'.*Valid: .*'bf16'"),
-    ("mode type", lambda: convert(16), TypeError, r"got 16"),
+    ("mode type", lambda: convert(16), TypeError, r"mode=16\).*AMP_TYPE.TORCH.*'bf16'"),
     (
         "torch key typo",
         lambda: convert(AMP_TYPE.TORCH, {"growth_intervl": 5}),

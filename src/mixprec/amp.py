@@ -48,7 +48,7 @@ def convert_to_amp(
         raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
     if not isinstance(mode, AMP_TYPE | str | Policy):
         valid = ", ".join(f"AMP_TYPE.{t.name}" for t in AMP_TYPE)
-        raise ValueError(
+        raise TypeError(
             f"convert_to_amp(mode={mode!r}); valid: {valid}, a mixprec mode name "
             f"({', '.join(map(repr, MODES))}) or a Policy."
         )
