@@ -34,23 +34,23 @@ def convert_to_amp(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     criterion: Callable[..., torch.Tensor] | None,
-    mode: AMP_TYPE | str | Policy,
+    mode: AMP_TYPE | str | Policy | Mapping[str, Any],
     amp_config: Mapping[str, Any] | None = None,
 ) -> tuple[PrecisionModule, AMPOptimizer | MultiLossOptimizer, FP32Criterion | None]:
     """Convert model, optimizer and criterion to mixed precision.
 
-    mode: AMP_TYPE.TORCH / APEX / NAIVE, a mixprec mode name ('bf16', 'fp16', ...) or a
-    Policy; required (None is refused, as Colossal-AI asserts an AMP_TYPE: fp32 is 'fp32').
+    mode: AMP_TYPE.TORCH / APEX / NAIVE, a mixprec mode name ('bf16', 'fp16', ...), a config
+    file's `dict(mode=..., **keys)` or a Policy; required (None is refused, as Colossal-AI asserts an AMP_TYPE: fp32 is 'fp32').
     amp_config: that mode's keys (seed 000: init_scale, growth_interval, ... for TORCH;
     initial_scale, hysteresis, ... for NAIVE; opt_level, loss_scale, ... for APEX).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model)!r}.")
-    if not isinstance(mode, AMP_TYPE | str | Policy):
+    if not isinstance(mode, AMP_TYPE | str | Policy | Mapping):
         valid = ", ".join(f"AMP_TYPE.{t.name}" for t in AMP_TYPE)
         raise TypeError(
             f"convert_to_amp(mode={mode!r}); valid: {valid}, a mixprec mode name "
-            f"({', '.join(map(repr, MODES))}) or a Policy."
+            f"({', '.join(map(repr, MODES))}), a dict(mode=..., **keys) or a Policy."
         )
     policy = to_policy(mode, amp_config)
     model = prepare_model(model, policy)
