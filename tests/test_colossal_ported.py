@@ -10,7 +10,7 @@ test_torch_fsdp_plugin.py. What changed in the port, and nothing else:
   conv net with BatchNorm and a transformer encoder layer, built and fed the same way
   (model_fn, data_gen_fn, output_transform_fn);
 - DDP: Colossal's boosted model is a wrapper whose `.module` is the DDP; mixprec returns the
-  DDP itself (README, Differences), so `isinstance(model.module, DDP)` reads
+  DDP itself (docs/faces/colossal.md, Checkpoints), so `isinstance(model.module, DDP)` reads
   `isinstance(model, DDP)`;
 - LoRA (peft) sub-tests are not ported: the Booster has no enable_lora.
 """

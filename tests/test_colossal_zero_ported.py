@@ -11,10 +11,10 @@ else:
 - exam_zero_1_torch_ddp's extra_dp_size=2 case (a 2-D data-parallel mesh over 4 ranks) is not
   run: mixprec refuses extra_dp_group (one flat data-parallel group); a test below holds that
   refusal. test_coll_nd.py tests Colossal's private 2-D all-gather helper
-  (colossalai.zero.low_level._utils), which mixprec has no counterpart of (README, Differences).
+  (colossalai.zero.low_level._utils), which mixprec has no counterpart of (docs/faces/colossal.md, ZeRO optimizer).
 - test_zero1_2 with fp8_communication=True: Colossal's get_param_grad returns the grad as its
   fp8 reduction left it; mixprec's reduces at step(), so get_param_grad returns the fp32 mean
-  (README, Differences). The ported assertion (ZeRO-1 and ZeRO-2 agree) is kept; added: after
+  (docs/faces/colossal.md, ZeRO optimizer). The ported assertion (ZeRO-1 and ZeRO-2 agree) is kept; added: after
   the fp8 step, ZeRO-1's and ZeRO-2's params are equal too (the same fp8 reduction). fp8's
   accuracy against fp32 communication is tested in tests/test_zero_comm.py.
 """

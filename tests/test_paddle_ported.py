@@ -4,8 +4,8 @@ From PaddlePaddle/Paddle test/amp/: test_amp_api.py (TestAutoCast OD, TestGradSc
 TestFp16Guard, TestStaticDecorate OD) and test_amp_promote.py (TestEagerAmpPromoteSimple,
 the eager O2 op-stats cases). Paddle runs them on a GPU in float16; here they run on CPU in
 bfloat16 (torch's CPU float16 convolutions are slow reference kernels), with the facts the
-dtype does not change. Where mixprec differs, the assertion says so and README's
-"Differences from PaddlePaddle 3.3.1" gives the reason.
+dtype does not change. Where mixprec differs, the assertion says so and docs/differences.md's
+"PaddlePaddle 3.3.1" section gives the reason.
 """
 
 from __future__ import annotations

@@ -337,7 +337,8 @@ amp_guard = auto_cast
 
 class AmpGlobalState:
     """Paddle's amp_global_state(): the dtype name of the last auto_cast entered, kept after it
-    exits (None until one is entered: then no GradScaler is switched off, see README)."""
+    exits (None until one is entered: then no GradScaler is switched off; see
+    docs/differences.md, PaddlePaddle)."""
 
     def __init__(self) -> None:
         self.amp_dtype: str | None = None

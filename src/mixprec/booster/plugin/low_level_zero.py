@@ -61,7 +61,7 @@ class LowLevelZeroPlugin(Plugin):
             ready during backward (hooks on grad accumulation), not all at step(); the results
             are bit-identical. Every rank's backward must give grads to the same params (as
             DDP without find_unused_parameters). Accumulate inside booster.no_sync(model).
-            Default False (Colossal: True): see the README's Differences.
+            Default False (Colossal: True): see docs/differences.md, Colossal-AI.
         overlap_allgather: must be False (params are gathered at the end of step()).
         cpu_offload: keep masters and optimizer state in CPU memory (on CPU already: no-op).
         master_weights: keep fp32 masters of fp16/bf16 params (False: step them directly).
