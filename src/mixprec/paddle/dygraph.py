@@ -234,20 +234,34 @@ class _SeparateBiasMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # by name, as mixprec.core.autocast matches ops: dynamo cannot hash every callable
-        spatial = _BIASED_LAYER_OPS.get(getattr(func, "__name__", ""))
         # autocast is off in fp32 regions (norm and excluded layers): there the add is fp32 too
-        if spatial is None or self.shadowed or not torch.is_autocast_enabled(self.device_type):
+        if self.shadowed or not torch.is_autocast_enabled(self.device_type):
             return func(*args, **kwargs)
-        if len(args) > 2:
-            bias, args = args[2], (*args[:2], None, *args[3:])
-        else:
-            bias, kwargs = kwargs.get("bias"), {**kwargs, "bias": None}
-        out = func(*args, **kwargs)
-        if bias is None:
-            return out
-        # the channel dim precedes the spatial ones, batched or not
-        return out + bias.reshape(-1, *([1] * spatial))
+        out = add_bias_apart(func, args, kwargs)
+        return func(*args, **kwargs) if out is None else out
+
+
+def add_bias_apart(
+    func: Any, args: tuple, kwargs: dict, reshape: Any = torch.reshape
+) -> torch.Tensor | None:
+    """A biased convolution (an op of _BIASED_LAYER_OPS given a bias) run as Paddle's Conv
+    layers run it: the op without its bias, then `out + reshape(bias, shape)`, the bias's own
+    add broadcast over the channel dim. None for any other call (the caller runs it as given).
+
+    The auto_cast mode and the static face's recording both call this one rule; reshape lets
+    the recording keep the bias a parameter of the program."""
+    # by name, as mixprec.core.autocast matches ops: dynamo cannot hash every callable
+    spatial = _BIASED_LAYER_OPS.get(getattr(func, "__name__", ""))
+    if spatial is None:
+        return None
+    if len(args) > 2:
+        bias, args = args[2], (*args[:2], None, *args[3:])
+    else:
+        bias, kwargs = kwargs.get("bias"), {**kwargs, "bias": None}
+    if bias is None:
+        return None
+    # the channel dim precedes the spatial ones, batched or not
+    return func(*args, **kwargs) + reshape(bias, (-1, *([1] * spatial)))
 
 
 class auto_cast(autocast):  # noqa: N801 - Paddle's name

@@ -6,6 +6,11 @@ a loss) runs on meta tensors for its output's shape and is recorded in the Varia
 Program, its parameters by reference, so the program replays later on fed arrays with the
 live parameters (updated in place by the optimizer). Python control flow runs once, at
 recording, as in Paddle's static graph: a branch on a value cannot be recorded.
+
+A biased convolution is recorded as Paddle's Conv layers build it: the convolution, then the
+bias's own add (the dygraph face's rule, dygraph.add_bias_apart), so the AMP decoration types
+the add as Paddle types its elementwise_add: fp32 for an fp32 bias under O1, fp32 under OD,
+low under O2 once amp_init cast the bias.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mixprec.core.policy import did_you_mean
+from mixprec.paddle.dygraph import add_bias_apart
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -77,20 +83,13 @@ class Variable(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        leaves, treedef = pytree.tree_flatten((args, kwargs))
+        leaves = pytree.tree_leaves((args, kwargs))
         program = next(leaf.program for leaf in leaves if isinstance(leaf, Variable))
-        # Recording runs on meta tensors whose -1 dims stand as 1: a shape warning here (e.g.
-        # mse_loss broadcasting [1, n] against [8, n]) is about the stand-in, not the real run,
-        # which executes the same ops on the fed arrays and warns there if it must.
-        with torch._C.DisableTorchFunctionSubclass(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            meta = [_to_meta(leaf) for leaf in leaves]
-            m_args, m_kwargs = pytree.tree_unflatten(meta, treedef)
-            out = func(*m_args, **m_kwargs)
-        out_leaves, out_treedef = pytree.tree_flatten(out)
-        if not any(isinstance(t, torch.Tensor) for t in out_leaves):
-            return out  # shape, dtype, dim(): answered by the meta tensor, nothing to record
-        return program._record(func, leaves, treedef, out_leaves, out_treedef)
+        # a biased conv is recorded as Paddle's Conv layers build it: the conv, then the bias's
+        # own add (the dygraph face's rule); the reshape of the bias is recorded too, so the
+        # bias stays a parameter of the program
+        split = add_bias_apart(func, args, kwargs, lambda *a: program.call(torch.reshape, a, {}))
+        return program.call(func, args, kwargs) if split is None else split
 
     def __repr__(self) -> str:  # type: ignore[override]
         shape = list(self.shape)
@@ -115,6 +114,23 @@ class Program:
     minimized: Any = None
     """Set by minimize(): what Executor.run steps (see executor.py)."""
     _ids: Iterator[int] = field(default_factory=itertools.count)
+
+    def call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run func on meta tensors for its outputs' shapes and dtypes and record it; tensor
+        outputs come back as Variables of this program."""
+        leaves, treedef = pytree.tree_flatten((args, kwargs))
+        # Recording runs on meta tensors whose -1 dims stand as 1: a shape warning here (e.g.
+        # mse_loss broadcasting [1, n] against [8, n]) is about the stand-in, not the real run,
+        # which executes the same ops on the fed arrays and warns there if it must.
+        with torch._C.DisableTorchFunctionSubclass(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            meta = [_to_meta(leaf) for leaf in leaves]
+            m_args, m_kwargs = pytree.tree_unflatten(meta, treedef)
+            out = func(*m_args, **m_kwargs)
+        out_leaves, out_treedef = pytree.tree_flatten(out)
+        if not any(isinstance(t, torch.Tensor) for t in out_leaves):
+            return out  # shape, dtype, dim(): answered by the meta tensor, nothing to record
+        return self._record(func, leaves, treedef, out_leaves, out_treedef)
 
     def _new_var_id(self) -> int:
         return next(self._ids)
