@@ -23,7 +23,7 @@ from mixprec.core.policy import LOW_DTYPES, PRESETS, preset
 from mixprec.debugging._markdown import markdown_table
 from mixprec.debugging.gemm_speed import default_gemm_device, measure_gemm_speed
 from mixprec.debugging.model_report import model_report
-from mixprec.fp8 import fp8_kernel_problem  # probes the CPU kernel once, when called
+from mixprec.fp8 import RECIPES, fp8_kernel_problem  # probes the CPU kernel once, when called
 
 
 def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +51,29 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="D0,D1,...",
         default=None,
         help="run one forward on a random float32 input of this shape and report real dtypes",
+    )
+    parser.add_argument(
+        "--fp8-report",
+        action="store_true",
+        help="train a small built-in model a few steps under each fp8 recipe with "
+        "Float8Telemetry attached; print each recipe's operands ranked worst SQNR first and "
+        "write them as a markdown table and a PNG (needs matplotlib) into --out",
+    )
+    parser.add_argument(
+        "--recipes",
+        metavar="R1,R2,...",
+        default=None,
+        help=f"the fp8 report's recipes (default: all: {','.join(RECIPES)})",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="the fp8 report's training steps (default: 3)"
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        default=None,
+        help="the fp8 report's folder: must be new or empty (default: a fresh "
+        "mixprec-fp8-report-* folder in the working directory)",
     )
 
 
@@ -97,6 +120,27 @@ def run_doctor(args: argparse.Namespace) -> int:
     Errors in the options print one line and return 2; errors raised by the user's factory or
     model propagate with their traceback.
     """
+    report_only = {"--recipes": args.recipes, "--steps": args.steps, "--out": args.out}
+    given = [name for name, value in report_only.items() if value is not None]
+    clash = [
+        name
+        for name, value in (("--model", args.model), ("--input-shape", args.input_shape))
+        if value is not None
+    ]
+    if (given and not args.fp8_report) or (args.fp8_report and clash):
+        names = ", ".join(clash if args.fp8_report else given)
+        print(
+            f"mixprec doctor: error: {names} "
+            + (
+                "do(es) not apply to --fp8-report (it trains its built-in model)."
+                if args.fp8_report
+                else "apply only with --fp8-report."
+            ),
+            file=sys.stderr,
+        )
+        return 2
+    if args.fp8_report:
+        return run_fp8_report(args)
     if args.model is None:
         print(findings_table(hardware_report()))
         print(measure_gemm_speed(default_gemm_device()).line())  # flags alone do not tell
@@ -119,6 +163,34 @@ def run_doctor(args: argparse.Namespace) -> int:
     example = None if shape is None else torch.randn(shape)
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     print(model_report(model, policy, example, gpu_capability=capability).table())
+    return 0
+
+
+def run_fp8_report(args: argparse.Namespace) -> int:
+    """`mixprec doctor --fp8-report`: recipe_telemetry's tables printed, then written."""
+    from mixprec.debugging.fp8_report import recipe_telemetry, report_markdown, write_report
+
+    text = ",".join(RECIPES) if args.recipes is None else args.recipes
+    steps = 3 if args.steps is None else args.steps
+    recipes = [r.strip() for r in text.split(",") if r.strip()]
+    bad = [r for r in recipes if r not in RECIPES]
+    if bad or not recipes or steps < 1:
+        what = f"--recipes {text!r}" if bad or not recipes else f"--steps {steps}"
+        print(
+            f"mixprec doctor: error: {what}: recipes are a comma-separated subset of "
+            f"{', '.join(RECIPES)}; steps a positive int.",
+            file=sys.stderr,
+        )
+        return 2
+    sections = recipe_telemetry(recipes, steps=steps)
+    for recipe, telemetry in sections:
+        print(f"## {recipe}\n\n{report_markdown(telemetry)}\n")
+    try:
+        folder = write_report(sections, args.out)
+    except (ImportError, FileExistsError) as err:
+        print(f"mixprec doctor: error: {err}", file=sys.stderr)
+        return 2
+    print(f"written: {folder / 'fp8_telemetry.md'}, {folder / 'fp8_sqnr.png'}")
     return 0
 
 

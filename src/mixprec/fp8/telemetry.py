@@ -41,6 +41,20 @@ from mixprec.fp8.recipes import (
 TELEMETRY_ATTR = "_mixprec_fp8_telemetry"
 """The Float8Linear attribute holding (telemetry, layer name) while attached."""
 
+ROW_HEADERS = (
+    "layer",
+    "gemm",
+    "op",
+    "kind",
+    "amax",
+    "scale_inv",
+    "underflow%",
+    "clipped%",
+    "sqnr_dB",
+    "range_log2",
+)
+"""The columns of Float8Telemetry.rows() and table()."""
+
 
 @dataclass(frozen=True)
 class OperandStats:
@@ -202,37 +216,28 @@ class Float8Telemetry:
             latest[(record.layer, record.gemm, record.operand)] = record
         return sorted(latest.values(), key=lambda r: (r.sqnr_db, r.layer, GEMMS.index(r.gemm)))
 
-    def table(self) -> str:
-        """report() as an aligned text table."""
-        header = (
-            "layer",
-            "gemm",
-            "op",
-            "kind",
-            "amax",
-            "scale_inv",
-            "underflow%",
-            "clipped%",
-            "sqnr_dB",
-            "range_log2",
-        )
-        rows = [header]
-        for r in self.report():
-            rows.append(
-                (
-                    r.layer,
-                    r.gemm,
-                    f"{r.operand}:{r.role}",
-                    r.kind,
-                    f"{r.amax:.3g}",
-                    f"{r.scale_inv_min:.2g}..{r.scale_inv_max:.2g}",
-                    f"{r.underflow_pct:.3f}",
-                    f"{r.clipped_pct:.3f}",
-                    f"{r.sqnr_db:.2f}",
-                    f"{r.block_range_log2:.1f}",
-                )
+    def rows(self) -> list[tuple[str, ...]]:
+        """report() as text cells under ROW_HEADERS, one row per GEMM operand, worst first."""
+        return [
+            (
+                r.layer,
+                r.gemm,
+                f"{r.operand}:{r.role}",
+                r.kind,
+                f"{r.amax:.3g}",
+                f"{r.scale_inv_min:.2g}..{r.scale_inv_max:.2g}",
+                f"{r.underflow_pct:.3f}",
+                f"{r.clipped_pct:.3f}",
+                f"{r.sqnr_db:.2f}",
+                f"{r.block_range_log2:.1f}",
             )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+            for r in self.report()
+        ]
+
+    def table(self) -> str:
+        """rows() under ROW_HEADERS as an aligned text table."""
+        rows = [ROW_HEADERS, *self.rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(ROW_HEADERS))]
         return "\n".join(
             "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
         )
