@@ -148,3 +148,20 @@ def test_recommend_by_sqnr_flags_layers_below_the_threshold():
     flagged = telemetry.recommend(min_sqnr_db=25.0)
     assert set(flagged) == {"0", "2"} and all("SQNR below 25.0 dB" in v for v in flagged.values())
     assert telemetry.recommend(min_sqnr_db=10.0) == {}
+
+
+def test_fp8_summary_ends_with_the_attached_telemetry_ranked_table():
+    from mixprec.fp8 import fp8_summary
+
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)))
+    plain = str(fp8_summary(model))
+    telemetry = Float8Telemetry().attach(model)
+    assert fp8_summary(model).telemetry is None  # attached, nothing observed yet
+    model(torch.randn(4, 32)).sum().backward()
+    summary = fp8_summary(model)
+    assert summary.telemetry is telemetry
+    assert str(summary) == f"{plain}\nfloat8 telemetry, worst SQNR first:\n{telemetry.table()}"
+    # header + layer 1's 6 operands + layer 0's 4 (its input needs no grad: no grad_input GEMM)
+    assert len(telemetry.table().splitlines()) == 1 + 6 + 4
+    Float8Telemetry.detach(model)
+    assert str(fp8_summary(model)) == plain

@@ -16,6 +16,7 @@ from mixprec.core.validate import check_callable
 from mixprec.fp8.config import GEMM_ALIGN, RECIPES, Float8Config
 from mixprec.fp8.kernels import resolve_emulate
 from mixprec.fp8.linear import Float8Conv1D, Float8Linear, is_hf_conv1d
+from mixprec.fp8.telemetry import TELEMETRY_ATTR, Float8Telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,9 @@ class Float8Summary:
     """Converted layer -> its recipe (Float8Config.recipe)."""
     skipped: dict[str, str] = field(default_factory=dict)
     """Linear-like layers left as they were -> why."""
+    telemetry: Float8Telemetry | None = None
+    """The Float8Telemetry attached to the model when it has observations (fp8_summary sets
+    it); str() then ends with its ranked table (Float8Telemetry.table(), worst SQNR first)."""
 
     def __str__(self) -> str:
         lines = [
@@ -133,6 +137,8 @@ class Float8Summary:
         if len(by_recipe) > 1:
             lines += [f"  {recipe}: {', '.join(names)}" for recipe, names in by_recipe.items()]
         lines += [f"  kept {fqn or '<root>'}: {why}" for fqn, why in self.skipped.items()]
+        if self.telemetry is not None:
+            lines += ["float8 telemetry, worst SQNR first:", self.telemetry.table()]
         return "\n".join(lines)
 
 
@@ -140,14 +146,19 @@ def fp8_summary(model: nn.Module) -> Float8Summary:
     """The Float8Summary of the last convert_to_fp8 on `model` or on a module inside it.
 
     Works through wrappers that hold the converted model as a submodule (DDP, torch.compile,
-    convert_to_amp's PrecisionModule).
+    convert_to_amp's PrecisionModule). When a Float8Telemetry with observations is attached
+    to the model's float8 layers, the summary carries it and prints its ranked table.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fp8_summary needs an nn.Module, got {type(model).__name__}: {model!r}.")
     for module in model.modules():
         summary = getattr(module, SUMMARY_ATTR, None)
         if summary is not None:
-            return summary
+            attached = (m.__dict__.get(TELEMETRY_ATTR) for m in module.modules())
+            telemetry = next((a[0] for a in attached if a is not None and a[0].records), None)
+            if telemetry is None:
+                return summary
+            return dataclasses.replace(summary, telemetry=telemetry)
     raise ValueError(
         f"fp8_summary: {type(model).__name__} was not converted by convert_to_fp8 "
         "(nor is any module inside it)."
