@@ -122,8 +122,8 @@ def test_recommend_names_the_layer_an_outlier_hurts_and_the_rule_keeps_it():
     x = torch.randn(64, 32)
     x[:, 3] *= 1e4
     model(x).sum().backward()
-    assert telemetry.recommend(min_sqnr_db=20.0) == {}  # SQNR alone misses it
-    recommended = telemetry.recommend(min_sqnr_db=20.0, max_underflow_pct=1.0)
+    assert telemetry.recommend(min_sqnr_db=20.0, no_gain=False) == {}  # SQNR alone misses it
+    recommended = telemetry.recommend(min_sqnr_db=20.0, max_underflow_pct=1.0, no_gain=False)
     assert list(recommended) == ["0"]
     assert recommended["0"].startswith("forward operand A (input, tensor): underflow above 1.0 %")
     line = Float8Telemetry.keep_rule(recommended)
@@ -133,6 +133,17 @@ def test_recommend_names_the_layer_an_outlier_hurts_and_the_rule_keeps_it():
     assert not isinstance(again[0], Float8Linear) and isinstance(again[2], Float8Linear)
     with pytest.raises(TypeError, match="min_sqnr_db"):
         telemetry.recommend(min_sqnr_db="20")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="no_gain must be True or False, got 'yes'"):
+        telemetry.recommend(min_sqnr_db=20.0, no_gain="yes")  # type: ignore[arg-type]
+    # both layers are far below torchao's tensorwise sizes: with no_gain (the default) both are
+    # marked, the hurt layer with both reasons
+    both = telemetry.recommend(min_sqnr_db=20.0, max_underflow_pct=1.0)
+    small = "(torchao's tensorwise auto filter: too small to gain)"
+    assert both == {
+        "0": f"{recommended['0']}; expected not to gain: N=64, K=32: K <= 4096 and N <= 1024 "
+        + small,
+        "2": f"expected not to gain: N=32, K=64: K <= 4096 and N <= 1024 {small}",
+    }
 
 
 def test_recommend_by_sqnr_flags_layers_below_the_threshold():
@@ -165,3 +176,50 @@ def test_fp8_summary_ends_with_the_attached_telemetry_ranked_table():
     assert len(telemetry.table().splitlines()) == 1 + 6 + 4
     Float8Telemetry.detach(model)
     assert str(fp8_summary(model)) == plain
+
+
+def test_recommend_marks_layers_expected_not_to_gain_by_torchao_auto_filter():
+    """Marks, before any step, the layers torchao's auto filter leaves in high precision:
+    dims not multiples of 16, and GEMMs at or below its sizes for the layer's recipe (each
+    boundary hit exactly); recipes torchao gives no sizes for are judged on alignment alone."""
+    from collections import OrderedDict
+
+    from torchao.float8 import _auto_filter_for_recipe
+
+    from mixprec.fp8 import per_module_recipes
+
+    rowwise, mxfp8 = Float8Config(recipe="rowwise"), Float8Config(recipe="mxfp8")
+    layers = OrderedDict(
+        odd=Float8Linear(24, 32),  # in_features 24: not a multiple of 16
+        tw_small=Float8Linear(4096, 1024),  # K=4096, N=1024: tensorwise's bound, inclusive
+        tw_big=Float8Linear(16, 1040),  # N=1040 > 1024
+        rw_small=Float8Linear(2048, 4096, config=rowwise),  # N <= 4096 and K <= 2048
+        rw_big=Float8Linear(2064, 2064, config=rowwise),  # K=2064 > 2048, N > 2048
+        mx_small=Float8Linear(32, 32, config=mxfp8),  # no size rule for mxfp8
+    )
+    model = nn.Sequential(layers)
+    telemetry = Float8Telemetry().attach(model)
+    marks = telemetry.recommend(min_sqnr_db=0.0)  # nothing observed: only the size marks
+    why = "expected not to gain: "
+    assert marks == {
+        "odd": why + "in_features=24 not a multiple of 16 (float8 GEMM alignment)",
+        "tw_small": why + "N=1024, K=4096: K <= 4096 and N <= 1024 (torchao's tensorwise auto "
+        "filter: too small to gain)",
+        "rw_small": why + "N=4096, K=2048: N <= 2048, or K <= 1024, or N <= 4096 and K <= 2048 "
+        "(torchao's rowwise auto filter: too small to gain)",
+    }
+    for name, layer in layers.items():  # the reference: torchao's own filter
+        if layer.config.recipe in ("tensorwise", "rowwise"):
+            keep = not _auto_filter_for_recipe(layer.config.recipe, [])(
+                nn.Linear(layer.in_features, layer.out_features, device="meta"), name
+            )
+            assert keep == (name in marks), name
+    assert telemetry.recommend(min_sqnr_db=0.0, no_gain=False) == {}
+    assert Float8Telemetry.keep_rule(marks) == (
+        "convert_to_fp8(model, per_module_recipes(model, {'odd': 'keep', 'tw_small': 'keep', "
+        "'rw_small': 'keep'}), config)"
+    )
+    base = nn.Sequential(OrderedDict(odd=nn.Linear(24, 32), tw_small=nn.Linear(32, 32)))
+    base.add_module("tw_big", nn.Linear(32, 32))
+    convert_to_fp8(base, per_module_recipes(base, {"tw_small": "keep"}, keep_first_last=False))
+    assert [type(m) is Float8Linear for m in base] == [False, False, True]

@@ -56,6 +56,43 @@ ROW_HEADERS = (
 """The columns of Float8Telemetry.rows() and table()."""
 
 
+def _tensorwise_no_gain(n: int, k: int) -> bool:
+    return k <= 4096 and n <= 1024
+
+
+def _rowwise_no_gain(n: int, k: int) -> bool:
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+
+
+NO_GAIN_SIZES = {
+    "tensorwise": (_tensorwise_no_gain, "K <= 4096 and N <= 1024"),
+    "rowwise": (_rowwise_no_gain, "N <= 2048, or K <= 1024, or N <= 4096 and K <= 2048"),
+}
+"""recipe -> (rule on the weight's N = out_features, K = in_features; the rule as text) for
+the GEMM sizes expected to run no faster in float8 than in bf16: the thresholds of torchao's
+auto filter (torchao.float8.float8_linear_utils._auto_filter_for_tensorwise and
+_auto_filter_for_rowwise, from its H100 benchmarks). torchao states none for the other recipes,
+so they are judged on the multiple-of-16 rule alone."""
+
+
+def no_gain_reason(in_features: int, out_features: int, recipe: str) -> str | None:
+    """Why a float8 `recipe` GEMM of this Linear's size is expected not to gain, or None:
+    default_fp8_filter's multiple-of-16 rule first, then NO_GAIN_SIZES."""
+    from mixprec.fp8.convert import default_fp8_filter  # convert.py imports this module
+
+    aligned = default_fp8_filter(nn.Linear(in_features, out_features, device="meta"), "")
+    if aligned is not True:
+        return str(aligned)
+    if recipe in NO_GAIN_SIZES:
+        small, text = NO_GAIN_SIZES[recipe]
+        if small(out_features, in_features):
+            return (
+                f"N={out_features}, K={in_features}: {text} (torchao's {recipe} auto filter: "
+                "too small to gain)"
+            )
+    return None
+
+
 @dataclass(frozen=True)
 class OperandStats:
     """One observation of one GEMM operand (see the module docstring for each figure)."""
@@ -129,6 +166,8 @@ class Float8Telemetry:
             raise ValueError(f"Float8Telemetry(every={every!r}): a positive int.")
         self.every = every
         self.records: list[OperandStats] = []
+        self.layers: dict[str, tuple[int, int, str]] = {}
+        """Attached layer -> (in_features, out_features, recipe)."""
         self._calls: dict[str, int] = {}
 
     def attach(self, model: nn.Module) -> Float8Telemetry:
@@ -138,7 +177,10 @@ class Float8Telemetry:
         found = False
         for fqn, module in model.named_modules():
             if isinstance(module, Float8Linear):
-                object.__setattr__(module, TELEMETRY_ATTR, (self, fqn or "<root>"))
+                name = fqn or "<root>"
+                object.__setattr__(module, TELEMETRY_ATTR, (self, name))
+                recipe = module.config.recipe
+                self.layers[name] = (module.in_features, module.out_features, recipe)
                 found = True
         if not found:
             raise ValueError(
@@ -243,10 +285,18 @@ class Float8Telemetry:
         )
 
     def recommend(
-        self, min_sqnr_db: float, max_underflow_pct: float | None = None
+        self,
+        min_sqnr_db: float,
+        max_underflow_pct: float | None = None,
+        *,
+        no_gain: bool = True,
     ) -> dict[str, str]:
-        """Layers expected to hurt -> why: an observed operand below min_sqnr_db, or (when
-        given) one whose underflow exceeds max_underflow_pct. Worst SQNR first.
+        """Layers to keep in high precision -> why ('; ' between reasons).
+
+        Expected to hurt (worst SQNR first): an observed operand below min_sqnr_db, or (when
+        given) one whose underflow exceeds max_underflow_pct. Expected not to gain (when
+        no_gain, in attach order, observed or not): in/out features not multiples of 16, or a
+        GEMM at or below torchao's auto-filter sizes for its recipe (NO_GAIN_SIZES).
 
         SQNR weighs errors by energy, so an outlier-dominated operand can keep a high SQNR
         while its small values vanish: max_underflow_pct catches that. There is no default
@@ -259,20 +309,27 @@ class Float8Telemetry:
                 isinstance(value, bool) or not isinstance(value, (int, float))
             ):
                 raise TypeError(f"{name} must be a number, got {value!r}.")
-        found: dict[str, str] = {}
+        if not isinstance(no_gain, bool):
+            raise TypeError(f"no_gain must be True or False, got {no_gain!r}.")
+        found: dict[str, list[str]] = {}
         for r in self.report():  # lowest SQNR first
             what = f"{r.gemm} operand {r.operand} ({r.role}, {r.kind})"
             detail = (
                 f"{r.sqnr_db:.1f} dB, underflow {r.underflow_pct:.2f} %, clipped "
                 f"{r.clipped_pct:.2f} %, in-block range 2**{r.block_range_log2:.0f}"
             )
+            if r.layer in found:
+                continue
             if r.sqnr_db < min_sqnr_db:
-                found.setdefault(r.layer, f"{what}: SQNR below {min_sqnr_db} dB ({detail})")
+                found[r.layer] = [f"{what}: SQNR below {min_sqnr_db} dB ({detail})"]
             elif max_underflow_pct is not None and r.underflow_pct > max_underflow_pct:
-                found.setdefault(
-                    r.layer, f"{what}: underflow above {max_underflow_pct} % ({detail})"
-                )
-        return found
+                found[r.layer] = [f"{what}: underflow above {max_underflow_pct} % ({detail})"]
+        if no_gain:
+            for layer, (in_features, out_features, recipe) in self.layers.items():
+                why = no_gain_reason(in_features, out_features, recipe)
+                if why is not None:
+                    found.setdefault(layer, []).append(f"expected not to gain: {why}")
+        return {layer: "; ".join(reasons) for layer, reasons in found.items()}
 
     @staticmethod
     def keep_rule(recommended: dict[str, str]) -> str:
