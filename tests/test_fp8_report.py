@@ -3,6 +3,7 @@ folder, and `mixprec doctor --fp8-report` (run in-process through the CLI's main
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
@@ -97,8 +98,11 @@ def test_write_report_without_matplotlib_says_so_and_writes_nothing(
         write_report(Float8Telemetry(), tmp_path / "other")
 
 
-def test_doctor_fp8_report_prints_each_recipe_table_and_writes_it(tmp_path, capsys):
+def test_doctor_fp8_report_prints_each_recipe_table_and_writes_it(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
+    # an earlier test in this process may have given the "mixprec" logger its stdout handler
+    # (get_dist_logger, verbose modes): its INFO lines are not the command's output
+    monkeypatch.setattr(logging.getLogger("mixprec"), "handlers", [])
     argv = ["doctor", "--fp8-report", "--recipes", "tensorwise,nvfp4", "--steps", "1"]
     assert cli.main([*argv, "--out", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
