@@ -105,6 +105,22 @@ def _fresh_paddle_amp_state():
         dygraph.amp_global_state().amp_dtype = None
 
 
+@pytest.fixture
+def paddle_static_mode(monkeypatch):
+    """Paddle's static-graph mode around one test, in a fresh Program pair, compiling with
+    dynamo's eager backend (the traced ops are the eager ops; no inductor build per test) and
+    with the executor's once-per-process notes said again."""
+    from mixprec.paddle import static
+    from mixprec.paddle.static import executor
+
+    monkeypatch.setitem(executor.COMPILE_OPTIONS, "backend", "eager")
+    monkeypatch.setattr(executor, "_SAID_EAGER", set())
+    static.enable_static()
+    with static.program_guard(static.Program(), static.Program()):
+        yield
+    static.disable_static()
+
+
 def tiny_mlp(width: int = 8, norm: bool = True) -> torch.nn.Module:
     layers: list[torch.nn.Module] = [torch.nn.Linear(width, 2 * width)]
     if norm:

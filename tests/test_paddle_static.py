@@ -20,23 +20,13 @@ from torch import nn
 
 import mixprec
 from mixprec.paddle import static
-from mixprec.paddle.static import executor
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
-pytestmark = pytest.mark.usefixtures("device")
+pytestmark = pytest.mark.usefixtures("device", "paddle_static_mode")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "paddle_static"
 TINY = ["--input-size", "16", "--batch-size", "8", "--nums-batch", "3", "--epochs", "1"]
-
-
-@pytest.fixture(autouse=True)
-def _static_mode(monkeypatch):
-    monkeypatch.setitem(executor.COMPILE_OPTIONS, "backend", "eager")
-    static.enable_static()
-    with static.program_guard(static.Program(), static.Program()):
-        yield
-    static.disable_static()
 
 
 def load_listing(name: str):

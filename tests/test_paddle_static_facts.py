@@ -18,19 +18,11 @@ from torch import nn
 
 from mixprec import paddle as amp
 from mixprec.paddle import op_names, static
-from mixprec.paddle.static import executor
+
+pytestmark = pytest.mark.usefixtures("paddle_static_mode")  # conftest
 
 FACTS = json.loads((Path(__file__).parent / "data" / "paddle_331_facts.json").read_text())
 STATIC = FACTS["static"]
-
-
-@pytest.fixture(autouse=True)
-def _static_mode(monkeypatch):
-    monkeypatch.setitem(executor.COMPILE_OPTIONS, "backend", "eager")
-    static.enable_static()
-    with static.program_guard(static.Program(), static.Program()):
-        yield
-    static.disable_static()
 
 
 def record(width: int = 4, batch: int = 3):

@@ -16,23 +16,14 @@ import torch
 from torch import nn
 
 from mixprec.paddle import static
-from mixprec.paddle.static import executor
+
+pytestmark = pytest.mark.usefixtures("paddle_static_mode")  # conftest
 
 OPTIMIZERS = {
     "Adadelta": lambda params: torch.optim.Adadelta(params, lr=1.0),
     "Adagrad": lambda params: torch.optim.Adagrad(params, lr=0.1),
     "RMSprop": lambda params: torch.optim.RMSprop(params, lr=0.01, momentum=0.9),
 }
-
-
-@pytest.fixture(autouse=True)
-def _static_mode(monkeypatch):
-    monkeypatch.setitem(executor.COMPILE_OPTIONS, "backend", "eager")
-    monkeypatch.setattr(executor, "_SAID_EAGER", set())
-    static.enable_static()
-    with static.program_guard(static.Program(), static.Program()):
-        yield
-    static.disable_static()
 
 
 def _record():

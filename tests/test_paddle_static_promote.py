@@ -31,19 +31,11 @@ from torch import nn
 
 from mixprec import paddle as amp
 from mixprec.paddle import debugging, static
-from mixprec.paddle.static import executor
 from mixprec.paddle.static.amp import _op_name
 
+pytestmark = pytest.mark.usefixtures("paddle_static_mode")  # conftest
+
 LP = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def _static_mode(monkeypatch):
-    monkeypatch.setitem(executor.COMPILE_OPTIONS, "backend", "eager")
-    static.enable_static()
-    with static.program_guard(static.Program(), static.Program()):
-        yield
-    static.disable_static()
 
 
 class SimpleConvNet(nn.Module):
