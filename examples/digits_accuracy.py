@@ -36,6 +36,7 @@ from tqdm import tqdm
 from mixprec import convert_to_amp
 from mixprec.bench import BENCH_MODES, ResNet, ViT, amp_args, amp_call_text, parse_modes
 from mixprec.bench.command import fresh_out_dir
+from mixprec.bench.runner import machine_name
 from mixprec.core.policy import did_you_mean
 from mixprec.fp8 import Float8Linear
 
@@ -173,6 +174,8 @@ def render(
     )
     lines = [
         "# Test accuracy per mode: scikit-learn digits (8x8), small CNN and ViT",
+        "",
+        f"Machine: {machine_name(torch.device('cpu'))}; {time.strftime('%Y-%m-%d', time.gmtime())}.",
         "",
         f"{recipes}; batch {args.batch}, seed {args.seed}; same initial weights and batches in "
         f"every mode, all through `mixprec.convert_to_amp`. Test set: {runs[0]['n_test']} images "
