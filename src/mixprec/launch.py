@@ -24,6 +24,7 @@ import logging
 import os
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -314,28 +315,55 @@ def _launch_from_torch(config: ConfigLike, backend: str | None, seed: int, verbo
     )
 
 
+@dataclass(frozen=True)
+class _SchedulerEnv:
+    """Where a scheduler's processes find their rank, world size and local rank."""
+
+    tool: str  # what starts the processes, named in errors
+    rank: str
+    world_size: tuple[str, ...]  # the variable, then its fallback
+    local_rank: str
+    local_rank_optional: bool  # unset leaves local_rank=None
+
+
+_SLURM = _SchedulerEnv(
+    "srun", "SLURM_PROCID", ("SLURM_NPROCS", "SLURM_NTASKS"), "SLURM_LOCALID", True
+)
+_OPENMPI = _SchedulerEnv(
+    "mpirun",
+    "OMPI_COMM_WORLD_RANK",
+    ("OMPI_COMM_WORLD_SIZE",),
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    False,
+)
+
+
+def _launch_from_scheduler(who: str, env: _SchedulerEnv, args: tuple, kwargs: dict) -> Config:
+    """launch() with the ranks from env's variables, host and port from the call."""
+    bound = _host_launcher_args(who, args, kwargs)
+    launcher = f"{who} ({env.tool})"
+    fallback = env.world_size[1] if len(env.world_size) > 1 else None
+    unset = env.local_rank_optional and env.local_rank not in os.environ
+    return _launch(
+        bound["config"],
+        rank=_env_int(env.rank, launcher),
+        world_size=_env_int(env.world_size[0], launcher, fallback=fallback),
+        host=bound["host"],
+        port=bound["port"],
+        backend=bound["backend"],
+        local_rank=None if unset else _env_int(env.local_rank, launcher),
+        seed=bound["seed"],
+        verbose=bound["verbose"],
+    )
+
+
 def launch_from_slurm(*args: Any, **kwargs: Any) -> Config:
     """launch() from srun's SLURM_PROCID, SLURM_NPROCS (or SLURM_NTASKS), SLURM_LOCALID.
 
     launch_from_slurm(host, port, backend=None, seed=1024, verbose=True, *, config=None), or
     the legacy launch_from_slurm(config, host, port, ...).
     """
-    bound = _host_launcher_args("launch_from_slurm", args, kwargs)
-    config, host, port = bound["config"], bound["host"], bound["port"]
-    backend, seed, verbose = bound["backend"], bound["seed"], bound["verbose"]
-    who = "launch_from_slurm (srun)"
-    local_rank = _env_int("SLURM_LOCALID", who) if "SLURM_LOCALID" in os.environ else None
-    return _launch(
-        config,
-        rank=_env_int("SLURM_PROCID", who),
-        world_size=_env_int("SLURM_NPROCS", who, fallback="SLURM_NTASKS"),
-        host=host,
-        port=port,
-        backend=backend,
-        local_rank=local_rank,
-        seed=seed,
-        verbose=verbose,
-    )
+    return _launch_from_scheduler("launch_from_slurm", _SLURM, args, kwargs)
 
 
 def launch_from_openmpi(*args: Any, **kwargs: Any) -> Config:
@@ -344,21 +372,7 @@ def launch_from_openmpi(*args: Any, **kwargs: Any) -> Config:
     launch_from_openmpi(host, port, backend=None, seed=1024, verbose=True, *, config=None), or
     the legacy launch_from_openmpi(config, host, port, ...).
     """
-    bound = _host_launcher_args("launch_from_openmpi", args, kwargs)
-    config, host, port = bound["config"], bound["host"], bound["port"]
-    backend, seed, verbose = bound["backend"], bound["seed"], bound["verbose"]
-    who = "launch_from_openmpi (mpirun)"
-    return _launch(
-        config,
-        rank=_env_int("OMPI_COMM_WORLD_RANK", who),
-        world_size=_env_int("OMPI_COMM_WORLD_SIZE", who),
-        host=host,
-        port=port,
-        backend=backend,
-        local_rank=_env_int("OMPI_COMM_WORLD_LOCAL_RANK", who),
-        seed=seed,
-        verbose=verbose,
-    )
+    return _launch_from_scheduler("launch_from_openmpi", _OPENMPI, args, kwargs)
 
 
 def destroy() -> None:
