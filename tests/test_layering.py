@@ -254,3 +254,69 @@ def test_at_run_time_the_core_holds_no_face_name_and_no_import_hook() -> None:
     assert written == [], f"Colossal names bound in mixprec.core.policy: {written}"
     finders = [f for f in sys.meta_path if type(f).__module__.split(".")[0] == "mixprec"]
     assert finders == []
+
+
+# fp8's modules from the bottom up: each imports (at module top) only fp8 modules before it.
+FP8_ORDER = (
+    "config",
+    "casts",
+    "quantize",
+    "kernels",
+    "recipes",
+    "linear",
+    "telemetry",
+    "convert",
+    "checkpoint",
+    "__init__",
+)
+
+
+def deferred_mixprec_imports(path: Path) -> list[str]:
+    """The mixprec modules imported inside a function or class body of `path` (line: name)."""
+    found: set[str] = set()  # a set: a method's import is inside its class and its function
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.ImportFrom) and inner.module:
+                names = [inner.module]
+            elif isinstance(inner, ast.Import):
+                names = [a.name for a in inner.names]
+            else:
+                continue
+            found.update(f"{inner.lineno}: {n}" for n in names if n.split(".")[0] == "mixprec")
+    return sorted(found)
+
+
+def test_fp8_modules_import_downward_at_module_top() -> None:
+    """No fp8 module defers a mixprec import into a function (the way an import circle hides),
+    and each imports only the fp8 modules below it in FP8_ORDER."""
+    fp8_dir = SRC / "fp8"
+    assert sorted(p.stem for p in fp8_dir.glob("*.py")) == sorted(FP8_ORDER), (
+        "place the new fp8 module in FP8_ORDER"
+    )
+    deferred = {p.name: deferred_mixprec_imports(p) for p in fp8_dir.glob("*.py")}
+    assert {name: found for name, found in deferred.items() if found} == {}
+    upward = {}
+    for rank, stem in enumerate(FP8_ORDER):
+        below = {f"mixprec.fp8.{s}" for s in FP8_ORDER[:rank]}
+        fp8_deps = {
+            n
+            for n in imported_modules(fp8_dir / f"{stem}.py")
+            if n.startswith("mixprec.fp8.") and existing_module(n)
+        }
+        if fp8_deps - below:
+            upward[stem] = sorted(fp8_deps - below)
+    assert upward == {}
+
+
+def test_the_fp8_order_check_sees_a_deferred_import(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "import torch\n"
+        "class A:\n"
+        "    def f(self):\n"
+        "        from mixprec.fp8.convert import default_fp8_filter\n"
+        "        import matplotlib\n"
+    )
+    assert deferred_mixprec_imports(module) == ["4: mixprec.fp8.convert"]

@@ -20,6 +20,23 @@ AMAX_EPS = 1e-12
 """Floor on amax: an all-zero tensor gets a finite scale (its fp8 image is zeros anyway)."""
 GEMM_ALIGN = 16
 """cuBLASLt's float8 GEMMs need the K and N dims of torch._scaled_mm divisible by 16."""
+TELEMETRY_ATTR = "_mixprec_fp8_telemetry"
+"""The Float8Linear attribute holding (Float8Telemetry, layer name) while one is attached."""
+
+
+def misaligned_features(in_features: int, out_features: int) -> str | None:
+    """Why a Linear of these features cannot run float8 GEMMs (in_features or out_features not
+    a multiple of GEMM_ALIGN; says which), or None: the rule default_fp8_filter and the
+    telemetry recommender share."""
+    bad = [
+        f"{name}={value}"
+        for name, value in (("in_features", in_features), ("out_features", out_features))
+        if value % GEMM_ALIGN
+    ]
+    if bad:
+        return f"{' and '.join(bad)} not a multiple of {GEMM_ALIGN} (float8 GEMM alignment)"
+    return None
+
 
 Scaling = Literal["dynamic", "delayed"]
 SCALINGS: tuple[str, ...] = get_args(Scaling)

@@ -13,10 +13,16 @@ from torch import nn
 
 from mixprec.core.policy import did_you_mean
 from mixprec.core.validate import check_callable
-from mixprec.fp8.config import GEMM_ALIGN, RECIPES, Float8Config
+from mixprec.fp8.config import (
+    GEMM_ALIGN,
+    RECIPES,
+    TELEMETRY_ATTR,
+    Float8Config,
+    misaligned_features,
+)
 from mixprec.fp8.kernels import resolve_emulate
 from mixprec.fp8.linear import Float8Conv1D, Float8Linear, is_hf_conv1d
-from mixprec.fp8.telemetry import TELEMETRY_ATTR, Float8Telemetry
+from mixprec.fp8.telemetry import Float8Telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -31,17 +37,7 @@ KEEP = "keep"
 
 def default_fp8_filter(module: nn.Linear, fqn: str) -> bool | str:
     """Convert a Linear unless its in/out features are not multiples of 16 (says which)."""
-    bad = [
-        f"{name}={value}"
-        for name, value in (
-            ("in_features", module.in_features),
-            ("out_features", module.out_features),
-        )
-        if value % GEMM_ALIGN
-    ]
-    if bad:
-        return f"{' and '.join(bad)} not a multiple of {GEMM_ALIGN} (float8 GEMM alignment)"
-    return True
+    return misaligned_features(module.in_features, module.out_features) or True
 
 
 def per_module_recipes(

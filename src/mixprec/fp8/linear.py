@@ -9,10 +9,9 @@ import torch
 from torch import nn
 
 from mixprec.fp8.casts import cast_to_fp8
-from mixprec.fp8.config import LP_FORWARD_DTYPE, Float8Config
+from mixprec.fp8.config import LP_FORWARD_DTYPE, TELEMETRY_ATTR, Float8Config
 from mixprec.fp8.kernels import cpu_has_scaled_mm, lp_gemm, note_recipe_emulation, resolve_emulate
 from mixprec.fp8.recipes import emulated_gemm
-from mixprec.fp8.telemetry import TELEMETRY_ATTR
 
 
 class _Float8LinearFn(torch.autograd.Function):
@@ -247,7 +246,7 @@ class Float8Linear(nn.Linear):
             )
         observer = self.__dict__.get(TELEMETRY_ATTR)
         if observer is not None and self.training and torch.is_grad_enabled():
-            telemetry, name = observer  # reads copies only: see mixprec.fp8.telemetry
+            telemetry, name = observer  # a Float8Telemetry: reads copies only (see its module)
             hook = telemetry.on_forward(name, self.config, hp_2d, self.hp_weight_out_in())
             if hook is not None and out.requires_grad:
                 out.register_hook(hook)

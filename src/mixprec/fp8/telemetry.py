@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.fp8.config import Float8Config
+from mixprec.fp8.config import TELEMETRY_ATTR, Float8Config, misaligned_features
+from mixprec.fp8.linear import Float8Linear
 from mixprec.fp8.quantize import block_amax, expand_blocks
 from mixprec.fp8.recipes import (
     GEMMS,
@@ -37,9 +38,6 @@ from mixprec.fp8.recipes import (
     operand_lp_dtype,
     quantize_operand,
 )
-
-TELEMETRY_ATTR = "_mixprec_fp8_telemetry"
-"""The Float8Linear attribute holding (telemetry, layer name) while attached."""
 
 ROW_HEADERS = (
     "layer",
@@ -78,11 +76,9 @@ so they are judged on the multiple-of-16 rule alone."""
 def no_gain_reason(in_features: int, out_features: int, recipe: str) -> str | None:
     """Why a float8 `recipe` GEMM of this Linear's size is expected not to gain, or None:
     default_fp8_filter's multiple-of-16 rule first, then NO_GAIN_SIZES."""
-    from mixprec.fp8.convert import default_fp8_filter  # convert.py imports this module
-
-    aligned = default_fp8_filter(nn.Linear(in_features, out_features, device="meta"), "")
-    if aligned is not True:
-        return str(aligned)
+    misaligned = misaligned_features(in_features, out_features)
+    if misaligned is not None:
+        return misaligned
     if recipe in NO_GAIN_SIZES:
         small, text = NO_GAIN_SIZES[recipe]
         if small(out_features, in_features):
@@ -172,8 +168,6 @@ class Float8Telemetry:
 
     def attach(self, model: nn.Module) -> Float8Telemetry:
         """Observe every Float8Linear inside `model` (named by its fully qualified name)."""
-        from mixprec.fp8.linear import Float8Linear  # linear.py calls back into this module
-
         found = False
         for fqn, module in model.named_modules():
             if isinstance(module, Float8Linear):
