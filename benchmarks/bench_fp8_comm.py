@@ -35,17 +35,13 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lean import (  # noqa: E402 - the sibling benchmark's tasks, not a package
-    GPT,
-    cosine,
     digits_data,
     digits_net,
-    gpt_batch,
-    gpt_loss,
-    stdlib_bytes,
 )
 from bench_zero import bytes_sent  # noqa: E402
 
 from mixprec.bench.command import fresh_out_dir  # noqa: E402
+from mixprec.bench.gpt import GPT, cosine, gpt_batch, gpt_loss, stdlib_bytes  # noqa: E402
 from mixprec.bench.report import write_record  # noqa: E402
 from mixprec.bench.runner import machine_name  # noqa: E402
 

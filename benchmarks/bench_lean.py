@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import os
 import random
 import subprocess
@@ -42,6 +41,16 @@ from torch import nn
 from torch.nn import functional as F
 
 from mixprec.bench.command import fresh_out_dir
+from mixprec.bench.gpt import (
+    GPT,
+    cosine,
+    gpt_batch,
+    gpt_loss,
+    gpt_val_loss,
+    set_lr,
+    stdlib_text,
+    train_gpt,
+)
 from mixprec.bench.progress import progress_bar
 from mixprec.bench.runner import machine_name
 from mixprec.core.lean import state_bytes
@@ -78,48 +87,6 @@ TIME_MODES = (*QUALITY_MODES, "bf16_sr+bf16", "bf16_sr+fp8")
 
 
 # ----- models and data -----
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """A byte-level GPT (nanoGPT's shape): 256 tokens, learned positions, pre-norm blocks."""
-
-    def __init__(self, width: int, depth: int, heads: int, context: int) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(256, width), nn.Embedding(context, width)
-        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(depth)])
-        self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, 256, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
-
-
-def stdlib_bytes(limit: int) -> torch.Tensor:
-    """The first `limit` bytes of the standard library's own .py sources, in a fixed order."""
-    root = Path(os.__file__).parent
-    out = bytearray()
-    for path in sorted(root.glob("*.py")):
-        out += path.read_bytes()
-        if len(out) >= limit:
-            break
-    return torch.tensor(list(out[:limit]), dtype=torch.long)
-
-
 def digits_data() -> tuple[torch.Tensor, ...]:
     from sklearn.datasets import load_digits
 
@@ -137,23 +104,12 @@ def digits_net() -> nn.Module:
     )  # fmt: skip
 
 
-def cosine(step: int, steps: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-
 def build(policy: Policy, make: Any, seed: int, lr: float, wd: float) -> tuple[nn.Module, Any]:
     torch.manual_seed(seed)
     model = make()
     pm = prepare_model(model, policy)
     opt = prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd), policy)
     return pm, opt
-
-
-def set_lr(opt: Any, lr: float) -> None:
-    for group in opt.param_groups:
-        group["lr"] = lr
 
 
 # ----- quality -----
@@ -176,34 +132,25 @@ def run_digits(policy: Policy, seed: int, args: argparse.Namespace, bar: Any) ->
     }
 
 
-def gpt_batch(data: torch.Tensor, n: int, context: int, g: torch.Generator) -> tuple:
-    start = torch.randint(0, len(data) - context - 1, (n,), generator=g)
-    rows = torch.stack([data[s : s + context + 1] for s in start.tolist()])
-    return rows[:, :-1], rows[:, 1:]
-
-
 def gpt_make(args: argparse.Namespace) -> Any:
     return lambda: GPT(args.gpt_width, args.gpt_depth, 4, args.context)
-
-
-def gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(x).float().reshape(-1, 256), y.reshape(-1))
 
 
 def run_gpt(policy: Policy, seed: int, args: argparse.Namespace, text: tuple, bar: Any) -> dict:
     train, val = text
     model, opt = build(policy, gpt_make(args), seed, args.gpt_lr, 0.1)
-    g = torch.Generator().manual_seed(seed)
-    for step in range(args.gpt_steps):
-        set_lr(opt, cosine(step, args.gpt_steps, args.gpt_lr, 20))
-        opt.backward(gpt_loss(model, *gpt_batch(train, args.batch, args.context, g)))
-        opt.step()
-        opt.zero_grad()
-        bar.update(1)
-    gv = torch.Generator().manual_seed(12345)  # the same validation windows for every run
-    with torch.no_grad():
-        losses = [gpt_loss(model, *gpt_batch(val, 32, args.context, gv)).item() for _ in range(8)]
-    return {"val_loss": sum(losses) / len(losses)}
+    train_gpt(
+        model,
+        opt,
+        train,
+        steps=args.gpt_steps,
+        batch=args.batch,
+        context=args.context,
+        lr=args.gpt_lr,
+        seed=seed,
+        on_step=lambda step, loss: bar.update(1),
+    )
+    return {"val_loss": gpt_val_loss(model, val, args.context)}
 
 
 # ----- time: modes interleaved -----
@@ -895,9 +842,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out {out} exists and is not empty: name a new folder")
     torch.set_num_threads(1)
     start, load0 = time.perf_counter(), os.getloadavg()[0]
-    text = stdlib_bytes(1_200_000)
-    split = int(len(text) * 0.9)
-    text = (text[:split], text[split:])
+    text = stdlib_text(1_200_000)
     if args.time_only:
         return time_only(args, argv, out, text, start, load0)
     if args.quality_only:
