@@ -93,9 +93,12 @@ class Float8Config:
     (cuBLAS / TE: 2**ceil(log2(amax / 448)), never saturates), 'floor' (the OCP spec),
     'ceil', 'even'. Only read by the mxfp8 recipe."""
     emulate: bool | None = None
-    """True: cast to fp8 and back, GEMM in fp32. False: the float8 kernel or an error.
-    None: on CUDA the kernel where the device has one, else an error unless allow_emulation;
-    on CPU emulation (torch's CPU kernel is a slow reference kernel; same fp8 rounding)."""
+    """True: cast to fp8 and back, GEMM in fp32. False: the float8 kernel (torch._scaled_mm)
+    or an error. None: on CPU emulation (torch's CPU kernel is a slow reference kernel; same
+    fp8 rounding); on CUDA the kernel where the device has one, else for tensorwise an error
+    unless allow_emulation, for rowwise / rowwise_with_gw_hp emulation (logged once; their
+    CUDA kernel writes bf16 only, so a GEMM with another output dtype emulates too).
+    blockwise, mxfp8 and nvfp4 always emulate and refuse False."""
     allow_emulation: bool = False
     """With emulate=None, fall back to emulation (logged) where no float8 kernel exists."""
     use_fast_accum_forward: bool = True
@@ -173,7 +176,7 @@ class Float8Config:
             refused.append(f"scaling={self.scaling!r} (delayed scaling is tensorwise only)")
         if self.margin:
             refused.append(f"margin={self.margin!r} (tensorwise only)")
-        if self.emulate is False:
+        if self.emulate is False and recipe not in ("rowwise", "rowwise_with_gw_hp"):
             refused.append(
                 "emulate=False (no float8 kernel path for this recipe: it emulates; "
                 "use emulate=None or True)"

@@ -10,8 +10,14 @@ from torch import nn
 
 from mixprec.fp8.casts import cast_to_fp8
 from mixprec.fp8.config import LP_FORWARD_DTYPE, TELEMETRY_ATTR, Float8Config
-from mixprec.fp8.kernels import cpu_has_scaled_mm, lp_gemm, note_recipe_emulation, resolve_emulate
-from mixprec.fp8.recipes import emulated_gemm
+from mixprec.fp8.kernels import (
+    ROWWISE_KERNEL_RECIPES,
+    cpu_has_rowwise_scaled_mm,
+    cpu_has_scaled_mm,
+    lp_gemm,
+    resolve_emulate,
+)
+from mixprec.fp8.recipes import recipe_gemm
 
 
 class _Float8LinearFn(torch.autograd.Function):
@@ -100,7 +106,8 @@ class _Float8LinearFn(torch.autograd.Function):
 
 
 class _RecipeLinearFn(torch.autograd.Function):
-    """input (M, K) @ weight (N, K)^T under a recipe other than tensorwise, emulated.
+    """input (M, K) @ weight (N, K)^T under a recipe other than tensorwise (recipes.recipe_gemm:
+    rowwise on torch._scaled_mm where the device has it, else emulated).
 
     The three GEMMs quantize their operands as mixprec.fp8.recipes.RECIPE_OPERANDS says, each
     from the high-precision tensor (a columnwise operand is not requantized from a rowwise
@@ -115,7 +122,7 @@ class _RecipeLinearFn(torch.autograd.Function):
         config: Float8Config,
     ) -> torch.Tensor:
         with torch.autocast(hp_input.device.type, enabled=False):  # as _Float8LinearFn
-            return emulated_gemm("forward", hp_input, hp_weight, config, out_dtype)
+            return recipe_gemm("forward", hp_input, hp_weight, config, out_dtype)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -129,11 +136,11 @@ class _RecipeLinearFn(torch.autograd.Function):
             hp_input, hp_weight = ctx.saved_tensors
             grad_input = grad_weight = None
             if ctx.needs_input_grad[0]:
-                grad_input = emulated_gemm(
+                grad_input = recipe_gemm(
                     "grad_input", grad_out, hp_weight.t(), ctx.config, hp_input.dtype
                 )
             if ctx.needs_input_grad[1]:
-                grad_weight = emulated_gemm(
+                grad_weight = recipe_gemm(
                     "grad_weight", grad_out.t(), hp_input.t(), ctx.config, hp_weight.dtype
                 )
             return grad_input, grad_weight, None, None
@@ -158,9 +165,11 @@ class Float8Linear(nn.Linear):
     """nn.Linear whose GEMMs run in float8; same parameters, same state_dict keys.
 
     config.recipe chooses the scaling (mixprec.fp8.recipes): tensorwise runs torch._scaled_mm
-    where the device has it (else emulates, as Float8Config.emulate says); every other recipe
-    is emulated on every device (quantize -> dequantize to fp32 -> fp32 GEMM; logged once per
-    device type and recipe), and its backward keeps the high-precision input and weight.
+    where the device has it (else emulates, as Float8Config.emulate says); rowwise and
+    rowwise_with_gw_hp run it with rowwise scales where the device has that (CUDA sm_89+, bf16
+    outputs), else emulate (logged once); blockwise, mxfp8 and nvfp4 are emulated on every
+    device (quantize -> dequantize to fp32 -> fp32 GEMM; logged once per device type and
+    recipe). Every recipe but tensorwise keeps the high-precision input and weight for backward.
 
     The output dtype is the surrounding autocast's dtype when autocast is on, else the input's;
     the bias is added in that dtype.
@@ -194,7 +203,9 @@ class Float8Linear(nn.Linear):
         if config is not None and not isinstance(config, Float8Config):
             raise TypeError(f"config must be a Float8Config or None, got {config!r}.")
         self.config = config if config is not None else Float8Config()
-        cpu_has_scaled_mm()  # probe now: under torch.compile the cached answer is read, not traced
+        # Probe now: under torch.compile the cached answers are read, not traced.
+        cpu_has_scaled_mm()
+        cpu_has_rowwise_scaled_mm()
         self._register_histories(device)
 
     def _register_histories(self, device: torch.device | str | None) -> None:
@@ -227,7 +238,6 @@ class Float8Linear(nn.Linear):
         out_dtype = _autocast_dtype_or(device_type, hp_input.dtype)
         hp_2d = hp_input.reshape(-1, self.in_features)
         if self.config.recipe != "tensorwise":
-            note_recipe_emulation(hp_input.device, self.config.recipe)
             out = _RecipeLinearFn.apply(hp_2d, self.hp_weight_out_in(), out_dtype, self.config)
         else:
             emulate = resolve_emulate(hp_input.device, self.config)
@@ -289,7 +299,8 @@ class Float8Linear(nn.Linear):
     def extra_repr(self) -> str:
         c = self.config
         if c.recipe != "tensorwise":
-            return f"{super().extra_repr()}, recipe={c.recipe}, emulate=True"
+            emulate = c.emulate if c.recipe in ROWWISE_KERNEL_RECIPES else True
+            return f"{super().extra_repr()}, recipe={c.recipe}, emulate={emulate}"
         scaling = f"delayed(len={c.amax_history_len})" if c.scaling == "delayed" else c.scaling
         grad = c.grad_dtype or "e5m2"
         return f"{super().extra_repr()}, scaling={scaling}, grad={grad}, emulate={c.emulate}"

@@ -22,6 +22,11 @@ RECIPE_OPERANDS[recipe][gemm] names the quantization of (A, B):
   run is reproducible under torch.manual_seed and a resume must restore the RNG state).
 - 'hp': not quantized (rowwise_with_gw_hp's weight-gradient GEMM).
 
+Kernel: rowwise and rowwise_with_gw_hp GEMMs run torch._scaled_mm with an (M, 1) scale for A
+and a (1, N) one for B where kernels.resolve_recipe_kernel says the device has it (CUDA sm_89+
+with a bf16 output; on CPU only with emulate=False); a 'tensor' operand goes in as its one
+scale repeated per row. Every other GEMM is emulated.
+
 Emulation (every recipe but tensorwise, on every device): each operand is quantized and
 dequantized to fp32 (exact where the scales are powers of two: rowwise, blockwise and mxfp8
 by default; an fp32 or e4m3-times-fp32 scale rounds the product once to fp32), then one fp32
@@ -41,6 +46,7 @@ from typing import NamedTuple
 import torch
 
 from mixprec.fp8.config import LP_FORWARD_DTYPE, RECIPES, Float8Config
+from mixprec.fp8.kernels import lp_gemm, resolve_recipe_kernel
 from mixprec.fp8.quantize import (
     BLOCKWISE_TILE,
     E2M1_MAX,
@@ -195,3 +201,40 @@ def emulated_gemm(
     hp_a = emulated_operand(a, kind_a, operand_lp_dtype(role_a, config), config)
     hp_b = emulated_operand(b_t, kind_b, operand_lp_dtype(role_b, config), config)
     return (hp_a @ hp_b.t()).to(out_dtype)
+
+
+_KERNEL_KINDS = frozenset({"row", "tensor"})
+
+
+def recipe_gemm(
+    gemm: str,
+    a: torch.Tensor,
+    b_t: torch.Tensor,
+    config: Float8Config,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """One of a linear's GEMMs under config.recipe (not tensorwise): on torch._scaled_mm with
+    rowwise scales where resolve_recipe_kernel allows it, else emulated_gemm."""
+    kind_a, kind_b = RECIPE_OPERANDS[config.recipe][gemm]
+    # An 'hp' GEMM (rowwise_with_gw_hp's grad_weight) is no float8 GEMM: no kernel to resolve.
+    if "hp" in (kind_a, kind_b) or not resolve_recipe_kernel(a.device, config, out_dtype):
+        return emulated_gemm(gemm, a, b_t, config, out_dtype)
+    assert {kind_a, kind_b} <= _KERNEL_KINDS, (config.recipe, gemm)  # the rowwise recipes
+    role_a, role_b = OPERAND_ROLES[gemm]
+    pow2 = config.resolved_power_of_two
+    lp_a, a_inv = _quantize_for_kernel(a, kind_a, operand_lp_dtype(role_a, config), pow2)
+    lp_b_t, b_inv = _quantize_for_kernel(b_t, kind_b, operand_lp_dtype(role_b, config), pow2)
+    fast = config.use_fast_accum_forward if gemm == "forward" else config.use_fast_accum_backward
+    return lp_gemm(
+        lp_a, lp_b_t.t(), a_inv, b_inv.t(), out_dtype, emulate=False, use_fast_accum=fast
+    )
+
+
+def _quantize_for_kernel(
+    t: torch.Tensor, kind: str, lp_dtype: torch.dtype, power_of_two: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K-last operand's float8 data and its (rows, 1) scale_inv (a tensorwise scale repeated
+    per row: _scaled_mm takes both operands' scales rowwise or both tensorwise)."""
+    quantize = quantize_tensorwise if kind == "tensor" else quantize_rowwise
+    data, scale_inv = quantize(t, lp_dtype, power_of_two=power_of_two)
+    return data, scale_inv.reshape(-1, 1).expand(t.shape[0], 1)
