@@ -16,9 +16,18 @@ N(0, 1) operands of the benchmarked shapes) and the step time of one Linear(w, w
 recipe (every recipe emulated: quantize, dequantize, fp32 GEMM; tensorwise too, so that the
 times compare) against bf16, written as fp8_recipes_<device>.{md,json,png}.
 
+The training axis (--train): the stdlib-text GPT (mixprec.bench.gpt) trained for the same
+steps on the same batches from the same init in fp32, bf16 and every recipe (bf16 autocast, fp32
+masters, each block's Linear layers converted, the output head kept in bf16 as torchao and
+Megatron do), AdamW with a cosine schedule; fp32 and bf16 over several seeds for the
+seed-to-seed spread. Each run's final validation loss, its gap to bf16 on the same seed, and
+whether it lies inside fp32's seed spread (else by how much it misses), with validation-loss
+curves, written as fp8_train_<device>.{md,json,png}.
+
     python benchmarks/bench_fp8.py                              # the default sweep (< 3 min)
     python benchmarks/bench_fp8.py --widths 1024 2048 --steps 5
     python benchmarks/bench_fp8.py --recipes all --widths 1024   # the recipe axis
+    python benchmarks/bench_fp8.py --train                       # the training axis (~25 min)
 """
 
 from __future__ import annotations
@@ -30,14 +39,19 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.bench.command import fresh_out_dir
+from mixprec.bench.gpt import GPT, gpt_val_loss, stdlib_text, train_gpt
+from mixprec.bench.progress import progress_bar
 from mixprec.bench.report import write_record
 from mixprec.bench.runner import cpu_model
 from mixprec.bench.timing import time_call
+from mixprec.core.policy import to_policy
+from mixprec.core.prepare import prepare_model, prepare_optimizer
 from mixprec.fp8 import (
     RECIPE_OPERANDS,
     RECIPES,
@@ -46,6 +60,7 @@ from mixprec.fp8 import (
     fp8_kernel_problem,
     fp8_summary,
     operand_stats,
+    per_module_recipes,
 )
 from mixprec.fp8.recipes import OPERAND_ROLES, operand_lp_dtype
 
@@ -70,6 +85,11 @@ def machine_description(device: torch.device) -> dict[str, str]:
     return info
 
 
+def utc_date() -> str:
+    """Now, as the records state it: 'YYYY-MM-DD HH:MM' in UTC."""
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+
+
 def scaled_mm_ops(device: torch.device) -> list[str]:
     """The aten ops torch._scaled_mm calls on this device (profiled once on a 256^2 GEMM).
 
@@ -90,13 +110,20 @@ def scaled_mm_ops(device: torch.device) -> list[str]:
 FAST_ACCUM = True  # set by --fast-accum: the real kernel's forward GEMM (Float8Config)
 
 
+def recipe_config(recipe: str, emulate_tensorwise: bool) -> Float8Config:
+    """The recipe's Float8Config; emulate_tensorwise: tensorwise emulated too (quantize,
+    dequantize, fp32 GEMM, as every other recipe on CPU), not run on a _scaled_mm kernel."""
+    return Float8Config(
+        recipe=recipe, emulate=True if emulate_tensorwise and recipe == "tensorwise" else None
+    )
+
+
 def build(width: int, depth: int, mode: str, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).to(device)
     if mode.startswith("recipe:"):  # the recipe axis: every recipe emulated
         recipe = mode.removeprefix("recipe:")
-        config = Float8Config(recipe=recipe, emulate=True if recipe == "tensorwise" else None)
-        model = convert_to_fp8(model, config=config)
+        model = convert_to_fp8(model, config=recipe_config(recipe, emulate_tensorwise=True))
         summary = fp8_summary(model)
         assert len(summary.converted) == depth, summary
     elif mode != "bf16":
@@ -253,7 +280,8 @@ def recipe_markdown(rows: list[dict], machine: dict[str, str], args: argparse.Na
         "",
         "Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()),
         "",
-        f"Command: `{' '.join(['python benchmarks/bench_fp8.py', *args.argv])}`",
+        f"Date (UTC): {args.date}. Command: "
+        f"`{' '.join(['python benchmarks/bench_fp8.py', *args.argv])}`",
         f"tokens={args.tokens}, warmup={args.warmup}, timed steps={args.steps} per case, cases "
         "taking turns; each time is the fastest step. SQNR: N(0,1) operands, the worst and "
         "best operand of the recipe's quantized GEMM operands (stochastically rounded ones "
@@ -315,6 +343,7 @@ def run_recipes(args: argparse.Namespace, device: torch.device) -> int:
     """The recipe axis: SQNR and emulated step time per recipe (see the module docstring)."""
     recipes = list(RECIPES) if args.recipes == ["all"] else args.recipes
     machine = machine_description(device)
+    args.date = utc_date()
     rows = []
     start = time.perf_counter()
     for width in args.widths:
@@ -332,6 +361,8 @@ def run_recipes(args: argparse.Namespace, device: torch.device) -> int:
                 }
             )
         print(f"w={width} (elapsed {time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    if hasattr(os, "getloadavg"):
+        machine["load_avg_1min_at_end"] = f"{os.getloadavg()[0]:.2f}"
     table = recipe_markdown(rows, machine, args)
     print(table)
     if not args.no_write:
@@ -347,6 +378,275 @@ def run_recipes(args: argparse.Namespace, device: torch.device) -> int:
             table,
             payload,
             lambda png: recipe_chart(rows, machine, png),
+        )
+        print("wrote " + ", ".join(map(str, paths.values())), file=sys.stderr)
+    return 0
+
+
+# ----- the training axis: the stdlib-text GPT per recipe vs bf16 vs fp32 -----
+TRAIN_BASELINES = ("fp32", "bf16")
+"""The modes trained over several seeds (the seed-to-seed spread); recipes train seed 0."""
+KEEP_HEAD = {"head": "keep"}
+"""per_module_recipes rule of the training axis: the output head stays in bf16 (torchao's
+recipes skip it; Megatron keeps the last layer in bf16); every block's Linear converts."""
+
+
+def build_gpt(mode: str, seed: int, args: argparse.Namespace, device: torch.device) -> tuple:
+    """The GPT of the training axis in `mode` ('fp32', 'bf16' or a recipe name), prepared by
+    the core (prepare_model / prepare_optimizer: bf16 autocast and fp32 masters but in fp32),
+    from the init of torch.manual_seed(seed): the same weights in every mode."""
+    torch.manual_seed(seed)
+    model = GPT(args.train_width, args.train_depth, args.train_heads, args.train_context)
+    model = model.to(device)
+    if mode in TRAIN_BASELINES:
+        policy = to_policy(mode)
+        prepared = prepare_model(model, policy)
+    else:
+        policy = to_policy("fp8")
+        config = recipe_config(mode, emulate_tensorwise=device.type == "cpu")
+        keep_head = per_module_recipes(model, KEEP_HEAD, config=config, keep_first_last=False)
+        prepared = prepare_model(model, policy, fp8_filter=keep_head, fp8_config=config)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.train_lr, weight_decay=0.1)
+    return prepared, prepare_optimizer(opt, policy)
+
+
+def train_run(
+    mode: str, seed: int, args: argparse.Namespace, text: tuple, device: torch.device, bar: Any
+) -> dict[str, Any]:
+    """One training run: its per-step training loss, validation loss every --eval-every steps
+    (the fixed windows of gpt_val_loss; no gradient, so nvfp4 draws nothing) and at the end."""
+    train, val = (t.to(device) for t in text)
+    model, opt = build_gpt(mode, seed, args, device)
+    losses: list[float] = []
+    curve: list[tuple[int, float]] = []
+
+    def on_step(step: int, loss: float) -> None:
+        losses.append(round(loss, 5))
+        if (step + 1) % args.eval_every == 0 and step + 1 < args.train_steps:
+            curve.append((step + 1, gpt_val_loss(model, val, args.train_context)))
+        bar.update(1)
+
+    start = time.perf_counter()
+    train_gpt(
+        model,
+        opt,
+        train,
+        steps=args.train_steps,
+        batch=args.train_batch,
+        context=args.train_context,
+        lr=args.train_lr,
+        seed=seed,
+        on_step=on_step,
+    )
+    val_loss = gpt_val_loss(model, val, args.train_context)
+    curve.append((args.train_steps, val_loss))
+    return {
+        "mode": mode,
+        "seed": seed,
+        "val_loss": val_loss,
+        "val_curve": curve,
+        "train_loss": losses,
+        "skipped_steps": opt.skipped_steps,
+        "converted": list(fp8_summary(model.module).converted)
+        if mode not in TRAIN_BASELINES
+        else [],
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def spread(runs: list[dict]) -> tuple[float, float]:
+    vals = [r["val_loss"] for r in runs]
+    return min(vals), max(vals)
+
+
+def train_verdicts(record: dict) -> list[dict[str, Any]]:
+    """Per mode and seed: val loss, gap to bf16 on the same seed (same init and batches), and
+    where it lies against fp32's seed spread ('inside', or the distance above or below it)."""
+    runs = record["runs"]
+    lo, hi = spread([r for r in runs if r["mode"] == "fp32"])
+    bf16 = {r["seed"]: r["val_loss"] for r in runs if r["mode"] == "bf16"}
+    rows = []
+    for r in runs:
+        v = r["val_loss"]
+        gap = v - bf16[r["seed"]] if r["seed"] in bf16 and r["mode"] != "bf16" else None
+        where = (
+            "inside"
+            if lo <= v <= hi
+            else f"{v - hi:+.4f} above"
+            if v > hi
+            else f"{v - lo:+.4f} below"
+        )
+        rows.append(
+            {
+                **{k: r[k] for k in ("mode", "seed", "val_loss")},
+                "gap_to_bf16": gap,
+                "vs_fp32_spread": where,
+            }
+        )
+    return rows
+
+
+def train_markdown(record: dict) -> str:
+    a, machine = record["args"], record["machine"]
+    runs = record["runs"]
+    lo, hi = spread([r for r in runs if r["mode"] == "fp32"])
+    blo, bhi = spread([r for r in runs if r["mode"] == "bf16"])
+    n_params = record["params"]
+    lines = [
+        f"# fp8 recipes: training the stdlib-text GPT ({machine['device']})",
+        "",
+        "Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()),
+        "",
+        f"Date (UTC): {record['date']}. Command: "
+        f"`{' '.join(['python benchmarks/bench_fp8.py', *record['argv']])}` "
+        f"({record['total_seconds']:.0f} s).",
+        "",
+        f"Byte-level GPT (mixprec.bench.gpt): width {a['train_width']}, depth {a['train_depth']}, "
+        f"{a['train_heads']} heads, context {a['train_context']}, {n_params / 1e6:.2f}M parameters; "
+        f"{a['train_steps']} AdamW steps (weight decay 0.1, lr {a['train_lr']}, 20 warmup steps "
+        f"then cosine to 0) of {a['train_batch']} x {a['train_context']} bytes of the Python "
+        "standard library's source; validation loss over 8 x 32 fixed windows of the held-out "
+        "last 10 %. fp32 and bf16 over seeds "
+        f"{', '.join(map(str, range(a['seeds'])))} (a seed sets the init and the batch order); "
+        "each recipe on seed 0: the same init and batches as fp32 and bf16 seed 0. Recipes run "
+        "under bf16 autocast with fp32 masters (mode 'fp8'), every block's Linear layers "
+        f"converted ({record['converted']} layers), the output head kept in bf16"
+        + (
+            ", every recipe emulated on CPU (quantize, dequantize, fp32 GEMM)."
+            if machine["device"] == "cpu"
+            else "."
+        )
+        + " Gap to bf16: the run minus bf16 on the same seed (the change the recipe's "
+        "quantization makes). fp32 spread: fp32's lowest to highest validation loss over its "
+        "seeds; 'inside' when a run lies within it, else its distance past the nearer end.",
+        "",
+        f"fp32 seed spread: {lo:.4f} - {hi:.4f} (width {hi - lo:.4f}); bf16 seed spread: "
+        f"{blo:.4f} - {bhi:.4f} (width {bhi - blo:.4f}).",
+        "",
+        "| mode | seed | val loss | gap to bf16 (same seed) | vs fp32 seed spread |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for row in train_verdicts(record):
+        gap = "" if row["gap_to_bf16"] is None else f"{row['gap_to_bf16']:+.4f}"
+        lines.append(
+            f"| {row['mode']} | {row['seed']} | {row['val_loss']:.4f} | {gap} | {row['vs_fp32_spread']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def train_chart(record: dict, path: Path) -> None:
+    """Validation-loss curves per run (fp32 and bf16 seeds thin, recipes on seed 0), the
+    final validation loss per mode over the fp32 and bf16 seed spreads, and each recipe's
+    training loss minus bf16's on the same batches (a 25-step moving mean)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = record["runs"]
+    fig, (ax_c, ax_d, ax_f) = plt.subplots(1, 3, figsize=(16, 4.6))
+    recipes = [r["mode"] for r in runs if r["mode"] not in TRAIN_BASELINES]
+    colors = {m: f"C{i}" for i, m in enumerate(recipes)}
+    for r in runs:
+        steps, vals = zip(*r["val_curve"], strict=True)
+        if r["mode"] in TRAIN_BASELINES:
+            style = {"color": "grey" if r["mode"] == "fp32" else "black", "linewidth": 0.8}
+            label = r["mode"] if r["seed"] == 0 else None
+        else:
+            style, label = {"color": colors[r["mode"]], "linewidth": 1.2}, r["mode"]
+        ax_c.plot(steps, vals, label=label, **style)
+    ax_c.set_xlabel("step")
+    ax_c.set_ylabel("validation loss")
+    ax_c.set_ylim(top=min(r["val_curve"][0][1] for r in runs) * 1.05)
+    ax_c.legend(fontsize=7)
+    ax_c.set_title(
+        "validation loss (recipes and seed 0 of fp32 / bf16 share init and batches)", fontsize=8
+    )
+
+    bf16 = next(r for r in runs if r["mode"] == "bf16" and r["seed"] == 0)["train_loss"]
+    window = 25
+    for r in runs:
+        if r["mode"] in TRAIN_BASELINES and not (r["mode"] == "fp32" and r["seed"] == 0):
+            continue
+        diff = torch.tensor(r["train_loss"]) - torch.tensor(bf16)
+        smooth = diff.unfold(0, window, 1).mean(1) if len(diff) >= window else diff
+        color = "grey" if r["mode"] == "fp32" else colors[r["mode"]]
+        ax_d.plot(
+            range(len(diff) - len(smooth), len(diff)),
+            smooth.tolist(),
+            color=color,
+            label=r["mode"],
+            linewidth=1,
+        )
+    ax_d.axhline(0, color="black", linewidth=0.8)
+    ax_d.set_xlabel("step")
+    ax_d.set_ylabel(f"training loss - bf16's ({window}-step mean)")
+    ax_d.legend(fontsize=7)
+    ax_d.set_title("training loss vs bf16, seed 0 (same batches)", fontsize=8)
+
+    modes = list(dict.fromkeys(r["mode"] for r in runs))
+    for mode, color, alpha in (("fp32", "grey", 0.3), ("bf16", "black", 0.12)):
+        lo, hi = spread([r for r in runs if r["mode"] == mode])
+        ax_f.axhspan(lo, hi, color=color, alpha=alpha, label=f"{mode} seed spread")
+    for i, mode in enumerate(modes):
+        vals = [r["val_loss"] for r in runs if r["mode"] == mode]
+        ax_f.scatter([i] * len(vals), vals, zorder=3, color=colors.get(mode, "black"), s=14)
+    ax_f.set_xticks(range(len(modes)), modes, rotation=30, ha="right", fontsize=8)
+    ax_f.set_ylabel("final validation loss")
+    ax_f.legend(fontsize=7)
+    m = record["machine"]
+    fig.suptitle(
+        f"fp8 recipes training the stdlib-text GPT, {m.get('gpu', m['cpu'])}, torch {m['torch']}, "
+        f"{record['date']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_train(args: argparse.Namespace, device: torch.device) -> int:
+    """The training axis (see the module docstring)."""
+    recipes = list(RECIPES) if args.recipes in (None, ["all"]) else args.recipes
+    plan = [(m, s) for m in TRAIN_BASELINES for s in range(args.seeds)] + [(r, 0) for r in recipes]
+    machine = machine_description(device)
+    date = utc_date()
+    text = stdlib_text(args.text_bytes)
+    start = time.perf_counter()
+    runs = []
+    with progress_bar(
+        total=len(plan) * args.train_steps, enabled=not args.no_progress, desc="bench_fp8 --train"
+    ) as bar:
+        for mode, seed in plan:
+            bar.set_postfix_str(f"{mode} seed {seed}")
+            runs.append(train_run(mode, seed, args, text, device, bar))
+    if hasattr(os, "getloadavg"):
+        machine["load_avg_1min_at_end"] = f"{os.getloadavg()[0]:.2f}"
+    record = {
+        "machine": machine,
+        "date": date,
+        "argv": args.argv,
+        "args": {k: v for k, v in vars(args).items() if k != "argv"},
+        "total_seconds": round(time.perf_counter() - start, 1),
+        "params": sum(
+            p.numel()
+            for p in GPT(
+                args.train_width, args.train_depth, args.train_heads, args.train_context
+            ).parameters()
+        ),
+        "converted": max((len(r["converted"]) for r in runs), default=0),
+        "runs": runs,
+    }
+    record["verdicts"] = train_verdicts(record)
+    table = train_markdown(record)
+    print(table)
+    if not args.no_write:
+        paths = write_record(
+            args.out or fresh_out_dir("bench_fp8"),
+            f"fp8_train_{device.type}",
+            table,
+            record,
+            lambda png: train_chart(record, png),
         )
         print("wrote " + ", ".join(map(str, paths.values())), file=sys.stderr)
     return 0
@@ -397,6 +697,26 @@ def main(argv: list[str] | None = None) -> int:
         help="the recipe axis instead of the mode sweep: SQNR and emulated step time per "
         "Float8Config recipe ('all': every recipe)",
     )
+    train = parser.add_argument_group("the training axis (--train)")
+    train.add_argument(
+        "--train",
+        action="store_true",
+        help="train the stdlib-text GPT in fp32, bf16 and each recipe (--recipes, default all): "
+        "final validation loss vs bf16 and the fp32 seed spread",
+    )
+    train.add_argument("--train-width", type=int, default=128)
+    train.add_argument("--train-depth", type=int, default=2)
+    train.add_argument("--train-heads", type=int, default=4)
+    train.add_argument("--train-context", type=int, default=64)
+    train.add_argument("--train-batch", type=int, default=16, help="windows per step")
+    train.add_argument("--train-steps", type=int, default=500)
+    train.add_argument("--train-lr", type=float, default=2e-3, help="peak learning rate")
+    train.add_argument("--seeds", type=int, default=4, help="fp32 and bf16 seeds (the spread)")
+    train.add_argument("--eval-every", type=int, default=50, help="steps between validations")
+    train.add_argument(
+        "--text-bytes", type=int, default=1_200_000, help="bytes of stdlib source (90 %% train)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     args.argv, args.skipped = argv, []
@@ -410,6 +730,14 @@ def main(argv: list[str] | None = None) -> int:
     global FAST_ACCUM
     FAST_ACCUM = args.fast_accum == "on"
     device = torch.device(args.device)
+    if args.train:
+        small = {k: v for k, v in vars(args).items() if k.startswith(("train_", "eval_every"))}
+        bad = {k: v for k, v in small.items() if k != "train_lr" and v < 1}
+        if bad or args.seeds < 2:
+            parser.error(
+                f"--train needs positive sizes and --seeds >= 2 (a spread), got {bad or {'seeds': args.seeds}}."
+            )
+        return run_train(args, device)
     if args.recipes is not None:
         return run_recipes(args, device)
     modes = list(args.modes)
