@@ -16,7 +16,8 @@ from mixprec.booster import Booster
 from mixprec.booster.plugin import LowLevelZeroPlugin
 from mixprec.config import load_config
 from mixprec.core.prepare import prepare_model, prepare_optimizer
-from mixprec.parallel.zero import ZeroOptimizer, partition_params
+from mixprec.parallel.zero import ZeroOptimizer
+from mixprec.parallel.zero_layout import partition_params
 
 WIDTH = 16  # tiny: fp16 matmuls are slow on CPU
 STEPS = 4
@@ -93,11 +94,11 @@ def _equality_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> Non
         assert isinstance(opt, ZeroOptimizer) and opt.world == world
         assert opt.process_group is None  # the world group is looked up at use, never held
         assert not opt.reduce_scatter  # gloo's all-reduce is the faster of the two
-        opt.reduce_scatter = precision == "fp16"  # both collectives of stage 2 are checked
+        opt.buckets.reduce_scatter = precision == "fp16"  # both collectives of stage 2 are checked
         low = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
         assert opt.communication_dtype == torch.float32  # gloo sums fp16 slower than fp32
         if stage == 2:  # the lp sum, divided by the world first (the default off gloo)
-            opt.communication_dtype = low
+            opt.buckets.communication_dtype = low
         assert model.module[0].weight.dtype == low  # lp params on every rank
 
         # The reference: one process, the whole batch, the same policy and fp32-master math.

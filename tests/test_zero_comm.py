@@ -436,17 +436,17 @@ def _overlap_run(rank: int, stage: int, precision: str, overlap: bool, fp8: bool
         if accumulate == "no_sync":
             with booster.no_sync(model):
                 booster.backward(criterion(model(x[:8]), y[:8]), opt)
-            assert not opt._pending  # inside no_sync nothing is reduced
+            assert not opt.buckets.pending  # inside no_sync nothing is reduced
             booster.backward(criterion(model(x[8:]), y[8:]), opt)
         elif accumulate == "twice":  # without no_sync: the second backward redoes the buckets
             booster.backward(criterion(model(x[:8]), y[:8]), opt)
             booster.backward(criterion(model(x[8:]), y[8:]), opt)
         else:
             booster.backward(criterion(model(x), y), opt)
-        launched.append(len(opt._pending))
+        launched.append(len(opt.buckets.pending))
         opt.step()
         opt.zero_grad()
-    buckets = len(opt._bucket_plan())
+    buckets = len(opt.buckets.plan())
     assert buckets > 1  # several buckets: some are launched before backward ends
     return [p.detach().clone() for p in opt.hp_params()], [n / buckets for n in launched]
 
@@ -504,7 +504,7 @@ def _default_overlap_worker(rank: int, world: int) -> None:
     assert plugin.overlap_communication is False  # the default, unlike Colossal's
     booster, model = Booster(plugin=plugin), _Branchy()
     model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=1.0))
-    assert len(opt._bucket_plan()) > 2
+    assert len(opt.buckets.plan()) > 2
     booster.backward(nn.functional.mse_loss(model(x, use_b), y), opt)
     assert not opt.step().skipped
     after = torch.cat([p.detach().reshape(-1) for p in opt.hp_params()])

@@ -203,7 +203,7 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
     @property
     def require_grad_sync(self) -> bool:
         """False inside no_sync()."""
-        return self._sync_grads
+        return self.buckets.syncs
 
     def backward(
         self,
@@ -273,7 +273,7 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
         if only_on_master or self.world == 1:
             return gathered
         box = [gathered]
-        dist.broadcast_object_list(box, src=self._global_rank(0), group=self.shard_group)
+        dist.broadcast_object_list(box, src=self.layout.global_rank(0), group=self.shard_group)
         return box[0]
 
     def state_dict_shard(
