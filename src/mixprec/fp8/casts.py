@@ -1,10 +1,16 @@
-"""Per-tensor scale math and saturating float8 casts (pure tensor functions, no host syncs)."""
+"""Per-tensor scale math, saturating float8 casts and the amax reduction over ranks (pure tensor
+functions and functional collectives, no host syncs)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from mixprec.fp8.config import AMAX_EPS, Float8Config
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def tensor_to_amax(hp_tensor: torch.Tensor) -> torch.Tensor:
@@ -88,6 +94,34 @@ def delayed_amax(history: torch.Tensor, amax: torch.Tensor, *, record: bool = Tr
     return chosen
 
 
+def amax_reduction_group(config: Float8Config) -> ProcessGroup | None:
+    """The group Float8Config.amax_group names, or None when there is nothing to reduce (None,
+    or a group of one rank; 'world' with no process group initialized)."""
+    group = config.amax_group
+    if group is None:
+        return None
+    dist = torch.distributed
+    if group == "world":
+        if not dist.is_initialized():
+            return None
+        group = dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def reduce_amax(amax: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """max of `amax` over the ranks of `group`: a functional all-reduce (traceable under
+    torch.compile, on device, no host sync). A DTensor amax (a tensor-parallel operand) is
+    first reduced over its own mesh, and stays a replicated DTensor."""
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(amax, DTensor):
+        mesh = amax.device_mesh
+        local = funcol.all_reduce(amax.full_tensor(), "max", group)
+        return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return funcol.all_reduce(amax, "max", group)
+
+
 def cast_to_fp8(
     hp_tensor: torch.Tensor,
     lp_dtype: torch.dtype,
@@ -99,8 +133,12 @@ def cast_to_fp8(
     """hp -> (lp, inverse scale). The inverse is what _scaled_mm multiplies the product by.
 
     With a delayed-scaling history, record says whether this call's amax is appended to it.
+    A recording (training) call reduces the amax over config.amax_group first (see there).
     """
     amax = tensor_to_amax(hp_tensor)
+    group = amax_reduction_group(config) if record else None
+    if group is not None:
+        amax = reduce_amax(amax, group)
     if history is not None:
         amax = delayed_amax(history, amax, record=record)
     scale = amax_to_scale(

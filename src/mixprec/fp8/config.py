@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
 from mixprec.core.policy import did_you_mean
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 LP_FORWARD_DTYPE = torch.float8_e4m3fn
 """Inputs and weights: 3 mantissa bits, range +-448 (precision matters more than range)."""
@@ -44,6 +47,10 @@ SCALINGS: tuple[str, ...] = get_args(Scaling)
 Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8", "nvfp4"]
 RECIPES: tuple[str, ...] = get_args(Recipe)
 """The float8 recipes (what each scales: see mixprec.fp8.recipes), declared once here."""
+
+AmaxGroupName = Literal["world"]
+AMAX_GROUP_NAMES: tuple[str, ...] = get_args(AmaxGroupName)
+"""Float8Config.amax_group's names for a group (besides None and a ProcessGroup object)."""
 
 MXScaleMode = Literal["rceil", "floor", "ceil", "even"]
 MX_SCALE_MODES: tuple[str, ...] = get_args(MXScaleMode)
@@ -110,6 +117,26 @@ class Float8Config:
     persist_amax_history: bool = False
     """Save the delayed-scaling history in state_dict (exact resume; keys then differ from
     nn.Linear's, though a plain nn.Linear checkpoint still loads: the history restarts)."""
+    amax_group: AmaxGroupName | ProcessGroup | None = None
+    """Which ranks share each tensorwise amax, so that they scale alike (tensorwise only).
+
+    None: the ranks holding pieces of the tensor. A tensor-parallel (DTensor) operand's amax
+    is that of the whole tensor (DTensor reduces it over the mesh dims that shard it), so
+    every TP rank gets the same scale, dynamic or delayed; a plain tensor's amax is this
+    rank's own, so data-parallel replicas scale their own micro-batches and keep their own
+    delayed histories (torchao's behaviour).
+
+    A torch.distributed ProcessGroup, or 'world' (the default group; none initialized or one
+    rank: nothing to reduce): in every training call (a forward in training mode with grad
+    enabled, and its backward) each tensorwise amax is all-reduced (MAX) over the group before
+    it is used: dynamic scaling reduces each cast's amax, delayed scaling each entry it records,
+    so the histories agree on every rank (Transformer Engine's amax_reduction_group). Pass the
+    data-parallel group (with tensor parallelism, the DP x TP group) to give the replicas the
+    scales of the one-process run over the whole batch. The reduction is a functional
+    collective (traceable under torch.compile, on device: no host sync), one per cast, so
+    every rank of the group must run the same Float8Linear training calls in the same order;
+    under pipeline parallelism pass the stage's group, never one spanning stages. Eval and
+    no_grad calls never reduce."""
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -153,6 +180,7 @@ class Float8Config:
             raise TypeError(
                 f"Float8Config.emulate must be True, False or None, got {self.emulate!r}."
             )
+        _check_amax_group(self.amax_group)
         if self.emulate is False and self.allow_emulation:
             raise ValueError(
                 "Float8Config(emulate=False, allow_emulation=True) contradicts itself: emulate=False "
@@ -176,6 +204,11 @@ class Float8Config:
             refused.append(f"scaling={self.scaling!r} (delayed scaling is tensorwise only)")
         if self.margin:
             refused.append(f"margin={self.margin!r} (tensorwise only)")
+        if self.amax_group is not None:
+            refused.append(
+                f"amax_group={self.amax_group!r} (tensorwise only: the other recipes scale "
+                "per row or block)"
+            )
         if self.emulate is False and recipe not in ("rowwise", "rowwise_with_gw_hp"):
             refused.append(
                 "emulate=False (no float8 kernel path for this recipe: it emulates; "
@@ -192,6 +225,10 @@ class Float8Config:
                 f"Float8Config(recipe={recipe!r}) cannot take " + "; ".join(refused) + "."
             )
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Float8Config:
+        # Immutable: a deep copy of a model shares it (a ProcessGroup field cannot be copied).
+        return self
+
     @property
     def resolved_power_of_two(self) -> bool:
         """power_of_two_scale, or the recipe's default when it is None."""
@@ -205,3 +242,16 @@ class Float8Config:
         if self.recipe == "nvfp4":
             raise ValueError("Float8Config(recipe='nvfp4'): gradients are E2M1, not float8.")
         return LP_GRAD_DTYPES[self.grad_dtype or RECIPE_GRAD_DTYPES[self.recipe]]
+
+
+def _check_amax_group(group: object) -> None:
+    if group is None or group in AMAX_GROUP_NAMES:
+        return
+    dist = torch.distributed
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return
+    raise TypeError(
+        f"Float8Config.amax_group={group!r}; valid: None (the ranks holding the tensor), "
+        + ", ".join(repr(n) for n in AMAX_GROUP_NAMES)
+        + " or a torch.distributed ProcessGroup."
+    )
