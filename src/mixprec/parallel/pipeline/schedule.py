@@ -246,6 +246,26 @@ class PipelinedModel(nn.Module):
         cls = Schedule1F1B if self.config.schedule == "1f1b" else ScheduleGPipe
         return cls(self.pipeline_stages[0], m, loss_fn=self._loss_fn, scale_grads=False)
 
+    def _microbatches_of(self, size: int) -> int:
+        """The micro-batch count of a batch of size samples; the first batch fixes the size
+        (and builds the schedule). Checked on every rank before the schedule runs (every rank
+        of a pipeline reads the same batch): all raise the same error, none is left waiting in
+        a send or receive."""
+        m = self.config.microbatches_of(size)
+        if self._batch_size is not None and size != self._batch_size:
+            raise ValueError(
+                f"The batch of {size} samples differs from the {self._batch_size} the pipeline "
+                f"was first run with: its stages fix the micro-batch shape ({self._batch_size} "
+                f"/ {m}) at the first batch. A short last batch is the usual cause: build the "
+                "DataLoader with drop_last=True (plugin.prepare_dataloader(..., "
+                "drop_last=True)), or pad the last batch to the same size."
+            )
+        if self._schedule is None:
+            self._schedule = self._make_schedule(m)
+            self._batch_size = size
+            self._microbatches = m
+        return m
+
     def run(
         self,
         batch: Any,
@@ -269,22 +289,7 @@ class PipelinedModel(nn.Module):
                 f"{type(optimizer).__name__}."
             )
         inputs, targets = _inputs_and_targets(batch)
-        size = inputs.shape[0]
-        # Checked on every rank before the schedule runs (every rank of a pipeline reads the
-        # same batch): all raise the same error, none is left waiting in a send or receive.
-        m = self.config.microbatches_of(size)
-        if self._batch_size is not None and size != self._batch_size:
-            raise ValueError(
-                f"The batch of {size} samples differs from the {self._batch_size} the pipeline "
-                f"was first run with: its stages fix the micro-batch shape ({self._batch_size} "
-                f"/ {m}) at the first batch. A short last batch is the usual cause: build the "
-                "DataLoader with drop_last=True (plugin.prepare_dataloader(..., "
-                "drop_last=True)), or pad the last batch to the same size."
-            )
-        if self._schedule is None:
-            self._schedule = self._make_schedule(m)
-            self._batch_size = size
-            self._microbatches = m
+        m = self._microbatches_of(inputs.shape[0])
         self._run = (criterion, optimizer)
         self._losses = []
         if not forward_only:  # every stage's grads come from the last stage's scaled loss
@@ -368,8 +373,6 @@ def prepare_pipeline(
     """
     if zero is not None and fp8_communication is not None:
         raise ValueError("fp8_communication with zero: pass it among zero's arguments.")
-    from torch.distributed.device_mesh import init_device_mesh
-
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "Pipeline parallelism needs torch.distributed initialised first: call "
@@ -379,17 +382,77 @@ def prepare_pipeline(
     check_pp_size(config.pp_size, world, tp)
     all_stages = stage_modules(model, config)  # bad models raise here, before any collective
     plans = _stage_tp_plans(all_stages, tp_plan, tp)
-    dp_size = world // (config.pp_size * tp)
-    mesh = init_device_mesh(
-        device.type, (dp_size, config.pp_size, tp), mesh_dim_names=("dp", "pp", "tp")
+    mesh = _mesh(device, world, config)
+    stage_ids = [mesh.get_local_rank("pp") + k * config.pp_size for k in range(config.chunks)]
+    wrapped = _place_stages(all_stages, stage_ids, optimizer, policy, config, device, convert)
+    if tp > 1:
+        _parallelize(wrapped, [plans[i] for i in stage_ids], mesh["tp"], optimizer)
+    # A cut nn.Sequential keeps its layer names; a list of stages is keyed by list index.
+    prefixes = ["" if isinstance(model, nn.Sequential) else f"{i}." for i in stage_ids]
+    piped = PipelinedModel(wrapped, stage_ids, config, mesh.get_group("pp"), device, prefixes)
+    if optimizer is None:
+        return piped, None
+    return piped, _stage_optimizer(
+        optimizer, policy, mesh, wrapped, max_norm, fp8_communication, zero
     )
-    pp_rank = mesh.get_local_rank("pp")
-    pp_group = mesh.get_group("pp")
-    dp_group = mesh.get_group("dp") if dp_size > 1 or zero is not None else None
-    stage_ids = [pp_rank + k * config.pp_size for k in range(config.chunks)]
+
+
+def _stage_optimizer(
+    optimizer: torch.optim.Optimizer,
+    policy: Policy,
+    mesh: Any,
+    stages: list[PrecisionModule],
+    max_norm: float,
+    fp8_communication: torch.dtype | None,
+    zero: Mapping[str, Any] | None,
+) -> StageOptimizer:
+    """optimizer wrapped over this rank's stages: averaged over the stage's replicas
+    (PipelineOptimizer), or ZeRO over them (PipelineZeroOptimizer)."""
+    dp_group = mesh.get_group("dp") if mesh.size(0) > 1 or zero is not None else None
+    # every stage and replica skips together: the overflow flag is reduced over the world
+    if zero is not None:  # fp8_communication among zero's keywords (ZeRO's own buckets)
+        norm_group = _tp_index_group(mesh) if mesh.size(2) > 1 else None
+        cls, extra = PipelineZeroOptimizer, {"norm_group": norm_group, **zero}
+    else:
+        cls, extra = PipelineOptimizer, {"fp8_communication": fp8_communication}
+    mp_optimizer: StageOptimizer = prepare_optimizer(  # type: ignore[assignment]
+        optimizer,
+        policy,
+        max_norm=max_norm,
+        process_group=dist.group.WORLD,
+        optimizer_cls=cls,
+        pp_group=mesh.get_group("pp"),
+        dp_group=dp_group,
+        **extra,
+    )
+    for stage in stages:
+        mp_optimizer.name_params(stage.module)
+    return mp_optimizer
+
+
+def _mesh(device: torch.device, world: int, config: PipelineConfig) -> Any:
+    """The (dp, pp, tp) device mesh of the world."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp_size = world // (config.pp_size * config.tp_size)
+    shape = (dp_size, config.pp_size, config.tp_size)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("dp", "pp", "tp"))
+
+
+def _place_stages(
+    all_stages: list[nn.Module],
+    stage_ids: list[int],
+    optimizer: torch.optim.Optimizer | None,
+    policy: Policy,
+    config: PipelineConfig,
+    device: torch.device,
+    convert: Convert,
+) -> list[PrecisionModule]:
+    """This rank's stages on device, converted per policy; the others' layers on the meta
+    device (their memory freed) and out of the optimizer's param groups."""
     local = [all_stages[i] for i in stage_ids]
-    local_ids = {id(p) for stage in local for p in stage.parameters()}
     if optimizer is not None:
+        local_ids = {id(p) for stage in local for p in stage.parameters()}
         _narrow_optimizer(optimizer, local_ids, {id(p) for s in all_stages for p in s.parameters()})
     for i, stage in enumerate(all_stages):
         if i not in stage_ids:
@@ -401,33 +464,7 @@ def prepare_pipeline(
         # the dtype they were computed in (an fp32 cast there would double the bytes sent).
         stage_policy = policy if i == last else replace(policy, cast_outputs_to=None)
         wrapped.append(convert(stage.to(device), stage_policy))
-    # A cut nn.Sequential keeps its layer names; a list of stages is keyed by list index.
-    cut = isinstance(model, nn.Sequential)
-    prefixes = ["" if cut else f"{i}." for i in stage_ids]
-    if tp > 1:
-        _parallelize(wrapped, [plans[i] for i in stage_ids], mesh["tp"], optimizer)
-    piped = PipelinedModel(wrapped, stage_ids, config, pp_group, device, prefixes)
-    if optimizer is None:
-        return piped, None
-    # every stage and replica skips together: the overflow flag is reduced over the world
-    if zero is not None:  # fp8_communication among zero's keywords (ZeRO's own buckets)
-        norm_group = _tp_index_group(mesh) if tp > 1 else None
-        cls, extra = PipelineZeroOptimizer, {"norm_group": norm_group, **zero}
-    else:
-        cls, extra = PipelineOptimizer, {"fp8_communication": fp8_communication}
-    mp_optimizer: StageOptimizer = prepare_optimizer(  # type: ignore[assignment]
-        optimizer,
-        policy,
-        max_norm=max_norm,
-        process_group=dist.group.WORLD,
-        optimizer_cls=cls,
-        pp_group=pp_group,
-        dp_group=dp_group,
-        **extra,
-    )
-    for stage in wrapped:
-        mp_optimizer.name_params(stage.module)
-    return piped, mp_optimizer
+    return wrapped
 
 
 def _tp_index_group(mesh: Any) -> dist.ProcessGroup:
