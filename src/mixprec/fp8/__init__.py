@@ -18,8 +18,11 @@ nn.Linear's keys. Where no float8 GEMM kernel exists, `Float8Config(emulate=True
 float8 and back and runs the GEMM in fp32: the same rounding, no speedup.
 
 The other recipes (rowwise, rowwise_with_gw_hp, blockwise, mxfp8, nvfp4) scale per row or per
-block (quantize.py: one quantizer per granularity; recipes.py: each GEMM's operand layout) and
-are emulated on every device. per_module_recipes chooses a recipe (or high precision) per layer;
+block (quantize.py: one quantizer per granularity; recipes.py: each GEMM's operand layout);
+rowwise and rowwise_with_gw_hp run torch._scaled_mm with rowwise scales where the device has
+it (CUDA sm_89+, bf16 outputs), the others are emulated on every device.
+Float8Config.amax_group says which ranks share a tensorwise amax (tensor-parallel shards
+always do; data-parallel replicas when it names their group). per_module_recipes chooses a recipe (or high precision) per layer;
 Float8Telemetry observes each GEMM operand's quantization error; checkpoint.py reads and writes
 DeepSeek-V3's block-fp8 weight layout.
 """
@@ -41,6 +44,7 @@ from mixprec.fp8.checkpoint import (
 )
 from mixprec.fp8.config import (
     AMAX_EPS,
+    AMAX_GROUP_NAMES,
     GEMM_ALIGN,
     LP_FORWARD_DTYPE,
     LP_GRAD_DTYPES,
@@ -59,7 +63,16 @@ from mixprec.fp8.convert import (
     fp8_summary,
     per_module_recipes,
 )
-from mixprec.fp8.kernels import cpu_has_scaled_mm, fp8_kernel_problem, lp_gemm, resolve_emulate
+from mixprec.fp8.kernels import (
+    ROWWISE_KERNEL_RECIPES,
+    cpu_has_rowwise_scaled_mm,
+    cpu_has_scaled_mm,
+    fp8_kernel_problem,
+    lp_gemm,
+    resolve_emulate,
+    resolve_recipe_kernel,
+    rowwise_kernel_problem,
+)
 from mixprec.fp8.linear import Float8Conv1D, Float8Linear, is_hf_conv1d
 from mixprec.fp8.quantize import (
     dequantize_blockwise,
@@ -72,13 +85,14 @@ from mixprec.fp8.quantize import (
     quantize_rowwise,
     quantize_tensorwise,
 )
-from mixprec.fp8.recipes import RECIPE_OPERANDS, emulated_gemm
+from mixprec.fp8.recipes import RECIPE_OPERANDS, emulated_gemm, recipe_gemm
 from mixprec.fp8.telemetry import Float8Telemetry, OperandStats, operand_stats
 
 register_fp8_converter(convert_to_fp8)  # the core's prepare_model calls it for 'fp8'
 
 __all__ = [
     "AMAX_EPS",
+    "AMAX_GROUP_NAMES",
     "GEMM_ALIGN",
     "LP_FORWARD_DTYPE",
     "LP_GRAD_DTYPES",
@@ -86,6 +100,7 @@ __all__ = [
     "RECIPES",
     "RECIPE_GRAD_DTYPES",
     "RECIPE_OPERANDS",
+    "ROWWISE_KERNEL_RECIPES",
     "SCALINGS",
     "Float8Config",
     "Float8Conv1D",
@@ -99,6 +114,7 @@ __all__ = [
     "block_fp8_state_dict",
     "cast_to_fp8",
     "convert_to_fp8",
+    "cpu_has_rowwise_scaled_mm",
     "cpu_has_scaled_mm",
     "default_fp8_filter",
     "delayed_amax",
@@ -122,7 +138,10 @@ __all__ = [
     "quantize_rowwise",
     "quantize_tensorwise",
     "quantize_weight_block_fp8",
+    "recipe_gemm",
     "resolve_emulate",
+    "resolve_recipe_kernel",
+    "rowwise_kernel_problem",
     "tensor_to_amax",
     "tensor_to_fp8",
 ]

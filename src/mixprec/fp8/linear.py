@@ -303,7 +303,8 @@ class Float8Linear(nn.Linear):
             return f"{super().extra_repr()}, recipe={c.recipe}, emulate={emulate}"
         scaling = f"delayed(len={c.amax_history_len})" if c.scaling == "delayed" else c.scaling
         grad = c.grad_dtype or "e5m2"
-        return f"{super().extra_repr()}, scaling={scaling}, grad={grad}, emulate={c.emulate}"
+        group = "" if c.amax_group is None else f", amax_group={c.amax_group!r}"
+        return f"{super().extra_repr()}, scaling={scaling}, grad={grad}, emulate={c.emulate}{group}"
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
