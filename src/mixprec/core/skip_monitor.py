@@ -147,6 +147,14 @@ class StepCounter:
         """The last counted step's StepResult (None before the first)."""
         self.max_consecutive_skips = max_consecutive_skips
         self.monitor = SkipMonitor()
+        self.watchers: list[Callable[[bool], None]] = []
+        """Told each counted step's skipped flag, in step order (see watch)."""
+
+    def watch(self, watcher: Callable[[bool], None]) -> None:
+        """Call watcher(skipped) for every step counted from now on, in step order, when it is
+        counted: in the step itself where it reads its flag on the host, at the device record's
+        read (up to check_every steps later) where it does not. No host read of its own."""
+        self.watchers.append(watcher)
 
     def record(self, result: Any) -> str | None:
         """Count one step's result (a StepResult: .skipped, .scale); the skip monitor's message
@@ -155,6 +163,8 @@ class StepCounter:
         self.skipped_steps += skipped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
         self.last_result = result
+        for watcher in self.watchers:
+            watcher(skipped)
         return self.monitor.record(skipped, result.scale)
 
     def check_collapse(self, scaler: Any, nonfinite_params: Callable[[], list[str]]) -> None:
