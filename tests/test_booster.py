@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import tiny_mlp
 
-from mixprec.booster import Booster, SkipAwareLRScheduler
+from mixprec.booster import Booster
 from mixprec.booster.plugin import Plugin, TorchDDPPlugin, TorchFSDPPlugin
+from mixprec.core.lr_schedule import SkipAwareLRScheduler
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import MODES
 from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_optimizer
@@ -353,7 +354,6 @@ def test_fsdp2_booster_bf16_fp16_and_naive_two_ranks() -> None:
 
 
 def test_per_epoch_schedule_advances_if_any_step_of_the_epoch_went_through() -> None:
-    from mixprec.booster import SkipAwareLRScheduler
     from mixprec.core.optim import MixedPrecisionOptimizer
 
     model = torch.nn.Linear(4, 2)

@@ -1,6 +1,6 @@
 """Colossal-AI's Booster face: `Booster(mixed_precision=..., plugin=...).boost(...)`."""
 
-from mixprec.booster.booster import Booster, SkipAwareLRScheduler
+from mixprec.booster.booster import Booster
 from mixprec.booster.plugin import (
     HybridParallelPlugin,
     LowLevelZeroPlugin,
@@ -14,7 +14,6 @@ __all__ = [
     "HybridParallelPlugin",
     "LowLevelZeroPlugin",
     "Plugin",
-    "SkipAwareLRScheduler",
     "TorchDDPPlugin",
     "TorchFSDPPlugin",
 ]

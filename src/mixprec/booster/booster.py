@@ -14,7 +14,6 @@ wraps the result (DDP, FSDP2) and writes checkpoints. Nothing here decides a dty
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ from torch import nn
 from mixprec.booster.plugin.plugin_base import Plugin
 from mixprec.core import multi_loss
 from mixprec.core.compiled_step import CompiledStep, compile_step
+from mixprec.core.lr_schedule import SkipAwareLRScheduler
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.prepare import FP32Criterion
 from mixprec.core.skip_monitor import SkipStats
@@ -33,88 +33,6 @@ from mixprec.mixed_precision import (
     to_mixed_precision,
     with_optimizer_wrapper_api,
 )
-
-
-class SkipAwareLRScheduler:
-    """An LR scheduler whose position follows the optimizer steps that took effect: the one
-    LR-on-skip rule of the Booster and the Engine.
-
-    step() advances the schedule when some optimizer step since the last call was applied and
-    holds it when none was: per-step schedules (step() after every optimizer.step()) hold on a
-    skipped step, per-epoch ones advance if any step of the epoch went through. The rule reads
-    host counts only. Where the optimizer's sync-free step still holds steps on its device
-    record (`unread_steps`: on CUDA, or forced), step() advances at once as if they were
-    applied, and once the record is read (every check_every steps, or when a skip counter is
-    read) the schedule is put back where the applied steps place it (its saved state, stepped
-    once per applied step): no host read per step, and the LR after a skip is one step ahead
-    only until that read. Every other attribute (get_last_lr, last_epoch, ...) is the wrapped
-    scheduler's.
-    """
-
-    def __init__(self, scheduler: Any, optimizer: MixedPrecisionOptimizer) -> None:
-        self.scheduler = scheduler
-        self.optimizer = optimizer
-        self.held_steps = 0
-        """Calls to step() that did not advance the schedule (no optimizer step took effect)."""
-        self._applied_at_last_step = self._applied()
-        self._saved: tuple[dict[str, Any], list[Any]] | None = None  # state before unread calls
-        self._unread_calls = 0  # calls advanced while their steps' flags were on the device
-
-    def _applied(self) -> int:
-        """Applied optimizer steps among those whose flags the host has read (no sync)."""
-        counts = self.optimizer.counts
-        return counts.steps - self.optimizer.unread_steps - counts.skipped_steps
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.optimizer.unread_steps:  # the newest flags are on the device: advance, settle later
-            if self._saved is None:
-                groups = self.scheduler.optimizer.param_groups
-                self._saved = (
-                    copy.deepcopy(self.scheduler.state_dict()),
-                    [g["lr"] for g in groups],
-                )
-            self._unread_calls += 1
-            self.scheduler.step(*args, **kwargs)
-            return
-        applied = self._applied()
-        if self._saved is not None:
-            self._settle(applied, self._unread_calls + 1, *args, **kwargs)
-            return
-        stepped_before = self.optimizer.steps > 0 or self._applied_at_last_step > 0
-        if stepped_before and applied == self._applied_at_last_step:
-            self.held_steps += 1  # the weights did not move, so the schedule must not either
-            return
-        self._applied_at_last_step = applied
-        self.scheduler.step(*args, **kwargs)
-
-    def _settle(self, applied: int, calls: int, *args: Any, **kwargs: Any) -> None:
-        """The record was read: put the schedule where the applied steps place it, one advance
-        per call up to the applied steps since the saved state (each call follows its step)."""
-        assert self._saved is not None
-        state, lrs = self._saved
-        advances = min(calls, applied - self._applied_at_last_step)
-        self.scheduler.load_state_dict(state)
-        for group, lr in zip(self.scheduler.optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr  # chainable schedules (ExponentialLR, ...) step from the group's lr
-        for _ in range(advances):
-            self.scheduler.step(*args, **kwargs)
-        self.held_steps += calls - advances
-        self._applied_at_last_step = applied
-        self._saved, self._unread_calls = None, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "scheduler":  # not set yet (e.g. during unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.scheduler, name)
-
-    def __repr__(self) -> str:
-        return f"SkipAwareLRScheduler({self.scheduler!r})"
 
 
 class Booster:

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from mixprec.booster.booster import SkipAwareLRScheduler
+from mixprec.core.lr_schedule import SkipAwareLRScheduler
 from mixprec.core.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.core.skip_monitor import SkipStats
 
@@ -29,7 +29,7 @@ class EngineBase:
 
     @lr_scheduler.setter
     def lr_scheduler(self, scheduler: Any) -> None:
-        # set after the optimizer: the Booster's one LR-on-skip rule, over that optimizer
+        # set after the optimizer: the one LR-on-skip rule (the Booster's too), over it
         self._lr_rule = (
             None if scheduler is None else SkipAwareLRScheduler(scheduler, self.optimizer)
         )
@@ -46,7 +46,7 @@ class EngineBase:
 
     def _optimizer_step(self) -> StepResult:
         """Unscale, check, clip, step or skip; the LR schedule (if owned) holds on a skipped
-        step by SkipAwareLRScheduler's rule (host counts: no read of this step's flag)."""
+        step by SkipAwareLRScheduler's rule (no host read of this step's flag)."""
         result = self.optimizer.step()
         if self._lr_rule is not None:
             self._lr_rule.step()
