@@ -186,7 +186,7 @@ def test_an_amax_group_gives_data_parallel_ranks_the_one_process_scales(group_of
     spawn(_data_parallel, WORLD, group_of)
 
 
-def _tensor_parallel(rank: int, world: int) -> None:
+def _tensor_parallel(rank: int, world: int, amax_group: str | None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -198,7 +198,7 @@ def _tensor_parallel(rank: int, world: int) -> None:
     x, y = batch(world)
     for scaling, config in SCALINGS.items():
         ref_steps, ref_weights = reference_run(config, x, y)
-        model = make_model(**config)
+        model = make_model(**config, **({"amax_group": amax_group} if amax_group else {}))
         parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         steps = []
         for _ in range(STEPS):
@@ -228,7 +228,16 @@ def _tensor_parallel(rank: int, world: int) -> None:
 def test_tensor_parallel_shards_share_the_one_process_scales_by_default() -> None:
     from dist_utils import spawn
 
-    spawn(_tensor_parallel, WORLD)
+    spawn(_tensor_parallel, WORLD, None)
+
+
+@pytest.mark.distributed
+def test_an_amax_group_over_tensor_parallel_ranks_reduces_dtensor_amaxes_alike() -> None:
+    """A group spanning the TP ranks (as DP x TP does) takes the DTensor amaxes through the
+    functional all-reduce too: the same scales as the default (a max of equal values)."""
+    from dist_utils import spawn
+
+    spawn(_tensor_parallel, WORLD, "world")
 
 
 def _compiled(rank: int, world: int) -> None:
