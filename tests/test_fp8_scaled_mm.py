@@ -14,8 +14,9 @@ import logging
 
 import pytest
 import torch
+from torch import nn
 
-from mixprec.fp8 import Float8Config, Float8Linear
+from mixprec.fp8 import Float8Config, Float8Linear, convert_to_fp8
 from mixprec.fp8 import kernels as fp8_kernels
 from mixprec.fp8.kernels import resolve_recipe_kernel, rowwise_kernel_problem
 from mixprec.fp8.recipes import GEMMS, emulated_gemm, recipe_gemm
@@ -98,6 +99,10 @@ def test_the_rowwise_recipes_take_emulate_false_and_the_block_recipes_refuse_it(
         Float8Config(recipe="blockwise", emulate=False)
 
 
+def kernel_config(recipe: str) -> Float8Config:
+    return Float8Config(recipe=recipe, emulate=False)
+
+
 def fake_cuda(monkeypatch, capability) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
@@ -135,6 +140,9 @@ def test_where_the_rowwise_kernel_runs_and_the_fallback_is_said_once(monkeypatch
     monkeypatch.setitem(fp8_kernels._CPU_KERNEL, "rowwise", False)
     with pytest.raises(RuntimeError, match="no rowwise CPU kernel"):
         resolve_recipe_kernel("cpu", Float8Config(recipe="rowwise", emulate=False), fp32)
+    with pytest.raises(RuntimeError, match="no rowwise CPU kernel"):  # at conversion already
+        convert_to_fp8(nn.Sequential(nn.Linear(16, 16)), config=kernel_config("rowwise"))
+    assert convert_to_fp8(nn.Linear(16, 16), config=Float8Config(recipe="rowwise"))
 
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:

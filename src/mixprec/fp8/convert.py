@@ -20,7 +20,7 @@ from mixprec.fp8.config import (
     Float8Config,
     misaligned_features,
 )
-from mixprec.fp8.kernels import resolve_emulate
+from mixprec.fp8.kernels import ROWWISE_KERNEL_RECIPES, resolve_emulate, resolve_recipe_kernel
 from mixprec.fp8.linear import Float8Conv1D, Float8Linear, is_hf_conv1d
 from mixprec.fp8.telemetry import Float8Telemetry
 
@@ -253,8 +253,13 @@ def convert_to_fp8(
             setattr(model.get_submodule(parent_fqn), name, new)
     placed = {(new.weight.device, new.config) for new in swaps.values()}
     for device, layer_config in placed:
-        if device != torch.device("meta") and layer_config.recipe == "tensorwise":
-            resolve_emulate(device, layer_config)  # fail at conversion, not at the first step
+        if device == torch.device("meta"):
+            continue
+        # Fail at conversion, not at the first step.
+        if layer_config.recipe == "tensorwise":
+            resolve_emulate(device, layer_config)
+        elif layer_config.recipe in ROWWISE_KERNEL_RECIPES and layer_config.emulate is False:
+            resolve_recipe_kernel(device, layer_config, torch.bfloat16)
     recipes = {fqn: new.config.recipe for fqn, new in targets}
     summary = Float8Summary(converted=tuple(converted), recipes=recipes, skipped=skipped)
     logger.info("float8: converted %s", ", ".join(converted) or "no Linear layer")
