@@ -16,6 +16,7 @@ flag read on the host each step (`_sync_free = False`), whose hold is immediate:
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ import torch
 from conftest import CountHostSyncs, tiny_mlp
 
 from mixprec.booster import Booster
+from mixprec.core.lr_schedule import SkipAwareLRScheduler
 from mixprec.core.step_record import DEFAULT_CHECK_EVERY
 from mixprec.engine import Engine
 from mixprec.mixed_precision import FP16NaiveMixedPrecision
@@ -210,3 +212,45 @@ def test_a_per_epoch_schedule_equals_the_syncing_runs_at_every_record_read() -> 
         if all_skipped_unread == 0:
             assert (f_epoch, f_lr) == (epoch, lr), f"epoch {k}"
     assert free[-1] == (syncing[-1][0], syncing[-1][1], len(bad) - 2 * DEFAULT_CHECK_EVERY)
+
+
+def _resumed_run(sync_free: bool) -> tuple[int, float, int]:
+    """Ten steps (skips at 2 and 7) with a checkpoint of optimizer and schedule taken after
+    step 5, the run continued to step 9, then resumed from the checkpoint and run to 9 again;
+    (position, lr, skipped steps) once the record is read."""
+    from mixprec.core.optim import MixedPrecisionOptimizer
+
+    torch.manual_seed(0)
+    model = tiny_mlp(norm=False)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt._sync_free = sync_free
+    inner = torch.optim.lr_scheduler.StepLR(opt.optim, step_size=1, gamma=0.5)
+    sched = SkipAwareLRScheduler(inner, opt)
+    bad = [i in (2, 7) for i in range(10)]
+
+    def run(steps: range) -> None:
+        for i in steps:
+            opt.zero_grad()
+            x, y = _batch(i, bad[i])
+            opt.backward(torch.nn.functional.cross_entropy(model(x), y))
+            opt.step()
+            sched.step()
+
+    run(range(6))
+    saved = (opt.state_dict(), sched.state_dict(), copy.deepcopy(model.state_dict()))
+    run(range(6, 10))
+    assert not sync_free or opt.unread_steps  # the checkpoint is loaded mid-window
+    opt.load_state_dict(saved[0])
+    sched.load_state_dict(saved[1])
+    model.load_state_dict(saved[2])
+    run(range(6, 10))
+    skipped = opt.skipped_steps  # reads the record
+    return inner.last_epoch, opt.optim.param_groups[0]["lr"], skipped
+
+
+def test_a_schedule_loaded_mid_window_follows_the_loaded_run() -> None:
+    """Loading the optimizer and the schedule while flags are unread starts the rule over from
+    the loaded counts: the resumed run's schedule is the syncing run's at the read."""
+    syncing, free = _resumed_run(False), _resumed_run(True)
+    assert syncing == free
+    assert syncing[0] == 10 - 2  # the two skips held it

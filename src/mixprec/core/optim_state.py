@@ -101,6 +101,10 @@ def optimizer_state(opt: MixedPrecisionOptimizer) -> dict[str, Any]:
     params the inner optimizer steps, fp32 masters included) with mixprec's additions beside
     it: 'master_weights', 'master_index', 'scaler', 'steps', 'skipped_steps'. A plain torch
     optimizer over the fp32 model loads it as is (torch reads only its own two keys)."""
+    # Counted first (the steps on the sync-free step's device record: one host sync), so what
+    # watches the counts (StepCounter.watch: the LR schedule's rule) settles the param groups'
+    # lr before they are saved.
+    skipped = opt.skipped_steps
     state = opt.optim.state_dict()
     held = [p for g in opt.optim.param_groups for p in g["params"]]
     master_ids = {id(m) for m in opt.hp_masters}
@@ -108,7 +112,7 @@ def optimizer_state(opt: MixedPrecisionOptimizer) -> dict[str, Any]:
     state["master_index"] = [i for i, p in enumerate(held) if id(p) in master_ids]
     state["scaler"] = opt.scaler.state_dict()
     state["steps"] = opt.steps
-    state["skipped_steps"] = opt.skipped_steps
+    state["skipped_steps"] = skipped
     if opt.lean is not None:  # compact low-bit state and the rounding's random stream
         opt.lean.state_dict_into(state)
     return state
@@ -122,6 +126,9 @@ def load_optimizer_state(opt: MixedPrecisionOptimizer, state_dict: dict[str, Any
     model's current params (load the model first); its scaler and counters, if absent, stay.
     """
     state_dict = upgrade_optimizer_checkpoint(state_dict)
+    # The steps still on the sync-free step's device record belong to the run being left: they
+    # are counted (one host sync; watchers told, StepCounter.watch) before anything is replaced.
+    skipped = opt.skipped_steps
     held = [p for g in opt.optim.param_groups for p in g["params"]]
     master_to_lp = opt.transfer.master_to_lp()
     own = [i for i, p in enumerate(held) if id(p) in master_to_lp]
@@ -147,7 +154,7 @@ def load_optimizer_state(opt: MixedPrecisionOptimizer, state_dict: dict[str, Any
     if "scaler" in state_dict:
         load_scaler_state(opt.scaler, state_dict["scaler"], scales_loss=opt.scales_loss)
     opt.steps = int(state_dict.get("steps", opt.steps))
-    opt.skipped_steps = int(state_dict.get("skipped_steps", opt.skipped_steps))
+    opt.skipped_steps = int(state_dict.get("skipped_steps", skipped))
     opt.skip_monitor.resume(opt.steps)
 
 
