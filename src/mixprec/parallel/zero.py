@@ -16,6 +16,10 @@ needs no no_sync, and a micro-batch's backward costs no communication. The price
 with backward. overlap_communication=True launches each bucket's reduction from a
 post-accumulate-grad hook as soon as its grads are ready (the same buffers and collectives:
 bit-identical results); fp8_communication moves the grads in fp8 (mixprec.parallel.comm).
+
+The parts: who owns which param and the params' all-gather (mixprec.parallel.zero_layout), the
+gradient buckets and their reductions (mixprec.parallel.zero_buckets), sharded and gathered
+checkpoints (mixprec.parallel.zero_checkpoint); ZeroOptimizer is the step over them.
 """
 
 from __future__ import annotations
@@ -189,9 +193,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             ranks of this rank's tp index: a param replicated over tp is counted once.
         Others: as MixedPrecisionOptimizer (the fused step is off: it reads unreduced grads).
 
-    The layout (who owns which param) is `layout` (mixprec.parallel.zero_layout), the gradient
-    reductions `buckets` (mixprec.parallel.zero_buckets), the gathered checkpoints
-    mixprec.parallel.zero_checkpoint's.
+    Attributes: `layout` (a ShardLayout: the params, their owners, this rank) and `buckets`
+    (GradBuckets: the gradient reductions).
     """
 
     whole_step_refusal = "ZeRO reduces gradients and gathers the owners' params inside step()"
