@@ -37,7 +37,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -716,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument(
         "--text-bytes", type=int, default=1_200_000, help="bytes of stdlib source (90 %% train)"
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     args.argv, args.skipped = argv, []
@@ -730,14 +730,31 @@ def main(argv: list[str] | None = None) -> int:
     global FAST_ACCUM
     FAST_ACCUM = args.fast_accum == "on"
     device = torch.device(args.device)
+    sweep_only = ("widths", "mlp_max_width", "steps", "warmup", "tokens", "modes", "fast_accum")
+    train_only = (
+        "train_width", "train_depth", "train_heads", "train_context", "train_batch",
+        "train_steps", "train_lr", "seeds", "eval_every", "text_bytes", "no_progress",
+    )  # fmt: skip
+
+    def changed(dests: Iterable[str]) -> list[str]:
+        return [
+            f"--{d.replace('_', '-')}" for d in dests if getattr(args, d) != parser.get_default(d)
+        ]
+
     if args.train:
-        small = {k: v for k, v in vars(args).items() if k.startswith(("train_", "eval_every"))}
-        bad = {k: v for k, v in small.items() if k != "train_lr" and v < 1}
+        if changed(sweep_only):
+            parser.error(
+                f"{changed(sweep_only)} time the Linear sweeps; --train does not read them."
+            )
+        sizes = {k: getattr(args, k) for k in train_only if k not in ("no_progress",)}
+        bad = {k: v for k, v in sizes.items() if v <= 0}
         if bad or args.seeds < 2:
             parser.error(
                 f"--train needs positive sizes and --seeds >= 2 (a spread), got {bad or {'seeds': args.seeds}}."
             )
         return run_train(args, device)
+    if changed(train_only):
+        parser.error(f"{changed(train_only)} set the training axis: add --train.")
     if args.recipes is not None:
         return run_recipes(args, device)
     modes = list(args.modes)

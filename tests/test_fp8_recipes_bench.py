@@ -107,10 +107,21 @@ def test_training_axis_runs_every_recipe_and_judges_against_the_seed_spread(
         assert f"| {verdict['mode']} | {verdict['seed']} | {v:.4f} |" in table
 
 
-def test_training_axis_refuses_a_single_seed(bench, capsys):
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--train", "--seeds", "1"], "--seeds >= 2"),
+        (["--train", "--train-lr", "0"], "'train_lr': 0.0"),
+        (["--train", "--widths", "64"], "['--widths'] time the Linear sweeps"),
+        (["--recipes", "all", "--train-steps", "9"], "['--train-steps'] set the training axis"),
+    ],
+)
+def test_training_axis_refuses_options_it_would_not_read(bench, capsys, argv, said):
+    """One seed has no spread; a sweep's option under --train, or a training option without
+    it, would be accepted and not read."""
     with pytest.raises(SystemExit):
-        bench.main(["--train", "--seeds", "1", "--no-write"])
-    assert "--seeds >= 2" in capsys.readouterr().err
+        bench.main([*argv, "--no-write"])
+    assert said in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- the GPT's step
