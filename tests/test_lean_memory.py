@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixprec.bench.gpt import GPT
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"width": 32, "depth": 1, "heads": 1, "context": 8, "batch": 1}
 
@@ -24,7 +26,7 @@ def bench():
 
 def _tensors(bench) -> list[tuple[int, bool]]:
     """(numel, is a LayerNorm's) of each parameter of the tiny GPT, written out plainly."""
-    model = bench.GPT(TINY["width"], TINY["depth"], TINY["heads"], TINY["context"])
+    model = GPT(TINY["width"], TINY["depth"], TINY["heads"], TINY["context"])
     norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}  # fmt: skip
     return [(p.numel(), id(p) in norms) for p in model.parameters()]
 
