@@ -1,6 +1,7 @@
 """Colossal-AI-style configs: a dict with attribute access, loaded from .py/.json/.toml files.
 
-A config holds `fp16=dict(mode=AMP_TYPE.X, **mode_keys)` (seed 000), `clip_grad_norm`,
+A config holds `fp16=dict(mode=AMP_TYPE.X, **mode_keys)` (seed 000), `fp8=dict(recipe=...)`
+(float8 Linear layers under that mode: mixprec's extension), `clip_grad_norm`,
 `gradient_accumulation` and any user keys (BATCH_SIZE, NUM_EPOCHS). After `launch(...)` it is
 readable anywhere as `gpc.config`, the way Colossal-AI's global context exposes it.
 
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from mixprec.amp_type import AMP_TYPE
 from mixprec.core.policy import Policy, clip_norm_for, did_you_mean, to_policy
 from mixprec.core.validate import check_bool, check_max_norm
+from mixprec.mixed_precision import with_fp8
 from mixprec.parallel.zero import ZeroConfig, to_zero_config
 
 CONFIG_SUFFIXES: tuple[str, ...] = (".py", ".json", ".toml")
@@ -198,8 +200,17 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 
 def config_to_policy(config: Mapping[str, Any]) -> Policy:
-    """The Policy a config's `fp16` section names; no `fp16` key (or None) means fp32."""
-    return to_policy(config.get("fp16"))
+    """The Policy a config's `fp16` section names (no `fp16` key, or None: fp32), with the
+    `fp8` section's float8 Linear layers on top: `fp8=dict(recipe='rowwise', ...)` (Float8Config's
+    fields), True, a recipe name or a Float8Config (mixprec.mixed_precision.to_float8_config);
+    absent, None or False: none beyond what the fp16 section's mode has."""
+    policy = to_policy(config.get("fp16"))
+    fp8 = config.get("fp8")
+    if fp8 is None:
+        return policy
+    if isinstance(fp8, Mapping):
+        fp8 = dict(fp8)  # a Config section: its plain fields
+    return with_fp8(policy, fp8, "fp8")
 
 
 PARALLEL_KEYS: tuple[str, ...] = ("pipeline", "tensor")

@@ -165,6 +165,10 @@ class Policy:
     """Ops forced to run in fp32 under autocast."""
     fp8: bool = False
     """Swap eligible nn.Linear layers for float8 linears (e4m3 forward, e5m2 backward)."""
+    fp8_config: Any = None
+    """How the float8 layers scale (a mixprec.fp8.Float8Config: recipe, scaling, ...), opaque
+    to the core: prepare_model hands it to the registered fp8 converter. None: the converter's
+    default. Set only with fp8=True. Every face's fp8 spelling arrives here."""
     log_num_zeros_in_grad: bool = False
     """Count zero gradient entries at each step (a host sync; off by default)."""
     num_losses: int = 1
@@ -184,6 +188,11 @@ class Policy:
                 )
             object.__setattr__(self, "master_weights", MASTER_WEIGHTS[self.master_weights])
         check_bool("Policy.master_weights", self.master_weights)
+        if self.fp8_config is not None and not self.fp8:
+            raise ValueError(
+                f"Policy {self.name!r}: fp8_config={self.fp8_config!r} needs fp8=True (the "
+                "config says how float8 layers scale; with fp8=False there are none)."
+            )
         self._check_lean()
         for name in ("param_dtype",):
             dt = getattr(self, name)

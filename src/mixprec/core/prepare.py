@@ -146,7 +146,8 @@ def prepare_model(
 ) -> PrecisionModule:
     """Cast (and fp8-convert) model in place per policy; return it wrapped for forward.
 
-    fp8_filter / fp8_config go to mixprec.fp8.convert_to_fp8 when policy.fp8 is set.
+    fp8_filter / fp8_config go to mixprec.fp8.convert_to_fp8 when policy.fp8 is set;
+    fp8_config defaults to policy.fp8_config (the faces' channel), and both set must agree.
     """
     if isinstance(model, PrecisionModule):
         raise TypeError("This model is already prepared by mixprec; prepare the original once.")
@@ -156,6 +157,13 @@ def prepare_model(
     if policy.fp8:
         if _FP8_CONVERTER is None:
             raise RuntimeError("An fp8 policy needs mixprec.fp8: import mixprec (or mixprec.fp8).")
+        if fp8_config is None:
+            fp8_config = policy.fp8_config
+        elif policy.fp8_config is not None and policy.fp8_config != fp8_config:
+            raise ValueError(
+                f"fp8_config={fp8_config!r} and policy {policy.name!r}'s fp8_config="
+                f"{policy.fp8_config!r} disagree; set the float8 config in one place."
+            )
         model = _FP8_CONVERTER(model, fp8_filter, fp8_config)  # a bare Linear is replaced
     elif fp8_filter is not None or fp8_config is not None:
         raise ValueError(f"fp8_filter/fp8_config given, but mode {policy.name!r} is not fp8.")

@@ -55,7 +55,8 @@ class MixprecPrecision(Precision):
     Args:
         mode: a mixprec mode ('fp32', 'fp16', 'bf16', 'fp16_naive', 'fp16_apex', 'fp8').
         **options: the mode's keys (e.g. initial_scale/hysteresis for fp16_naive, init_scale
-            for fp16, opt_level for fp16_apex, dtype) and custom_white_list /
+            for fp16, opt_level for fp16_apex, dtype; for fp8 config=Float8Config(...) and
+            Float8Config's fields, e.g. recipe='rowwise') and custom_white_list /
             custom_black_list (op names kept low / forced fp32 under autocast).
     """
 
@@ -84,7 +85,7 @@ class MixprecPrecision(Precision):
             from mixprec.fp8 import convert_to_fp8
 
             for name, child in list(module.named_children()):  # the root stays the same object
-                setattr(module, name, convert_to_fp8(child))
+                setattr(module, name, convert_to_fp8(child, None, self.policy.fp8_config))
         if self.policy.casts_params:
             cast_module(module, self.policy.param_dtype, keep_norm_fp32=self.policy.keep_norm_fp32)
         return module

@@ -49,7 +49,14 @@ from mixprec.booster.plugin.plugin_base import (
     refuse_non_defaults,
 )
 from mixprec.core.validate import check_max_norm
-from mixprec.mixed_precision import FP32Precision, MixedPrecision, to_mixed_precision
+from mixprec.fp8.config import Float8Config
+from mixprec.mixed_precision import (
+    FP32Precision,
+    MixedPrecision,
+    to_float8_config,
+    to_mixed_precision,
+    with_fp8,
+)
 from mixprec.parallel.comm import to_fp8_comm_dtype
 from mixprec.parallel.pipeline.checkpoint import (
     load_pipeline_model_state,
@@ -316,7 +323,9 @@ class HybridParallelPlugin(Plugin):
         num_model_chunks: stages per rank for 'interleaved' (default 2 there, else 1).
         num_layers_per_stage: top-level layers of an nn.Sequential per stage (else balanced by
             parameter count).
-        use_fp8: eligible Linear layers compute in float8 (mixprec.fp8).
+        use_fp8: eligible Linear layers compute in float8 (mixprec.fp8), with precision
+            'fp16', 'bf16' or 'fp32': True (Colossal's: Float8Config(), recipe 'tensorwise'),
+            or as mixprec's extension a recipe name, a Float8Config or a dict of its fields.
         dp_outside: must be True (the mesh is (dp, pp, tp)).
     mixprec's (keyword-only):
         split_points: nn.Sequential layer names where stages 1.. begin.
@@ -371,7 +380,7 @@ class HybridParallelPlugin(Plugin):
         overlap_allgather: bool = False,
         inner_ring_size: int | None = None,
         fp8_communication: bool = False,
-        use_fp8: bool = False,
+        use_fp8: bool | str | Float8Config = False,
         *,
         pp_schedule: str | None = None,
         split_points: list[str] | tuple[str, ...] | None = None,
@@ -580,7 +589,7 @@ def _check_no_pipeline_keywords(given: Mapping[str, Any]) -> None:
 
 
 def _hybrid_precision(
-    precision: str | MixedPrecision | None, keywords: ScalerKeywords, use_fp8: bool
+    precision: str | MixedPrecision | None, keywords: ScalerKeywords, use_fp8: Any
 ) -> MixedPrecision | None:
     """The plugin's precision; the scaler keywords the caller passed are honoured where the
     precision has Colossal's scaler ('fp16', and the mode 'fp16_naive' of the same rule) and
@@ -592,12 +601,13 @@ def _hybrid_precision(
         else:
             keywords.refuse(call, f"precision={precision!r} scales no loss")
             scaler = HYBRID_SCALER
-        policy = replace(zero_policy(precision, scaler, True), fp8=use_fp8)
+        policy = with_fp8(zero_policy(precision, scaler, True), use_fp8, f"{call}(use_fp8)")
         return MixedPrecision(replace(policy, name=f"colossal_{precision}"))
-    if use_fp8:
+    if to_float8_config(use_fp8, f"{call}(use_fp8)") is not None:
         raise ValueError(
-            f"use_fp8=True goes with precision 'fp16', 'bf16' or 'fp32'; for "
-            f"precision={precision!r} use the mixprec mode 'fp8'."
+            f"use_fp8={use_fp8!r} goes with precision 'fp16', 'bf16' or 'fp32'; for "
+            f"precision={precision!r} use the mixprec mode 'fp8' (FP8MixedPrecision(recipe=...) "
+            "or FP8MixedPrecision(config=...))."
         )
     if precision == "fp16_naive":  # Colossal's NAIVE mode: the scaler these keywords set
         mode = to_mixed_precision(precision)

@@ -27,7 +27,8 @@ from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy, ScalerConfig, preset
 from mixprec.core.scaling import default_group
 from mixprec.core.validate import check_max_norm, check_norm_type
-from mixprec.mixed_precision import FP32Precision, MixedPrecision
+from mixprec.fp8.config import Float8Config
+from mixprec.mixed_precision import FP32Precision, MixedPrecision, with_fp8
 from mixprec.parallel.zero import (
     ZeroOptimizer,
     check_communication_dtype,
@@ -77,7 +78,10 @@ class LowLevelZeroPlugin(Plugin):
         fp8_communication: gradients travel in fp8 with a per-bucket power-of-two scale
             (True or 'e5m2'; 'e4m3' as a mixprec extension) and are summed in fp32 by their
             owner (mixprec.parallel.comm); communication_dtype must then stay None.
-        use_fp8: eligible Linear layers compute in float8 (mixprec.fp8) under this precision.
+        use_fp8: eligible Linear layers compute in float8 (mixprec.fp8) under this precision:
+            True (Colossal's: Float8Config(), recipe 'tensorwise'), or as mixprec's extension a
+            recipe name ('rowwise', 'blockwise', 'mxfp8', ...), a Float8Config or a dict of its
+            fields (mixprec.mixed_precision.to_float8_config).
         extra_dp_size: must be 1 (one flat data-parallel group).
         policy: (mixprec) a Policy parsed elsewhere (the config Engine's, any mode: see
             from_policy) instead of the precision keywords; it sets the precision, scaler and
@@ -109,7 +113,7 @@ class LowLevelZeroPlugin(Plugin):
         verbose: bool = False,
         cast_inputs: bool = True,
         fp8_communication: bool = False,
-        use_fp8: bool = False,
+        use_fp8: bool | str | Float8Config = False,
         extra_dp_size: int = 1,
         *,
         policy: Policy | None = None,
@@ -138,7 +142,6 @@ class LowLevelZeroPlugin(Plugin):
             ("master_weights", master_weights),
             ("verbose", verbose),
             ("cast_inputs", cast_inputs),
-            ("use_fp8", use_fp8),
             ("overlap_communication", overlap_communication),
         ):
             if not isinstance(value, bool):
@@ -172,8 +175,9 @@ class LowLevelZeroPlugin(Plugin):
                 precision, scaler, master_weights, update_rounding, optimizer_state
             )
             self.policy = replace(
-                self.policy, verbosity=2 if verbose else 1, cast_inputs=cast_inputs, fp8=use_fp8
+                self.policy, verbosity=2 if verbose else 1, cast_inputs=cast_inputs
             )
+            self.policy = with_fp8(self.policy, use_fp8, "LowLevelZeroPlugin(use_fp8)")
         self.max_norm = float(max_norm)
         self.norm_type = norm_type
         self.cpu_offload = cpu_offload
