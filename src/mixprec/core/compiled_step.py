@@ -68,6 +68,7 @@ from mixprec.core import qstate
 from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
 from mixprec.core.clip import total_grad_norm
+from mixprec.core.compile_regions import BlockRegions, block_regions
 from mixprec.core.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.core.scaling import ProcessGroup, ScaleRule, default_group, rank_and_world
 from mixprec.core.skip_monitor import SkipStats, StepCounter
@@ -86,7 +87,10 @@ runs the graph's host side (allocating buffers, calling kernels) without Python,
 of what a small step still spends: measured 1.10-1.17x faster at 3 x Linear(128) (bf16, NAIVE,
 fp8) and ~1.01x on the bench ViT (2-core AMD EPYC, one thread). The first compile takes longer
 (~8 s instead of ~3.5 s there; 147 s instead of 117 s for the fp8 ViT, cold cache). Should it
-fail to build, the step compiles once more without these options before any eager fallback."""
+fail to build, the step compiles once more without these options before any eager fallback.
+Not joined when the step compiles regions (torch 2.13's C++ wrapper cannot call one:
+"NotImplementedError: codegen invoke_subgraph is not implemented for cpp wrapper"), and its one
+C++ file's build grows faster than the graph: 5 s at 2 residual MLP blocks, 70 s at 8."""
 
 log = logging.getLogger("mixprec")
 
@@ -216,6 +220,80 @@ def _read(state: Any, like: torch.Tensor) -> torch.Tensor:
     return qstate.read(state).view(like.shape)
 
 
+def _update_values(spec: tuple, grad: torch.Tensor, hp: torch.Tensor, *rest: torch.Tensor):
+    """The new values of one param's update (step_math, as fused_step's kernels run it), each
+    the old one on a skipped step: the state's (qstate.writes' order), hp's, the lp twin's,
+    then Adam's step count. rest: the lp twin (when the spec has one), the state operands (a
+    quantized one as its qstate.unpack parts), the group's values h, the head (inv_scale,
+    clip), keep, skip and the rounding key (when the spec has one). Lean: hp may be a bf16
+    param (no master) and its state bf16, both read as fp32; a key rounds a bf16 hp
+    stochastically (none: nearest)."""
+    flags, clipping, parts, keyed, _, _, lp_dtype = spec
+    kind, (maximize, decay, *extra) = flags  # extra: nesterov or decoupled (GroupPlan)
+    rest = list(rest)
+    lp = rest.pop(0) if lp_dtype is not None else None
+    key = rest.pop() if keyed else None
+    state: list[Any] = []
+    for n in parts:
+        state.append(tuple(rest[:n]) if n else rest[0])
+        del rest[: max(n, 1)]
+    h, inv_scale, clip, keep, skip = rest
+    head = [inv_scale, clip]
+    # the group's values as fresh tensors: unpacking h itself gave the region views of one
+    # input as several inputs, which dynamo refuses in a region (input-to-input aliasing)
+    h = list(h.clone().unbind())
+    written: list[tuple[torch.Tensor, torch.Tensor]] = []
+    step = []
+    if kind != "adam":
+        # h: the plan's values (fp64); a zero buffer decays: no `first` scalars needed
+        s = sm.scalar_vector(group_scalars(kind, h), head)
+        g = sm.unscaled(grad, s, clipping, maximize)
+        if kind == "sgd_momentum":
+            new, buf = sm.sgd_momentum_update(hp.float(), g, _read(state[0], hp), s, decay, *extra)
+            written += qstate.writes(state[0], buf)
+        else:
+            new = sm.sgd_update(hp.float(), g, s, decay)
+    else:
+        step_t, exp_avg, exp_avg_sq = state
+        step = [step_t + keep.reshape(()).to(step_t.dtype)]  # unchanged on a skip: keep is 0
+        # the bias corrections in fp64, as torch's Python floats
+        s = sm.scalar_vector(group_scalars(kind, h, step=step[0].double()), head)
+        g = sm.unscaled(grad, s, clipping, maximize)
+        m, v = _read(exp_avg, hp), _read(exp_avg_sq, hp)
+        new, m, v = sm.adam_update(hp.float(), g, m, v, s, decay, *extra)
+        written += qstate.writes(exp_avg, m) + qstate.writes(exp_avg_sq, v)
+    if key is not None and hp.dtype == torch.bfloat16:
+        written.append((hp, sm.round_bf16_stochastic(new, sm.rounding_noise(key, new.shape))))
+    else:
+        written.append((hp, new))
+    if lp is not None:
+        written.append((lp, new.to(lp.dtype)))
+    return (*(torch.where(skip, old, value) for old, value in written), *step)
+
+
+def _constant(key: int) -> Callable[..., int]:
+    """An update region's reuse key (nested_compile_region's reuse_hash_fn): its place among
+    the step's regions. Every region runs one code object (_update_of's `update`), which
+    invoke_subgraph's cache keys on, and its own guards cannot read the spec in the closure
+    (torch 2.13: 'subgraph_reuse: failed to resolve source ... __closure__'), so the key tells
+    the regions apart; the spec fixes each one's shapes and dtypes."""
+
+    def reuse_key(*tensors: torch.Tensor) -> int:
+        return key
+
+    return reuse_key
+
+
+def _update_of(spec: tuple) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """_update_values for one spec, as a plain function (dynamo's invoke_subgraph takes a user
+    function, not a functools.partial: torch 2.13)."""
+
+    def update(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _update_values(spec, *tensors)
+
+    return update
+
+
 class CompiledStep:
     """`step(*inputs, target) -> loss`: one whole training step, compiled. See compile_step."""
 
@@ -230,6 +308,7 @@ class CompiledStep:
         compile: bool,
         compile_options: dict[str, Any],
         check_every: int = 32,
+        regions: Any = "auto",
     ) -> None:
         wrapped = isinstance(optimizer, MixedPrecisionOptimizer)
         inner = _runnable_inner(model, optimizer, criterion)
@@ -244,6 +323,10 @@ class CompiledStep:
             model = model.module
         self.process_group = self.process_group or default_group()
         self.model, self.optimizer, self.inner, self.criterion = model, optimizer, inner, criterion
+        self._blocks = block_regions(model, regions)
+        self.regional = self._blocks.blocks > 0
+        """Whether the step compiles its repeated blocks and its updates as regions, each
+        kind once (see compile_step's `regions`)."""
         self.max_norm = float(max_norm)
         self.lean = optimizer.lean if wrapped else None
         """The optimizer's lean write-back (stochastic rounding, state format), run in the
@@ -267,6 +350,8 @@ class CompiledStep:
         # one accounting: the optimizer's StepCounter, which counts its eager steps too
         self.counts = optimizer.counts if wrapped else StepCounter(None)
         self._count: Count = optimizer.count_recorded_step if wrapped else self._count_plain
+        self._regions: dict[tuple, Callable[..., tuple[torch.Tensor, ...]]] = {}
+        self._flags_seen: set[tuple] = set()  # the group flags _make_regions has run for
         self._compiled = None
         self._plain_options: dict[str, Any] | None = None  # a second try, without CPU options
         self._quiet_torch_deprecations = False  # set once one of them stopped a compile
@@ -274,7 +359,9 @@ class CompiledStep:
         """What torch.compile was given (None: the step runs eagerly)."""
         if compile:
             options = {"fullgraph": True, "dynamic": False, **compile_options}
-            self.compile_options = _with_cpu_options(options, self.device_type)
+            self.compile_options = options
+            if not self.regional:
+                self.compile_options = _with_cpu_options(options, self.device_type)
             if self.compile_options is not options:
                 self._plain_options = options
             self._compiled = self._compile()
@@ -428,42 +515,49 @@ class CompiledStep:
         return loss.reshape(())
 
     def _update(self, i, grad, head, h, keep, skip, flags, key) -> None:
-        """Step param i with step_math (as fused_step's kernels run it); on a skip every write
-        keeps the old value. Lean: hp may be a bf16 param (no master) and its state bf16, both
-        read as fp32; key: a bf16 hp's stochastic rounding key (None: nearest)."""
-        kind, (maximize, decay, *extra) = flags  # extra: nesterov or decoupled (GroupPlan)
+        """Step param i: its new values from its kind's update region (_update_values, traced
+        and compiled once per kind), then written in place here, outside the region."""
         hp, lp, state = self.hp[i], self.lp[i], self.states[i]
-        clipping = self.max_norm > 0
-        written: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if kind != "adam":
-            # h: the plan's values (fp64); a zero buffer decays: no `first` scalars needed
-            s = sm.scalar_vector(group_scalars(kind, h), head)
-            g = sm.unscaled(grad, s, clipping, maximize)
-            if kind == "sgd_momentum":
-                new, buf = sm.sgd_momentum_update(
-                    hp.float(), g, _read(state[0], hp), s, decay, *extra
-                )
-                written += qstate.writes(state[0], buf)
-            else:
-                new = sm.sgd_update(hp.float(), g, s, decay)
-        else:
-            step_t, exp_avg, exp_avg_sq = state
-            step = step_t + keep.reshape(()).to(step_t.dtype)
-            # the bias corrections in fp64, as torch's Python floats
-            s = sm.scalar_vector(group_scalars(kind, h, step=step.double()), head)
-            g = sm.unscaled(grad, s, clipping, maximize)
-            m, v = _read(exp_avg, hp), _read(exp_avg_sq, hp)
-            new, m, v = sm.adam_update(hp.float(), g, m, v, s, decay, *extra)
-            written += qstate.writes(exp_avg, m) + qstate.writes(exp_avg_sq, v)
-            step_t.copy_(step)  # unchanged on a skip: keep is 0
-        if key is not None and hp.dtype == torch.bfloat16:
-            written.append((hp, sm.round_bf16_stochastic(new, sm.rounding_noise(key, new.shape))))
-        else:
-            written.append((hp, new))
-        if lp is not None:
-            written.append((lp, new.to(lp.dtype)))
-        for old, value in written:
-            old.copy_(torch.where(skip, old, value))
+        flat = [x for t in state for x in (t if isinstance(t, tuple) else (t,))]
+        twin = [] if lp is None else [lp]
+        operands = [grad, hp, *twin, *flat, h, *head, keep, skip, *([] if key is None else [key])]
+        with torch.enable_grad():
+            values = self._regions[self._spec(i, flags)](*operands)
+        # what _update_values writes, in its order: qstate.writes' targets (a plain operand,
+        # or a quantized one's codes and scale) of each moment, hp, lp, then Adam's step
+        step = [state[0]] if flags[0] == "adam" else []
+        moments = state[len(step) :]
+        targets = [x for t in moments for x in (t[:2] if isinstance(t, tuple) else (t,))]
+        with torch.no_grad():  # dynamo runs a region's call with grad on (torch 2.13)
+            for old, value in zip([*targets, hp, *twin, *step], values, strict=True):
+                old.copy_(value)
+
+    def _spec(self, i: int, flags: tuple[str, tuple[bool, ...]]) -> tuple:
+        """What param i's update code depends on: its group's kind and flags, clipping, its
+        state's parts, whether it rounds stochastically, and hp's shape and dtype and lp's."""
+        hp, lp, state = self.hp[i], self.lp[i], self.states[i]
+        parts = tuple(len(t) if isinstance(t, tuple) else 0 for t in state)
+        keyed = self.lean is not None and self.lean.cfg.rounding == "stochastic"
+        lp_dtype = None if lp is None else lp.dtype
+        return (flags, self.max_norm > 0, parts, keyed, tuple(hp.shape), hp.dtype, lp_dtype)
+
+    def _make_regions(self, flags: tuple[tuple[str, tuple[bool, ...]], ...]) -> None:
+        """Host side, once per set of group flags: each kind of param's update as one nested
+        compile region (torch.compiler.nested_compile_region: made outside the graph, as
+        dynamo refuses to trace the call that makes it), so the graph compiles each kind's
+        update once and every param of that kind calls the same code."""
+        if flags in self._flags_seen:
+            return
+        for i, g in enumerate(self.group_of):
+            spec = self._spec(i, flags[g])
+            if spec in self._regions:
+                continue
+            update = _update_of(spec)
+            if self.regional:
+                key = _constant(len(self._regions))
+                update = torch.compiler.nested_compile_region(update, reuse_hash_fn=key)
+            self._regions[spec] = update
+        self._flags_seen.add(flags)
 
     def _all_reduce_max(self, flag: torch.Tensor) -> torch.Tensor:
         group = self.process_group
@@ -490,7 +584,9 @@ class CompiledStep:
                 )
             *inputs, target = inputs
         self._take_scale()
-        args = (self._train, *self._hparams(), tuple(inputs), target)
+        hparams, flags = self._hparams()
+        self._make_regions(flags)
+        args = (self._train, hparams, flags, tuple(inputs), target)
         with torch.no_grad():  # _run enables grad for forward and backward; the writes need none
             loss = self._step(args)
         self.counts.steps += 1
@@ -508,6 +604,7 @@ class CompiledStep:
                     _TRACE_AUTOGRAD_GRAD,
                     scopes_set_aside(),
                     _torch_deprecations_ignored() if quiet else _NO_SCOPE,
+                    self._blocks.installed(),
                 ):
                     return self._compiled(*args)
             except Exception as exc:  # a missing compiler or an untraceable model
@@ -525,6 +622,22 @@ class CompiledStep:
                 why[:160],
             )
             self._quiet_torch_deprecations = True
+            self._compiled = self._compile()
+            return
+        if self.regional:
+            log.info(
+                "mixprec.compile_step: compiling with regions (%d repeated blocks, the updates) "
+                "failed (%s: %s); compiling the whole step as one graph.",
+                self._blocks.blocks,
+                type(exc).__name__,
+                why,
+            )
+            self._blocks, self.regional = BlockRegions([]), False
+            seen = list(self._flags_seen)  # the updates again, as plain functions
+            self._regions.clear()
+            self._flags_seen.clear()
+            for flags in seen:
+                self._make_regions(flags)
             self._compiled = self._compile()
             return
         if self._plain_options is not None:
@@ -611,6 +724,7 @@ def compile_step(
     scaler: Any = None,
     compile: bool = True,
     check_every: int = 32,
+    regions: Any = "auto",
     **compile_options: Any,
 ) -> CompiledStep:
     """The whole training step of any face, compiled: `loss = step(*inputs, target=y)`.
@@ -630,6 +744,16 @@ def compile_step(
     check_every: steps between the host's reads of the on-device skip record (one sync each):
         skip counts, the skip monitor's reports and ScaleCollapseError arrive then, or when
         step.sync_counters() / step.skip_stats is read.
+    regions: which blocks compile once and run as often as the model calls them (nested
+        compile regions, mixprec.core.compile_regions). "auto": the children of any
+        nn.Sequential / nn.ModuleList that share their class and their parameter and buffer
+        names, shapes and dtypes (two or more: a stack of identical layers); a list of the
+        model's blocks: those (grouped the same way); None: none. With blocks, each param's
+        update is a region too, one per kind of param (group flags, shape, dtypes, state
+        format), so a deep model's compile grows little with depth; the step then compiles
+        without CPU_INDUCTOR_OPTIONS. Without any, the step is one graph, as before. The
+        values are the same either way: regions change what inductor fuses, not the math.
+        Should compiling with regions fail, the step compiles once more as one graph.
     compile_options: passed to torch.compile (mode="reduce-overhead" for CUDA graphs,
         backend=...); fullgraph=True and dynamic=False unless given. On CPU with inductor and
         no mode, CPU_INDUCTOR_OPTIONS (the C++ wrapper) join `options`; the step's
@@ -644,4 +768,5 @@ def compile_step(
         compile=compile,
         compile_options=compile_options,
         check_every=check_every,
+        regions=regions,
     )
