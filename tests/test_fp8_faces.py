@@ -259,3 +259,16 @@ def test_fp8_set_in_two_places_is_refused() -> None:
         replace(to_policy("bf16"), fp8_config=Float8Config())
     with pytest.raises(ValueError, match=r"Unknown 'fp8' mode config key 'recipee'"):
         to_policy("fp8", {"recipee": "rowwise"})
+
+
+@pytest.mark.parametrize("mode", ["fp32", "torch", "naive", "apex", "bf16", "fp8", "bf16_sr"])
+def test_config_fp8_section_rides_on_every_mode(mode: str) -> None:
+    """The fp8 section adds float8 Linear layers to whatever the fp16 section says (every mode
+    runs them: their params and autocast stay the mode's); one step runs and is finite."""
+    plain = parse_config({"fp16": {"mode": mode}}).policy
+    policy = parse_config({"fp16": {"mode": mode}, "fp8": {"recipe": "rowwise"}}).policy
+    assert policy == replace(plain, fp8=True, fp8_config=Float8Config(recipe="rowwise"))
+    model = _model()
+    loss = _core_step(model, policy)
+    assert {m.config.recipe for m in _float8_layers(model)} == {"rowwise"}
+    assert torch.isfinite(loss) and all(torch.isfinite(p).all() for p in model.parameters())

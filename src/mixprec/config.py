@@ -272,7 +272,8 @@ class EngineConfig:
     """What `initialize` reads from a config, parsed once (parse_config) and checked whole."""
 
     policy: Policy
-    """The fp16 section's precision (fp32 when absent), its max_norm set to the clip below."""
+    """The fp16 section's precision (fp32 when absent) with the fp8 section's float8 config,
+    its max_norm set to the clip below."""
     max_norm: float = 0.0
     """clip_grad_norm (top level, or NAIVE's own; both set must agree); 0: no clipping."""
     gradient_accumulation: int = 1
@@ -286,8 +287,8 @@ class EngineConfig:
 
 
 def parse_config(config: Mapping[str, Any]) -> EngineConfig:
-    """The training keys of a config (fp16, clip_grad_norm, gradient_accumulation, compile,
-    zero, parallel) as one typed object; a bad key fails here, naming it. Other keys are the
+    """The training keys of a config (fp16, fp8, clip_grad_norm, gradient_accumulation,
+    compile, zero, parallel) as one typed object; a bad key fails here, naming it. Other keys are the
     user's and are left alone."""
     policy = config_to_policy(config)
     zero = to_zero_config(config.get("zero"))

@@ -51,7 +51,9 @@ def initialize(
     """Colossal-AI's `initialize`: the config's precision applied to model, optimizer, criterion.
 
     config: a mapping or a .py/.json/.toml path; None reads `gpc.config` (set by launch).
-    Its keys: `fp16=dict(mode=AMP_TYPE.X, **mode_keys)` (absent: fp32), `clip_grad_norm`
+    Its keys: `fp16=dict(mode=AMP_TYPE.X, **mode_keys)` (absent: fp32), `fp8=dict(recipe=...,
+    **Float8Config_fields)` (or True, a recipe name, a Float8Config: float8 Linear layers under
+    the fp16 section's mode; mixprec's extension), `clip_grad_norm`
     (float; 0 or absent: off), `gradient_accumulation` (int N >= 1), `zero=dict(level=1|2|3)`
     (mixprec.parallel.zero: sharded masters and state, + gradients, + params via FSDP2; no DDP then).
     Other keys are the user's and are left alone.
