@@ -122,7 +122,7 @@ AUTOCAST_DTYPES = (None,)
 inline in the step's graph. torch 2.13, aot_autograd: a region called under bf16 autocast ran
 its forward in fp32 (the first step's loss differed from eager); one that enters the caller's
 autocast itself matched the forward bitwise, but its backward differed from eager's (the grads
-after a step, ~1e-6 relative), as if the region's backward were traced under its autocast."""
+after a step, by fp32 rounding), as if the region's backward were traced under its autocast."""
 
 
 class BlockRegions:

@@ -1,0 +1,342 @@
+"""compile_step's first step (its compile) and steady step against torch.compile(model).
+
+A stack of identical residual MLP blocks (LayerNorm -> Linear(w, 4w) -> GELU -> Linear(4w, w),
+plus the residual; width 256, batch 32), AdamW, MSE, at each depth:
+
+    eager           torch.autocast (bf16) + foreach AdamW, no compile
+    torch.compile   the same with torch.compile(model): the forward and backward compiled, the
+                    optimizer eager (how users compile today)
+    compile_step    convert_to_amp(..., "bf16") + mixprec.compile_step: forward, backward,
+                    check, update and the scaler in one compiled step
+
+Each (depth, loop) runs in a fresh subprocess with a cold inductor cache (TORCHINDUCTOR_CACHE_DIR
+a new temporary folder), one torch thread. The first step is wall time (it includes the
+compile, whose C++ builds run in worker processes); steady steps are the median of --steps
+steps after --warmup, by the process's CPU time (load from other processes on a shared machine
+inflates wall time, not that). The runs go depth by depth, the loops of one depth in a rotated
+order, and the 1-minute load average is recorded before and after each. compile_step's run
+also records torch._dynamo.utils.compile_times()'s phase totals (dynamo tracing, AOT autograd,
+inductor's scheduling, codegen and C++ builds).
+
+--dtype fp32 runs the same without autocast (compile_step's blocks then compile once as
+regions; under autocast they run inline and only the updates are regions).
+
+    python benchmarks/bench_compile.py                       # depths 2, 8, 24 -> runs/
+    python benchmarks/bench_compile.py --out benchmarks/results --name compile_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LOOPS = ("eager", "torch.compile", "compile_step")
+GOALS = {
+    "first step: compile_step / torch.compile at depth 8 (<=)": 1.5,
+    "compile_step growth, s per block (<=)": 2.0,
+    "steady: torch.compile / compile_step at depth 8 (>=)": 1.5,
+    "steady: torch.compile / compile_step, every depth (>=)": 1.0,
+}
+"""Issue 44's goals."""
+PHASES = {
+    "dynamo": "bytecode_tracing",
+    "aot + inductor": "create_aot_dispatcher_function",
+    "inductor": "compile_fx_inner",
+    "scheduler": "Scheduler.__init__",
+    "codegen": "Scheduler.codegen",
+    "c++ builds": "compile_file",
+}
+"""compile_times() keys summed per phase (each over every graph and region)."""
+
+
+# ----- the worker: one (depth, loop) in this process -----
+def build(depth: int, width: int):
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.fc1 = nn.Linear(width, 4 * width)
+            self.fc2 = nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(depth)])
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import torch
+    from torch import nn
+
+    import mixprec
+
+    torch.set_num_threads(1)
+    model = build(args.depth, args.width)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randn(args.batch, args.width, generator=gen)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    mse = nn.MSELoss()
+    autocast = args.dtype == "bf16"
+    if args.loop == "compile_step":
+        if autocast:
+            model, opt, mse = mixprec.convert_to_amp(model, opt, mse, "bf16")
+        step_fn = mixprec.compile_step(model, opt, mse)
+
+        def step():
+            return step_fn(x, y)
+    else:
+        forward = torch.compile(model) if args.loop == "torch.compile" else model
+
+        def step():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = forward(x)
+            loss = mse(out.float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+    t0 = time.perf_counter()
+    first_loss = float(step())
+    first = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.process_time()
+        step()
+        times.append(time.process_time() - t0)
+    result = {
+        "depth": args.depth,
+        "loop": args.loop,
+        "first_step_s": first,
+        "steady_ms": 1e3 * statistics.median(times),
+        "first_loss": first_loss,
+    }
+    if args.loop == "compile_step":
+        result["regional"] = step_fn.regional
+        result["compiled"] = step_fn.compiled
+    if args.loop != "eager":
+        result["phases_s"] = phase_totals()
+    return result
+
+
+def phase_totals() -> dict[str, float]:
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {
+        phase: round(sum(compilation_time_metrics.get(key, [])), 2) for phase, key in PHASES.items()
+    }
+
+
+# ----- the driver -----
+def run_one(args: argparse.Namespace, depth: int, loop: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
+        argv = [sys.executable, __file__, "--worker", loop, "--depth", str(depth)]
+        argv += ["--width", str(args.width), "--batch", str(args.batch)]
+        argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype]
+        load_before = os.getloadavg()[0]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+        load_after = os.getloadavg()[0]
+    if done.returncode != 0:
+        raise RuntimeError(f"{loop} at depth {depth} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["load_1min"] = [round(load_before, 2), round(load_after, 2)]
+    return result
+
+
+def growth(rows: list[dict], loop: str) -> float | None:
+    """Least-squares seconds of first step per added block."""
+    points = [(r["depth"], r["first_step_s"]) for r in rows if r["loop"] == loop]
+    if len(points) < 2:
+        return None
+    mx = statistics.fmean(d for d, _ in points)
+    my = statistics.fmean(t for _, t in points)
+    den = sum((d - mx) ** 2 for d, _ in points)
+    return sum((d - mx) * (t - my) for d, t in points) / den if den else None
+
+
+def goals(rows: list[dict]) -> list[tuple[str, float | None, float, bool | None]]:
+    by = {(r["depth"], r["loop"]): r for r in rows}
+    depths = sorted({r["depth"] for r in rows})
+
+    def ratio(depth, key, num, den):
+        a, b = by.get((depth, num)), by.get((depth, den))
+        return None if a is None or b is None else a[key] / b[key]
+
+    first8 = ratio(8, "first_step_s", "compile_step", "torch.compile")
+    steady8 = ratio(8, "steady_ms", "torch.compile", "compile_step")
+    steady_all = [ratio(d, "steady_ms", "torch.compile", "compile_step") for d in depths]
+    steady_min = min((s for s in steady_all if s is not None), default=None)
+    values = [first8, growth(rows, "compile_step"), steady8, steady_min]
+    out = []
+    for (name, target), value in zip(GOALS.items(), values, strict=True):
+        met = None
+        if value is not None:
+            met = value <= target if "(<=)" in name else value >= target
+        out.append((name, value, target, met))
+    return out
+
+
+def render(args, rows: list[dict], where: str) -> str:
+    lines = [
+        f"# compile_step vs torch.compile(model): first step and steady step ({args.dtype})",
+        "",
+        f"Machine: {where}. Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC.",
+        f"Residual MLP blocks, width {args.width}, batch {args.batch}, AdamW, MSE; each run in a "
+        "fresh process with a cold inductor cache, one torch thread. First step: wall seconds "
+        f"(the compile); steady: median of {args.steps} steps after {args.warmup}, process CPU "
+        "ms. Load: the 1-minute load average before / after each run (other jobs share the "
+        "machine).",
+        "",
+        "| depth | loop | first step (s) | steady (ms) | load before/after | regions | "
+        "dynamo / aot+inductor / scheduler / codegen / c++ builds (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["depth"], LOOPS.index(r["loop"]))):
+        phases = r.get("phases_s")
+        phase_text = (
+            ""
+            if phases is None
+            else " / ".join(
+                f"{phases[k]:.1f}"
+                for k in ("dynamo", "aot + inductor", "scheduler", "codegen", "c++ builds")
+            )
+        )
+        regions = {True: "yes", False: "no"}.get(r.get("regional"), "")
+        lines.append(
+            f"| {r['depth']} | {r['loop']} | {r['first_step_s']:.1f} | {r['steady_ms']:.2f} | "
+            f"{r['load_1min'][0]:.1f} / {r['load_1min'][1]:.1f} | {regions} | {phase_text} |"
+        )
+    lines += [
+        "",
+        "Goals (issue 44):",
+        "",
+        "| goal | measured | target | met |",
+        "|---|---|---|---|",
+    ]
+    for name, value, target, met in goals(rows):
+        shown = "n/a" if value is None else f"{value:.2f}"
+        lines.append(f"| {name} | {shown} | {target} | {'n/a' if met is None else met} |")
+    for loop in ("torch.compile", "compile_step"):
+        g = growth(rows, loop)
+        if g is not None:
+            lines.append(f"\n{loop}: first step grows {g:.2f} s per block (least squares).")
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for loop in LOOPS:
+        mine = sorted((r for r in rows if r["loop"] == loop), key=lambda r: r["depth"])
+        depths = [r["depth"] for r in mine]
+        if loop != "eager":
+            left.plot(depths, [r["first_step_s"] for r in mine], marker="o", label=loop)
+        right.plot(depths, [r["steady_ms"] for r in mine], marker="o", label=loop)
+    left.set_xlabel("blocks")
+    left.set_ylabel("first step (s, cold cache)")
+    right.set_xlabel("blocks")
+    right.set_ylabel("steady step (ms CPU)")
+    for ax in (left, right):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--depths", default="2,8,24", help="comma-separated block counts")
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=30, help="timed steady steps")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--loops", default=",".join(LOOPS))
+    parser.add_argument("--out", type=Path, help="folder (default: a fresh runs/ folder)")
+    parser.add_argument("--name", default="compile_cpu", help="file stem of the results")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--depth", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for value, name in ((args.width, "width"), (args.batch, "batch"), (args.steps, "steps")):
+        if value < 1:
+            parser.error(f"--{name} {value}: must be >= 1")
+    loops = tuple(args.loops.split(","))
+    unknown = [loop for loop in loops if loop not in LOOPS]
+    if unknown:
+        parser.error(f"--loops {args.loops!r}: {unknown} unknown; choose from {LOOPS}")
+    args.loops = loops
+    try:
+        args.depths = [int(d) for d in args.depths.split(",")]
+    except ValueError:
+        parser.error(f"--depths {args.depths!r}: comma-separated ints, e.g. 2,8,24")
+    if any(d < 1 for d in args.depths):
+        parser.error(f"--depths {args.depths}: each must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.worker:
+        print(json.dumps(worker(argparse.Namespace(**{**vars(args), "loop": args.worker}))))
+        return 0
+    import torch
+
+    from mixprec.bench.command import fresh_out_dir
+    from mixprec.bench.runner import cpu_model
+
+    out = args.out or fresh_out_dir("bench_compile")
+    out.mkdir(parents=True, exist_ok=True)
+    where = f"{cpu_model()}, {os.cpu_count()} cores, 1 torch thread, torch {torch.__version__}"
+    rows: list[dict] = []
+    total = len(args.depths) * len(args.loops)
+    for i, depth in enumerate(args.depths):
+        order = list(args.loops[i % len(args.loops) :] + args.loops[: i % len(args.loops)])
+        for loop in order:
+            print(f"[{len(rows) + 1}/{total}] depth {depth}, {loop} ...", end=" ", flush=True)
+            row = run_one(args, depth, loop)
+            rows.append(row)
+            print(
+                f"first {row['first_step_s']:.1f} s, steady {row['steady_ms']:.2f} ms, "
+                f"load {row['load_1min']}",
+                flush=True,
+            )
+    text = render(args, rows, where)
+    (out / f"{args.name}.md").write_text(text)
+    meta = {"machine": where, "args": {k: str(v) for k, v in vars(args).items()}}
+    data = {"meta": meta, "rows": rows, "goals": goals(rows)}
+    (out / f"{args.name}.json").write_text(json.dumps(data, indent=1))
+    try:
+        chart(rows, out / f"{args.name}.png", f"compile_step vs torch.compile ({where})")
+    except ImportError:
+        print("(no PNG: matplotlib is not installed)")
+    print(text)
+    print(f"written to {out}/{args.name}.{{md,json,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

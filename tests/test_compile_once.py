@@ -1,0 +1,189 @@
+"""compile_step compiles repeated structure once (issue 44): a stack of identical blocks is one
+block region called once per block, each kind of param update one region called once per param
+of that kind, and the step still equals the eager step bit for bit.
+
+Compiles use aot_eager (dynamo + aot_autograd, which build the regions; no inductor) behind a
+backend that counts the graphs it is handed and reads their invoke_subgraph calls; the inductor
+test is marked slow.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import pytest
+import torch
+from tolerances import EXACT
+from torch import nn
+from torch._dynamo.backends.registry import lookup_backend
+
+import mixprec
+from mixprec.core.compile_regions import block_regions, repeated_blocks
+from mixprec.core.compiled_step import compile_step
+
+WIDTH = 8
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block (the issue's benchmark block, small)."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def blocks(n: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), *[Block() for _ in range(n)])
+
+
+class RegionCounter:
+    """aot_eager that counts the graphs it compiles and, per graph, the calls of each region
+    (invoke_subgraph's subgraph name -> calls)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[collections.Counter] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        calls = collections.Counter(
+            node.args[0].target
+            for node in gm.graph.nodes
+            if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
+        )
+        self.graphs.append(calls)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def batch(i: int, bad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(i)
+    x, y = torch.randn(4, WIDTH, generator=gen), torch.randn(4, WIDTH, generator=gen)
+    if bad:
+        y[0, 0] = float("inf")
+    return x, y
+
+
+def run(n: int, mode: str | None, **options):
+    """(model, step) after 4 steps (the second overflows: a skip)."""
+    model = blocks(n)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    crit = nn.MSELoss()
+    if mode is not None:
+        model, opt, crit = mixprec.convert_to_amp(model, opt, crit, mode)
+    step = compile_step(model, opt, crit, max_norm=1.0, **options)
+    for i in range(4):
+        step(*batch(i, bad=i == 1))
+    return model, step
+
+
+# Params by kind: per block LayerNorm weight/bias and fc2.bias (WIDTH,), fc1.weight, fc1.bias,
+# fc2.weight: four kinds of update that repeat, whatever the depth. The stem Linear's bias is
+# one more (WIDTH,); its weight (WIDTH, WIDTH) is a kind of its own, whose single-use region
+# dynamo inlines (torch._dynamo.config.inline_single_use_invoke_subgraph).
+UPDATE_KINDS = 4
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_n_identical_blocks_compile_one_block_region(n):
+    counter = RegionCounter()
+    model, step = run(n, None, backend=counter)
+    assert step.compiled and step.regional
+    assert len(counter.graphs) == 1  # one compile for 4 steps, a skip among them
+    calls = counter.graphs[0]
+    block_calls = [c for c in calls.values() if c == n]
+    # one region per kind of update and one block region, called once per block: the same
+    # number of regions at any depth
+    assert len(calls) == 1 + UPDATE_KINDS
+    assert n in block_calls
+    assert sum(calls.values()) == n + len(list(model.parameters())) - 1  # the stem's weight
+
+
+@pytest.mark.parametrize("mode", [None, "bf16"], ids=["fp32", "bf16_autocast"])
+def test_regional_step_equals_the_eager_step_bitwise(mode):
+    """Skipped step, clipping and AdamW included. Under autocast the blocks run inline (see
+    compile_regions.AUTOCAST_DTYPES) and the updates are still regions."""
+    counter = RegionCounter()
+    compiled, step = run(3, mode, backend=counter)
+    eager, reference = run(3, mode, compile=False)
+    assert step.compiled and step.regional and len(counter.graphs) == 1
+    assert step.sync_counters() == reference.sync_counters() == 1
+    for (name, a), b in zip(compiled.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a, b, **EXACT, msg=name)
+    for a, b in zip(step.states, reference.states, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, **EXACT)
+    kinds = counter.graphs[0]
+    assert len(kinds) == UPDATE_KINDS + (mode is None)  # bf16: no block region
+
+
+def test_without_regions_the_step_is_one_graph_with_the_cpu_options():
+    counter = RegionCounter()
+    _, step = run(2, None, backend=counter, regions=None)
+    assert step.compiled and not step.regional
+    assert counter.graphs == [collections.Counter()]
+    model = blocks(2)
+    inductor = compile_step(model, torch.optim.AdamW(model.parameters()), nn.MSELoss())
+    assert inductor.regional and "options" not in inductor.compile_options  # no C++ wrapper
+
+
+def test_repeated_blocks_are_the_children_that_share_class_and_shapes():
+    model = nn.Sequential(
+        nn.Linear(WIDTH, WIDTH),
+        Block(),
+        Block(),
+        Block(2 * WIDTH),  # another width: not one of them
+        nn.ModuleList([nn.BatchNorm1d(WIDTH), nn.BatchNorm1d(WIDTH)]),  # buffers: left out
+    )
+    assert [[id(m) for m in g] for g in repeated_blocks(model)] == [[id(model[1]), id(model[2])]]
+    assert block_regions(model, [model[1], model[2], model[1]]).blocks == 2
+
+
+@pytest.mark.parametrize(
+    ("regions", "match"),
+    [
+        ("all", r"regions='all': pass 'auto'"),
+        (nn.Linear(2, 2), r"pass 'auto', None, or a list"),
+        ([nn.Linear(2, 2)], r"is not a submodule of the model"),
+    ],
+)
+def test_bad_regions_raise_naming_the_value_and_the_choices(regions, match):
+    with pytest.raises(ValueError, match=match):
+        block_regions(blocks(2), regions)
+
+
+def test_a_region_that_fails_to_compile_falls_back_to_one_graph(monkeypatch, caplog):
+    """Should compiling with regions fail, the step compiles once more as one graph (no eager
+    fallback, no warning), with the same values."""
+    counter = RegionCounter()
+
+    def broken(gm, example_inputs):
+        if any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes):
+            raise RuntimeError("no regions here")
+        return counter(gm, example_inputs)
+
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        model, step = run(2, None, backend=broken)
+    assert step.compiled and not step.regional
+    assert "compiling the whole step as one graph" in caplog.text
+    eager, _ = run(2, None, compile=False)
+    for a, b in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_block_once_and_matches_eager():
+    """inductor (the default backend): one graph, regional, the weights as the eager step's
+    within fp32 rounding (inductor fuses differently from eager, as without regions)."""
+    from tolerances import FP32_ROUNDING
+
+    torch._dynamo.reset()
+    compiled, step = run(3, None)
+    eager, _ = run(3, None, compile=False)
+    assert step.compiled and step.regional
+    for a, b in zip(compiled.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a, b, **FP32_ROUNDING)
