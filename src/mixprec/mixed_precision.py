@@ -453,16 +453,19 @@ def with_fp8(policy: Policy, spec: Any, where: str) -> Policy:
 def fp8_mode_policy(config: Mapping[str, Any]) -> Policy:
     """The 'fp8' mode's config keys: dtype (the autocast dtype around the float8 GEMMs),
     config (a Float8Config) and Float8Config's fields (each replaces config's; recipe='rowwise'
-    alone is Float8Config(recipe='rowwise')). No float8 key: the default Float8Config."""
+    alone is Float8Config(recipe='rowwise')). No float8 key: fp8_config None, which
+    convert_to_fp8 reads as the default Float8Config."""
     check_keys("'fp8' mode config", config, ("dtype", "config", *FLOAT8_FIELDS))
     policy = preset("fp8", dtype=config.get("dtype"))
     fields = {k: v for k, v in config.items() if k in FLOAT8_FIELDS}
     base = config.get("config")
     if base is None and not fields:
         return policy
-    if base is not None and not isinstance(base, Float8Config):
-        raise TypeError(f"'fp8' mode config={base!r} must be a Float8Config or None.")
-    fp8_config = dataclasses.replace(base or Float8Config(), **fields)  # Float8Config checks
+    if base is None:
+        base = Float8Config()
+    elif not isinstance(base, Float8Config):
+        raise TypeError(f"'fp8' mode: config must be a Float8Config or None, got {base!r}.")
+    fp8_config = dataclasses.replace(base, **fields)  # Float8Config checks each field
     return dataclasses.replace(policy, fp8_config=fp8_config)
 
 
@@ -484,8 +487,6 @@ class FP8MixedPrecision(MixedPrecision):
         *,
         recipe: str | None = None,
     ) -> None:
-        if config is not None and not isinstance(config, Float8Config):
-            raise TypeError(f"config must be a Float8Config or None, got {config!r}.")
         keys = {"config": config} if recipe is None else {"config": config, "recipe": recipe}
         super().__init__(to_policy("fp8", keys))  # the policy carries the Float8Config
         self.module_filter_fn = module_filter_fn
