@@ -42,6 +42,15 @@ the loop body) reaches the forward and the loss and ends there: scaling, backwar
 run in an fp32_region, as an eager loop runs them outside auto_cast. One call is one optimizer
 step: no gradient accumulation.
 
+Repeated structure compiles once (compile_step's `regions`): the repeated blocks of a model
+(identical children of an nn.Sequential / nn.ModuleList, mixprec.core.compile_regions) and each
+kind of param update (same group flags, shape, dtypes and state format) are nested compile
+regions, traced and compiled once and called once per block or param; the in-place writes of
+an update stay outside its region. Where the whole step was one unrolled graph, inductor's
+fusion pass and the C++ wrapper's one-file build grew faster than the graph (residual MLP blocks,
+bf16, AdamW: 36 s at 2 blocks, 175 s at 8). Under autocast a block runs inline (see
+compile_regions.AUTOCAST_DTYPES); the updates are regions still.
+
 Skips are counted and reported by the optimizer's own StepCounter, as its eager steps are
 (optimizer.skipped_steps, consecutive_skips, skip_stats, the skip monitor's warm-up summary and
 rate warning, ScaleCollapseError after its max_consecutive_skips; a plain torch optimizer gets
