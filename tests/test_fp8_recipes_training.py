@@ -28,6 +28,7 @@ from mixprec.fp8 import (
     quantize_rowwise,
     quantize_tensorwise,
 )
+from mixprec.fp8 import kernels as fp8_kernels
 
 EMULATED = [r for r in RECIPES if r != "tensorwise"]
 E4M3 = torch.float8_e4m3fn
@@ -298,6 +299,35 @@ def test_compiled_forward_backward_equals_eager_bitwise(recipe):
     eager = run_linear(layer, x, dy, seed=4)
     layer.weight.grad = None
     compiled = run_linear(torch.compile(layer), x, dy, seed=4)
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+FP32_COMPILE_CONFIGS = {
+    **{recipe: {"recipe": recipe} for recipe in RECIPES},
+    "tensorwise-emulated": {"recipe": "tensorwise", "emulate": True},
+    "rowwise-cpu-kernel": {"recipe": "rowwise", "emulate": False},
+}
+
+
+@pytest.mark.parametrize("name", FP32_COMPILE_CONFIGS)
+def test_compiled_fp32_layer_has_eagers_gradients(name):
+    """An fp32 layer (GEMM result already in its output dtype) under torch.compile: the
+    gradients are eager's. torch 2.11's dynamo zeroed them all when the autograd Function's
+    forward ended in a `.to(dtype)` that returns its input (kernels.gemm_result avoids it).
+    aot_eager: the graph capture is what is checked, not a backend's rounding."""
+    config = Float8Config(**FP32_COMPILE_CONFIGS[name])
+    if config.emulate is False and not fp8_kernels.cpu_has_rowwise_scaled_mm():
+        pytest.skip("this torch build has no CPU rowwise torch._scaled_mm")
+    x, w, dy = shapes(m=32, k=64, n=48)
+    layer = Float8Linear(64, 48, config=config)
+    with torch.no_grad():
+        layer.weight.copy_(w[:48, :64])
+    eager = run_linear(layer, x, dy, seed=4)
+    layer.weight.grad = layer.bias.grad = None
+    torch._dynamo.reset()
+    compiled = run_linear(torch.compile(layer, backend="aot_eager"), x, dy, seed=4)
+    assert eager[1].abs().sum() > 0 and eager[2].abs().sum() > 0
     for got, want in zip(compiled, eager, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 

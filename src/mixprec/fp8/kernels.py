@@ -189,6 +189,17 @@ def _pad_dim(lp: torch.Tensor, dim: int) -> torch.Tensor:
     return F.pad(lp.view(torch.uint8), pad).view(lp.dtype)
 
 
+def gemm_result(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """A GEMM's result in out_dtype, never as a `.to` that returns `out` itself.
+
+    A float8 GEMM's result is the output of mixprec's autograd Functions; under torch.compile
+    torch 2.11's dynamo gives the Function's inputs all-zero gradients when its forward returns
+    a tensor through an op that returns its own input (a `.to`, `.float()` or `.contiguous()`
+    that changes nothing), measured with any backend, eager included. torch 2.13 does not.
+    """
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
 def lp_gemm(
     lp_a: torch.Tensor,
     lp_b: torch.Tensor,
@@ -210,7 +221,7 @@ def lp_gemm(
     """
     if emulate:
         hp_out = (lp_a.to(torch.float32) @ lp_b.to(torch.float32)) * (a_inv_scale * b_inv_scale)
-        return hp_out.to(out_dtype)
+        return gemm_result(hp_out, out_dtype)
     n = lp_b.shape[1]
     if lp_a.is_cuda:
         # Pad K and N to 16 (zeros leave the product unchanged); M has no such constraint.
@@ -233,5 +244,6 @@ def lp_gemm(
         scale_b=b_inv_scale,
         out_dtype=kernel_dtype,
         use_fast_accum=use_fast_accum,
-    ).to(out_dtype)
+    )
+    out = gemm_result(out, out_dtype)
     return out[:, :n] if out.shape[1] != n else out

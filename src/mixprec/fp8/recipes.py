@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 
 from mixprec.fp8.config import LP_FORWARD_DTYPE, RECIPES, Float8Config
-from mixprec.fp8.kernels import lp_gemm, resolve_recipe_kernel
+from mixprec.fp8.kernels import gemm_result, lp_gemm, resolve_recipe_kernel
 from mixprec.fp8.quantize import (
     BLOCKWISE_TILE,
     E2M1_MAX,
@@ -200,7 +200,7 @@ def emulated_gemm(
     role_a, role_b = OPERAND_ROLES[gemm]
     hp_a = emulated_operand(a, kind_a, operand_lp_dtype(role_a, config), config)
     hp_b = emulated_operand(b_t, kind_b, operand_lp_dtype(role_b, config), config)
-    return (hp_a @ hp_b.t()).to(out_dtype)
+    return gemm_result(hp_a @ hp_b.t(), out_dtype)
 
 
 _KERNEL_KINDS = frozenset({"row", "tensor"})
