@@ -10,6 +10,7 @@ from dist_utils import spawn
 from tolerances import fp32_rounding
 
 from mixprec.core import fused_step as fused
+from mixprec.core.commit import FusedCommit
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import ScalerConfig
 
@@ -184,13 +185,13 @@ def test_auto_fuse_size_is_recounted_when_param_groups_change(monkeypatch) -> No
     first = torch.nn.Parameter(torch.randn(8, 8).bfloat16())
     opt = MixedPrecisionOptimizer(torch.optim.SGD([first], lr=0.1))
     first.grad = torch.ones_like(first)
-    assert opt._grads_if_fused() is None  # 64 elements < 100
+    assert FusedCommit.grads_for(opt) is None  # 64 elements < 100
     second = torch.nn.Parameter(torch.randn(8, 8).bfloat16())
     second.grad = torch.ones_like(second)
     opt.add_param_group({"params": [second]})
-    assert opt._grads_if_fused() is not None  # 128 elements: fused
+    assert FusedCommit.grads_for(opt) is not None  # 128 elements: fused
     opt.param_groups[1]["params"] = opt.param_groups[1]["params"][:0]  # a group emptied
-    assert opt._grads_if_fused() is None
+    assert FusedCommit.grads_for(opt) is None
 
 
 def test_fused_step_true_refuses_unsupported_optimizers() -> None:

@@ -88,7 +88,7 @@ class OptimizerWrapperAPI:
                 "backward_by_grad: this optimizer (num_losses > 1) unscales each loss's grads "
                 "inside backward(loss, loss_id); call backward(loss, loss_id=i) instead."
             )
-        if self._found_inf is not None:  # type: ignore[attr-defined]
+        if self.step_flags.found_inf is not None:  # type: ignore[attr-defined]
             raise RuntimeError(
                 "backward_by_grad() after the gradients were unscaled (unscale_grad, "
                 "clip_grad_by_norm/value) but before step(): the new gradients would stay scaled."

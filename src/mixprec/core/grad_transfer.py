@@ -22,6 +22,7 @@ import torch
 
 from mixprec.core.clip import local_shards
 from mixprec.core.policy import LOW_DTYPES as LOW_DTYPE_NAMES
+from mixprec.core.scaling import unscale_and_check_
 
 if TYPE_CHECKING:
     from mixprec.core.scaling import LossScaler
@@ -204,6 +205,36 @@ class GradTransfer:
                 lp.grad = None  # the lp gradient lives only from backward to step
         if hp_grads:
             torch._foreach_copy_(self.local(hp_grads), self.local(lp_grads))
+
+    def unscale_and_check(self, scaler: LossScaler) -> tuple[torch.Tensor, bool]:
+        """Unscale the held grads in place (by scaler's inverse scale, kept in inv_used) and
+        check them: (this rank's overflow flag, whether there was any grad)."""
+        found_inf = scaler.scale_tensor.new_zeros(1)  # fp32, on the scale's device
+        inv_scale = self.inv_used = scaler.inv_scale()
+        grads = self.held_grads()
+        if grads:
+            layout = self.layout()
+            one_bucket = layout.uniform and layout.probe.device == found_inf.device
+            unscale_and_check_(grads, inv_scale, found_inf, one_bucket=one_bucket)
+        return found_inf, bool(grads)
+
+    def held_names(self, model: torch.nn.Module) -> dict[int, str]:
+        """id(param as the inner optimizer holds it: the master of an lp param) -> its name."""
+        lp_to_master = {id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
+        return {id(lp_to_master.get(id(p), p)): name for name, p in model.named_parameters()}
+
+    def nonfinite(self, names: dict[int, str]) -> list[str]:
+        """Names (from held_names; else group/index) of the held params whose current gradient
+        holds inf/nan (a fused step reads the lp grad: the master then has none)."""
+        bad = []
+        master_to_lp = self.master_to_lp()
+        for g, group in enumerate(self.optim.param_groups):
+            for i, p in enumerate(group["params"]):
+                lp = master_to_lp.get(id(p))
+                grad = lp.grad if p.grad is None and lp is not None else p.grad
+                if grad is not None and not bool(torch.isfinite(grad).all()):
+                    bad.append(names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}"))
+        return bad
 
     def masters_to_params(self) -> None:
         if self.hp_masters:

@@ -12,7 +12,6 @@ import itertools
 import logging
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,9 +19,18 @@ from typing_extensions import override
 
 from mixprec.core import fused_step as fused
 from mixprec.core import lean as lean_step
-from mixprec.core import sync_free
 from mixprec.core.backward_watch import BackwardWatch, unscaled_grads_error
 from mixprec.core.clip import clip_grads_, local_shards
+from mixprec.core.commit import (
+    Accounting,
+    FusedCommit,
+    StepFlags,
+    StepResult,
+    SyncFreeCommit,
+    SyncingCommit,
+    commit,
+    outside_check,
+)
 from mixprec.core.grad_transfer import LOW_DTYPES, GradTransfer, Layout
 from mixprec.core.grad_transfer import Carry as _Carry
 from mixprec.core.optim_state import load_optimizer_state, optimizer_state
@@ -34,7 +42,6 @@ from mixprec.core.scaling import (
     default_group,
     group_to_hold,
     rank_and_world,
-    unscale_and_check_,
 )
 from mixprec.core.skip_monitor import (
     ScaleCollapseError,
@@ -42,8 +49,6 @@ from mixprec.core.skip_monitor import (
     SkipStats,
     StepCounter,
 )
-from mixprec.core.step_math import clip_coefficient, inverse_scale
-from mixprec.core.step_record import StepRecord
 from mixprec.core.validate import check_bool, check_max_norm, check_norm_type
 
 log = logging.getLogger("mixprec")
@@ -56,23 +61,6 @@ __all__ = [  # the names below StepResult were imported from here before the spl
     "_Carry",
     "local_shards",
 ]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one `step()` did."""
-
-    skipped: bool
-    """True when a non-finite gradient on some rank made every rank skip the update."""
-    scale: float
-    """The loss scale this step's gradients were computed with."""
-    grad_norm: float | None
-    """Total norm of the unscaled gradients, when clipping computed it."""
-    num_zeros: int | None
-    """Zero gradient entries, when log_num_zeros_in_grad is on."""
-    noop: bool = False
-    """True when this rank's optimizer had no gradient at all: nothing moved, and the step is
-    counted in noop_steps, not in steps."""
 
 
 def _route_zero_grad(inner: torch.optim.Optimizer, wrapper: MixedPrecisionOptimizer) -> None:
@@ -93,32 +81,6 @@ def _route_zero_grad(inner: torch.optim.Optimizer, wrapper: MixedPrecisionOptimi
     inner.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
-class _PendingStepResult(StepResult):
-    """A sync-free step's result: its fields read the step's record row when first read (a
-    host sync, paid only by a caller who reads them)."""
-
-    def __init__(self, row: torch.Tensor, has_norm: bool) -> None:
-        object.__setattr__(self, "_row", row)
-        object.__setattr__(self, "_has_norm", has_norm)
-        object.__setattr__(self, "_values", None)
-
-    def _read(self) -> tuple[bool, float, float | None]:
-        if self._values is None:
-            flag, scale, norm = self._row.reshape(-1).tolist()  # a host sync, when read
-            object.__setattr__(self, "_values", (flag > 0, scale, norm if self._has_norm else None))
-        return self._values
-
-    skipped = property(lambda self: self._read()[0])  # type: ignore[assignment]
-    scale = property(lambda self: self._read()[1])  # type: ignore[assignment]
-    grad_norm = property(lambda self: self._read()[2])  # type: ignore[assignment]
-    num_zeros = None
-    noop = False
-
-
-def _is_rank_zero() -> bool:
-    return rank_and_world()[0] == 0
-
-
 class _Counted:
     """A MixedPrecisionOptimizer attribute that lives in its StepCounter (self.counts); with
     read_record, the sync-free step's device record is counted first (a host sync, if any)."""
@@ -134,12 +96,12 @@ class _Counted:
         if obj is None:
             return self
         if self.read_record:
-            obj._read_record()
+            obj.accounting.read_record()
         return getattr(obj.counts, self.name)
 
     def __set__(self, obj: Any, value: Any) -> None:
         if self.read_record:
-            obj._read_record()
+            obj.accounting.read_record()
         setattr(obj.counts, self.name, value)
 
 
@@ -173,6 +135,20 @@ TORCH_HOOK_DICTS = (
 """The hook registries torch.optim.Optimizer.__init__ would make (the wrapper skips it)."""
 
 
+def _check_eps(group: dict[str, Any]) -> None:
+    """Adam-style eps below fp16's smallest normal is 0 in fp16 state: updates divide by 0."""
+    eps = group.get("eps")
+    tiny = torch.finfo(torch.float16).tiny
+    fp16_held = any(p.dtype == torch.float16 for p in group["params"])
+    if fp16_held and isinstance(eps, float) and eps < tiny:
+        raise ValueError(
+            f"eps={eps!r} with float16 parameters stepped directly (no fp32 master "
+            f"weights): it rounds to 0 in fp16 (smallest normal {tiny:.2e}), so the "
+            "update divides by zero and writes inf/nan into the weights. Use master "
+            "weights (fp16_naive, Apex O2), bfloat16, or eps >= 1e-4."
+        )
+
+
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """Wraps any torch optimizer; `backward(loss)` scales, `step()` unscales, checks and steps.
 
@@ -203,13 +179,21 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     whole_step_refusal: str | None = None
     # torch's GradScaler.step then sets found_inf (its check, done once) and grad_scale (the
     # scale still in the grads, or None once unscale_ ran) on this object and calls step()
-    # unconditionally, with no host sync of its own; see _reuse_outside_check.
+    # unconditionally, with no host sync of its own; see commit.outside_check.
     _step_supports_amp_scaling = True
     # How a user of this class runs the scaled backward (named when grads did not come through it).
     scaled_backward_hint = (
         "booster.backward(loss, optimizer) (Booster), optimizer.backward(loss) "
         "(convert_to_amp, initialize) or engine.backward(loss)"
     )
+    carries_grads = True
+    """False where the subclass keeps torch's contract (a step leaves its grads in .grad) its
+    own way (ZeRO, across ranks) or follows its peer's rule instead (Apex clears the master grads
+    after every step)."""
+    steps_on_device = True
+    """False where a subclass's step reads its outcome on the host, so the sync-free step must
+    not run it: ZeRO and the pipeline (their reductions, owners and stage bookkeeping follow the
+    host's decision) and Apex's per-loss scalers."""
 
     def __init__(
         self,
@@ -230,10 +214,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         check_bool("keep_master_grads", keep_master_grads, optional=True)
         self.counts = StepCounter(max_consecutive_skips)  # checks it before anything changes
         """steps, skips, the skip monitor and the collapse guard (core.skip_monitor)."""
+        self.accounting = Accounting(self)
+        """Counts each step in self.counts and reports skips (core.commit)."""
         self.optim = optimizer
         _route_zero_grad(optimizer, self)
-        self.fused_step = fused_step
-        self.master_weights = master_weights
+        self.fused_step, self.master_weights = fused_step, master_weights
         self.max_norm = float(max_norm)
         self.process_group = group_to_hold(process_group)
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
@@ -245,24 +230,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """lp params, their fp32 masters and the grads between them (core.grad_transfer)."""
         for group in optimizer.param_groups:
             group["params"] = self._masters_for(group["params"])
-            self._check_eps(group)
+            _check_eps(group)
         self.scaler = LossScaler(loss_scale, self._device())
-        self._found_inf: torch.Tensor | None = None  # set once grads are unscaled this step
-        self._grads_on_masters = False  # set once this step's lp grads reached the masters
+        self.step_flags = StepFlags()
+        """The step in progress: its overflow flag, where its grads are (core.commit)."""
         self.watch = BackwardWatch()
         """The last backward() and the misuse seen before the step (core.backward_watch)."""
-        self._step_had_grads = True  # cleared when this step's unscale found no gradient
-        # The sync-free step's device record (see _step_sync_free), read into the counters
-        # every DEFAULT_CHECK_EVERY steps or when they are read; made at its first step.
         self._sync_free: bool | None = None
-        """Private switch: None runs the step with no host sync where it costs one (CUDA; see
-        _runs_sync_free); True forces it (tests on CPU); False keeps the one read of the
-        overflow flag per step."""
-        self._record: StepRecord | None = None
-        self._clean_growth: float | None = None  # see _decide
+        """None runs the step with no host sync where it costs one (CUDA: see
+        SyncFreeCommit.inner_step); True forces it (tests on CPU); False keeps the one read of
+        the overflow flag per step."""
         self.lean = None if lean is None else lean_step.LeanUpdate(lean, optimizer)
-        # torch.optim.Optimizer's bookkeeping, for hooks and LR schedulers.
-        for hooks in TORCH_HOOK_DICTS:
+        for hooks in TORCH_HOOK_DICTS:  # torch.optim.Optimizer's, for hooks and LR schedulers
             setattr(self, hooks, OrderedDict())
 
     # ----- torch.optim.Optimizer's face, delegated to the wrapped optimizer -----
@@ -312,43 +291,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Params the inner optimizer steps directly (fp32, or low precision without masters)."""
         return list(self.transfer.layout().own)
 
-    def _check_eps(self, group: dict[str, Any]) -> None:
-        """Adam-style eps below fp16's smallest normal is 0 in fp16 state: updates divide by 0."""
-        eps = group.get("eps")
-        tiny = torch.finfo(torch.float16).tiny
-        fp16_held = any(p.dtype == torch.float16 for p in group["params"])
-        if fp16_held and isinstance(eps, float) and eps < tiny:
-            raise ValueError(
-                f"eps={eps!r} with float16 parameters stepped directly (no fp32 master "
-                f"weights): it rounds to 0 in fp16 (smallest normal {tiny:.2e}), so the "
-                "update divides by zero and writes inf/nan into the weights. Use master "
-                "weights (fp16_naive, Apex O2), bfloat16, or eps >= 1e-4."
-            )
-
     def _masters_for(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.transfer.masters_for(params, use_masters=self.master_weights is not False)
 
     def name_params(self, model: torch.nn.Module) -> None:
         """Learn the model's parameter names, so errors can say which parameters overflowed."""
-        lp_to_master = {id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
-        for name, p in model.named_parameters():
-            held = lp_to_master.get(id(p), p)
-            self.param_names[id(held)] = name
+        self.param_names.update(self.transfer.held_names(model))
 
     def nonfinite_params(self) -> list[str]:
         """Names (or group/index) of the parameters whose current gradient holds inf/nan."""
-        bad = []
-        master_to_lp = self.transfer.master_to_lp()
-        for g, group in enumerate(self.optim.param_groups):
-            for i, p in enumerate(group["params"]):
-                lp = master_to_lp.get(id(p))
-                # A fused step reads the lp grad directly: the master then has none.
-                grad = lp.grad if p.grad is None and lp is not None else p.grad
-                if grad is not None and not bool(torch.isfinite(grad).all()):
-                    bad.append(
-                        self.param_names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}")
-                    )
-        return bad
+        return self.transfer.nonfinite(self.param_names)
 
     @override
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -357,7 +309,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group["params"] = self._masters_for(params)
         self.optim.add_param_group(group)
-        self._check_eps(self.optim.param_groups[-1])
+        _check_eps(self.optim.param_groups[-1])
 
     # ----- counters (self.counts): host values, or read from the sync-free step's record -----
     steps = _Counted()
@@ -373,23 +325,28 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def unread_steps(self) -> int:
         """Steps whose skip flag is still on the sync-free step's device record (a host count,
         no sync): the skip counters cover every step but these until the record is read."""
-        return 0 if self._record is None else self._record.pending
+        return self.accounting.unread
 
     @property
     def skip_monitor(self) -> SkipMonitor:
         """Says when a run starts by skipping, or skips too often."""
         return self.counts.monitor
 
+    @property
+    def skip_stats(self) -> SkipStats:
+        """Steps, skipped steps (in a row, in the warm-up) and the last scale: no host sync."""
+        self.accounting.read_record()
+        return self.counts.stats()
+
+    def count_recorded_step(self, skipped: bool, scale: float, grad_norm: float | None) -> None:
+        """Count one step read from a device StepRecord (this optimizer's sync-free step's, or
+        compile_step's) as a syncing step is counted (Accounting.count_recorded)."""
+        self.accounting.count_recorded(skipped, scale, grad_norm)
+
     # ----- scaling, unscaling, checking -----
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
-
-    @property
-    def skip_stats(self) -> SkipStats:
-        """Steps, skipped steps (in a row, in the warm-up) and the last scale: no host sync."""
-        self._read_record()
-        return self.counts.stats()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss (as fp32) times the current scale; call .backward() on the result."""
@@ -416,22 +373,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _check_scaled_backward(self) -> None:
         """Refuse grads that did not come through the scaled backward (plain loss.backward(), or
         an outside GradScaler's scaler.scale(loss).backward()): unscaling them by this optimizer's
-        scale would shrink the update by that scale, silently.
-
-        One flag read on the hot path; the walk over grads runs only when the flag is unset.
-        """
+        scale would shrink the update by that scale, silently. One flag read on the hot path."""
         if (
             self._grads_came_through_backward()
             or not self.scales_loss
             # the masters' grads may be stale: this step's lp grads are what backward left
-            or not (self._grads_on_masters or self.transfer.step_grads())
+            or not (self.step_flags.on_masters or self.transfer.step_grads())
         ):
             return
         raise unscaled_grads_error(type(self).__name__, self.scaler.cfg, self.scaled_backward_hint)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward of the scaled loss; several calls before one step() accumulate."""
-        if self._found_inf is not None:
+        if self.step_flags.found_inf is not None:
             raise RuntimeError(
                 "backward() after the gradients were unscaled (by clip_grad_norm or "
                 "unscale_grads) but before step(): the new gradients would stay scaled."
@@ -455,17 +409,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return self.transfer.held_grads()
 
     def _lp_grads_to_masters(self) -> None:
-        """The transfer at step (GradTransfer.to_masters); a subclass that moves the grads its
-        own way (Paddle's and the pipeline's hooks, ZeRO's buckets) overrides this. The lp grad
-        stays in .grad after the step unless this optimizer does not carry grads."""
+        """The transfer (GradTransfer.to_masters: its strategy; at step by default). A subclass
+        whose grads reach the masters its own way (ZeRO's buckets) overrides this."""
         self.transfer.to_masters(free_lp=not self.carries_grads)
 
     def grads_to_masters(self) -> None:
         """Hand this step's lp grads to the fp32 masters, once (an outside GradScaler calls this
         before unscaling, since it only sees the masters in param_groups)."""
-        if not self._grads_on_masters:
+        if not self.step_flags.on_masters:
             self._lp_grads_to_masters()
-            self._grads_on_masters = True
+            self.step_flags.on_masters = True
 
     def unscale_grads(self) -> torch.Tensor:
         """The step's first stages, once per step: transfer the grads to the masters (and reduce
@@ -473,27 +426,22 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
         Returns the overflow flag (a device tensor, reduced over the process group).
         """
-        if self._found_inf is not None:
-            return self._found_inf
+        if self.step_flags.found_inf is not None:
+            return self.step_flags.found_inf
         self._check_scaled_backward()
         # a second step() with no backward through this optimizer
         self.transfer.rescale_carried(self.scaler)
         self.grads_to_masters()  # transfer + reduce (subclasses reduce here)
         found_inf = self._unscale_and_check()
-        self._found_inf = all_reduce_found_inf_(found_inf, self.process_group or default_group())
+        group = self.process_group or default_group()
+        self.step_flags.found_inf = all_reduce_found_inf_(found_inf, group)
         self.transfer.note_unscaled()
-        return self._found_inf
+        return self.step_flags.found_inf
 
     def _unscale_and_check(self) -> torch.Tensor:
         """Unscale the held grads in place and check them: this rank's overflow flag."""
-        found_inf = self.scaler.scale_tensor.new_zeros(1)  # fp32, on the scale's device
-        inv_scale = self.transfer.inv_used = self.scaler.inv_scale()  # kept: see GradTransfer
-        grads = self._hp_grads()
-        self._step_had_grads = bool(grads) or self._shares_steps()
-        if grads:
-            layout = self.transfer.layout()
-            one_bucket = layout.uniform and layout.probe.device == found_inf.device
-            unscale_and_check_(grads, inv_scale, found_inf, one_bucket=one_bucket)
+        found_inf, had_grads = self.transfer.unscale_and_check(self.scaler)
+        self.step_flags.had_grads = had_grads or self._shares_steps()
         return found_inf
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -505,25 +453,28 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         # Replicas hold equal grads (no group); DTensor grads complete their norm over their mesh.
         return clip_grads_(grads, max_norm, norm_type, device=self.scaler.scale_tensor.device)
 
-    def _count_zeros(self) -> int:
-        grads = self._hp_grads()
-        return int(sum(int((g == 0).sum()) for g in grads))  # host sync per tensor: debug counter
+    def count_zero_grads(self) -> int:
+        """Zero entries of the held grads (log_num_zeros_in_grad: a host sync per tensor)."""
+        return int(sum(int((g == 0).sum()) for g in self._hp_grads()))
 
     # ----- the step: one fixed sequence, configured by the stages below -----
     @override
     @torch.no_grad()
     def step(self, closure: Any = None) -> StepResult:  # type: ignore[override]
-        """transfer -> reduce -> unscale+check -> clip -> decide -> update -> commit.
+        """plan -> transfer -> reduce -> unscale+check -> clip -> decide -> commit -> account.
 
         Every subclass runs this sequence; it configures the stages, never re-sequences them:
-        - transfer + reduce: grads_to_masters (_lp_grads_to_masters: at step here; as each
+        - plan: the commit strategy (core.commit): FusedCommit when the step runs fused (one
+          pass per tensor from the lp grads, the stages below inside it), SyncFreeCommit when
+          it skips on the device, SyncingCommit otherwise;
+        - transfer + reduce: grads_to_masters (GradTransfer's strategy: at step; as each
           backward accumulates for Paddle's and the pipeline's hooks; ZeRO's reduce buckets);
         - unscale+check: _unscale_and_check (Apex's per-backward stash: done at each backward);
         - clip: clip_grad_norm (each parallelism's norm), when max_norm > 0;
-        - decide: _decide on _scale_used() (the scale the grads carry), then _update_scale;
-        - update + commit: _commit (the inner step or the fused pass, masters back to the
+        - decide: core.commit.decide on _scale_used() (the scale the grads carry), then
+          _update_scale;
+        - commit + account: core.commit.commit (the update unless skipped, masters back to the
           params, the counters), _after_update (ZeRO's all-gather); _end_step always.
-        The fused step runs the same stages in one pass per tensor.
         """
         if closure is not None:
             raise RuntimeError(
@@ -531,37 +482,34 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             )
         self.transfer.pin_layout()  # a step changes no param group: its layout is read once
         try:
-            result = self._run_step()
+            result = commit(self, self._plan().outcome(self))
             self._after_update(result)
             return result
         finally:
             self.transfer.unpin_layout()
             self._end_step()
 
-    def _run_step(self) -> StepResult:
-        # a step() again with no backward through this optimizer
-        self.transfer.rescale_carried(self.scaler)
-        self._reuse_outside_check()
+    def _plan(self) -> FusedCommit | SyncFreeCommit | SyncingCommit:
+        """The checks before a step, then this step's commit strategy (its stages run here)."""
+        self.transfer.rescale_carried(self.scaler)  # a step() again with no backward
+        outside = outside_check(self)
+        if outside is not None:
+            self.step_flags.found_inf = outside
         if not self.watch.warned_no_grads:
             self.watch.warn_no_grads(itertools.chain(self.lp_params, self.transfer.layout().held))
         if self.watch.seen is not None:
-            unscaled = self._found_inf is not None
+            unscaled = self.step_flags.found_inf is not None
             self.watch.check_edit(self._model_probe(), unscaled=unscaled, scale=self.scaler)
-        fused_grads = self._grads_if_fused()
+        fused_grads = FusedCommit.grads_for(self)
         if fused_grads is not None:
             self._check_scaled_backward()  # unscale_grads' first check, on the fused path
-            return self._fused_step(fused_grads)
+            return FusedCommit(fused_grads)
         found_inf = self.unscale_grads()  # checks, transfer -> reduce -> unscale+check
         norm = self.clip_grad_norm(self.max_norm) if self.max_norm > 0 else None
-        sync_free_inner = self._runs_sync_free()
-        if sync_free_inner is not None:
-            return self._step_sync_free(found_inf, norm, sync_free_inner)
-        grad_norm = None if norm is None else float(norm)
-        num_zeros = self._count_zeros() if self.log_num_zeros_in_grad else None
-        skipped, scale = self._decide(found_inf, self._scale_used())
-        self._update_scale(found_inf)
-        self._keep_grads()
-        return self._commit(skipped, scale, grad_norm=grad_norm, num_zeros=num_zeros)
+        inner = SyncFreeCommit.inner_step(self)
+        if inner is not None:
+            return SyncFreeCommit(found_inf, norm, inner)
+        return SyncingCommit(found_inf, norm)
 
     # Stages a subclass configures (the defaults are the core's own).
     def _scale_used(self) -> torch.Tensor | None:
@@ -572,7 +520,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _update_scale(self, found_inf: torch.Tensor) -> None:
         """Advance the own scaler by this step's overflow flag (Apex's amp advances each loss's
         scaler at its backward instead)."""
-        self.scaler.update(found_inf, clean_growth=self._clean_growth)
+        self.scaler.update(found_inf, clean_growth=self.step_flags.clean_growth)
 
     def _after_update(self, result: StepResult) -> None:
         """After the commit (ZeRO gathers the owners' updated params here)."""
@@ -580,180 +528,17 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _end_step(self) -> None:
         """Per-step state a subclass keeps is reset here, whatever the step did or raised."""
 
-    # ----- gradients left in .grad after a step (torch's contract) -----
-    carries_grads = True
-    """False where the subclass keeps torch's contract its own way (ZeRO, across ranks) or
-    follows its peer's rule instead (Apex clears the master grads after every step)."""
-
-    steps_on_device = True
-    """False where a subclass's step reads its outcome on the host, so the sync-free step
-    (_runs_sync_free) must not run it: ZeRO and the pipeline (their reductions, owners and
-    stage bookkeeping follow the host's decision) and Apex's per-loss scalers."""
-
-    def _keep_grads(self, *, fused: bool = False, factor: torch.Tensor | None = None) -> None:
-        """Leave this step's gradients in .grad for a backward before zero_grad()
-        (GradTransfer.keep: fused, factor as there), unless this optimizer does not carry them."""
-        if self.carries_grads:
-            self.transfer.keep(self.scaler, fused=fused, factor=factor)
-
-    def _reuse_outside_check(self) -> None:
-        """An outside GradScaler's overflow flag taken as this step's: one check, one host sync
-        (the _decide read) per step, where the scaler's .item() and a second check ran before.
-
-        Only for an optimizer that scales nothing itself (a unit scale); a scaling one keeps its
-        own check (its scale is in the grads too)."""
-        found_inf = self.__dict__.get("found_inf")  # torch deletes both after step()
-        if found_inf is None or self._found_inf is not None or not self.scaler.is_unit:
-            return
-        self.grads_to_masters()
-        grads = self._hp_grads()
-        grad_scale = self.__dict__.get("grad_scale")
-        if grad_scale is not None and grads:  # checked, not unscaled: unscale without checking
-            inv_scale = inverse_scale(grad_scale).to(grads[0].device)
-            torch._foreach_mul_(grads, inv_scale)
-        flag = found_inf.reshape(1).float().to(self.scaler.scale_tensor.device)
-        # mixprec's GradScaler reduced it already; torch's did not (MAX twice changes nothing)
-        self._found_inf = all_reduce_found_inf_(flag, self.process_group or default_group())
-        self.transfer.inv_used = self.scaler.inv_scale()
-        # the lp grads hold the outside scale: never kept as they are
-        self.transfer.note_unscaled(version=-2)
-
     def _shares_steps(self) -> bool:
         """True when other ranks take this step too: a rank without grads then counts it as a
         step like theirs (its counters, and the LR schedule that follows them, stay in step)."""
         group = self.process_group or default_group()
         return group is not None and torch.distributed.get_world_size(group) > 1
 
-    def _grads_if_fused(self) -> list[torch.Tensor] | None:
-        """This step's grads when it runs fused (see fused_step in the class docstring), else
-        None; the cheap refusals come first, so an unfused step gathers nothing."""
-        if self.fused_step is False or self._found_inf is not None or self._grads_on_masters:
-            return None
-        if self.lean is not None:  # the lean write-back is its own pass
-            return None
-        if self.fused_step is None:
-            layout = self.transfer.layout()
-            if layout.numel < fused.AUTO_MIN_ELEMENTS or layout.probe.device.type != "cpu":
-                return None  # too small to fuse whatever has grads: gather nothing (~8 us a step)
-        if self.log_num_zeros_in_grad or fused.unsupported_reason(self.optim):
-            return None
-        grads = self.transfer.step_grads()
-        params = [*self.transfer.layout().held, *self.lp_params]
-        if any(not t.is_contiguous() or t.layout != torch.strided for t in grads + params):
-            return None
-        if self.max_norm > 0 and any(hasattr(p, "to_local") for p in params):
-            return None  # a sharded norm needs a sum over the shards; the unfused clip has it
-        if self.fused_step is None and (
-            self._device().type != "cpu" or sum(g.numel() for g in grads) < fused.AUTO_MIN_ELEMENTS
-        ):
-            return None
-        return grads
-
-    def _fused_step(self, grads: list[torch.Tensor]) -> StepResult:
-        """Check the lp grads (read only), agree on overflow, then update in one fused pass."""
-        inv_scale = self.scaler.inv_scale()
-        clipping = self.max_norm > 0
-        self._step_had_grads = bool(grads) or self._shares_steps()
-        if grads:
-            stats = fused.check_grads(grads, inv_scale, norm=clipping)
-        else:
-            stats = torch.zeros(2, device=inv_scale.device)
-        found_inf = stats[:1].clone()
-        all_reduce_found_inf_(found_inf, self.process_group or default_group())
-        norm = stats[1]
-        clip = None
-        if clipping:  # torch's clip_grad_norm_ coefficient, applied inside the kernel
-            clip = clip_coefficient(self.max_norm, norm)
-        scale = self.scaler.scale_tensor.to(found_inf).reshape(1)
-        growth = self.scaler.growth_tracker.to(found_inf)  # as in _decide, in the same sync
-        values = torch.cat([found_inf, scale, norm.reshape(1), growth]).tolist()
-        flag, scale_value, norm_value, growth_value = values
-        self.scaler.update(found_inf, clean_growth=None if flag > 0 else growth_value)
-        master_to_lp = self.transfer.master_to_lp()
-        unit = self.scaler.is_unit
-        factor = None if unit and clip is None else inv_scale if clip is None else inv_scale * clip
-        self._keep_grads(fused=True, factor=factor)
-
-        def apply() -> None:
-            fused.fused_step(self.optim, master_to_lp, inv_scale, clip)
-
-        result = self._commit(
-            flag > 0,
-            scale_value,
-            grad_norm=norm_value if clipping else None,
-            apply=apply,
-        )
-        if not self.carries_grads:
-            for lp in self.lp_params:
-                lp.grad = None  # as in the unfused step: the lp gradient lives to the step
-        return result
-
-    def _decide(
-        self, found_inf: torch.Tensor, scale: torch.Tensor | None = None
-    ) -> tuple[bool, float]:
-        """(skip?, the scale this step ran under), read in the one host sync of a step.
-
-        The scale and the growth tracker ride the same sync, or are known on the host already
-        (LossScaler.host_state: then the flag is read alone). With the own dynamic scaler the
-        tracker is kept (for a clean step) in self._clean_growth for the scaler's update, None
-        otherwise.
-        """
-        scaler = self.scaler
-        if scale is not None:  # an outside scale (Apex's per-loss scalers): read with the flag
-            self._clean_growth = None
-            flag, scale_value = torch.cat([found_inf, scale.to(found_inf)]).tolist()
-            return flag > 0, scale_value
-        if scaler.is_unit:  # 1.0 on the host: read the flag alone
-            self._clean_growth = None
-            return found_inf.item() > 0, 1.0
-        known = scaler.host_state()
-        if known is None:
-            scale, growth = scaler.scale_tensor, scaler.growth_tracker
-            flag, scale_value, growth_value = torch.cat(
-                [found_inf, scale.to(found_inf), growth.to(found_inf)]
-            ).tolist()
-            scaler.remember_host_state(scale_value, growth_value)
-        else:  # both unchanged since the host read them: read the flag alone
-            flag = found_inf.item()
-            scale_value, growth_value = known
-        self._clean_growth = growth_value if scaler.dynamic and not flag > 0 else None
-        return flag > 0, scale_value
-
-    def _commit(
-        self,
-        skipped: bool,
-        scale: float,
-        *,
-        grad_norm: float | None = None,
-        num_zeros: int | None = None,
-        apply: Any = None,
-    ) -> StepResult:
-        """Step the inner optimizer unless skipped (`apply`, when given, instead), copy masters
-        back, count (the scale is advanced by the caller, which owns the scaler(s)).
-
-        Raises ScaleCollapseError after max_consecutive_skips skipped steps in a row.
-        """
-        if not skipped and apply is not None:
-            apply()
-        elif not skipped:
-            self.lean.step(self.optim) if self.lean is not None else self.optim.step()
-            self._masters_to_params()
-        self._finish_step()
-        if not self._step_had_grads and not skipped:  # nothing to step: counted apart
-            self._step_had_grads = True
-            self.noop_steps += 1
-            self.last_result = StepResult(
-                skipped=False, scale=scale, grad_norm=grad_norm, num_zeros=num_zeros, noop=True
-            )
-            return self.last_result
-        self._step_had_grads = True
-        self.steps += 1
-        return self._count(
-            StepResult(skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=num_zeros)
-        )
-
-    def _masters_to_params(self) -> None:
-        self.transfer.masters_to_params()
+    def _keep_grads(self, *, fused: bool = False, factor: torch.Tensor | None = None) -> None:
+        """Leave this step's gradients in .grad for a backward before zero_grad()
+        (GradTransfer.keep: fused, factor as there), unless this optimizer does not carry them."""
+        if self.carries_grads:
+            self.transfer.keep(self.scaler, fused=fused, factor=factor)
 
     def _finish_step(self) -> None:
         """Free the master grads (unless kept) and clear this step's flags."""
@@ -763,112 +548,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._clear_step_flags()
 
     def _clear_step_flags(self) -> None:
-        self._found_inf = None
-        self._grads_on_masters = False
+        self.step_flags.clear()
         self.watch.clear()
-
-    def _count(self, result: StepResult, *, per_step_reports: bool = True) -> StepResult:
-        """Count a step (steps itself is counted by the caller) in self.counts, report skips.
-        Raises ScaleCollapseError after max_consecutive_skips skipped steps in a row."""
-        message = self.counts.record(result)  # host values: no extra sync
-        if message:
-            self._report_skip_pattern(message)
-        self.counts.check_collapse(self.scaler, self.nonfinite_params)
-        if not per_step_reports:
-            return result
-        if result.skipped and self.verbosity > 0:
-            self._report_skip(result.scale)
-        if self.verbosity >= 2:
-            self._report_scale_change(result.scale, result.skipped)
-        return result
-
-    # ----- the step with no host sync (#27) -----
-    def _runs_sync_free(self) -> sync_free.InnerStep | None:
-        """The inner step that skips on the device, when this step runs _step_sync_free (see
-        _sync_free); None: this step reads the overflow flag on the host.
-
-        On by default on CUDA, wherever it can run (the plain step: no lean write-back, no
-        per-step host log): there a host read of the flag stalls the launch queue every step.
-        torch's fused optimizers take found_inf (free); every other optimizer runs the masked
-        update, which costs an extra copy of the stepped params + state per step (see
-        mixprec.core.sync_free). Off on CPU, where a read costs no stall and the copy is pure
-        cost (measured: benchmarks/results/sync_free_cpu/); forced on by tests.
-        """
-        forced = self._sync_free
-        if forced is False:
-            return None
-        plain = (
-            self.lean is None
-            and self.steps_on_device  # ZeRO, the pipeline, Apex decide on the host
-            and not self.log_num_zeros_in_grad
-            and self.verbosity < 2  # the scale-change log reads the scale each step
-        )
-        if forced is None and not (plain and self._device().type == "cuda"):
-            return None
-        step, reason = sync_free.inner_step(self.optim, self.scaler.scale_tensor.device)
-        if forced is None or (plain and step is not None):
-            return step
-        raise RuntimeError(
-            f"_sync_free=True with {type(self.optim).__name__}: "
-            f"{reason or 'a mode that reads the step on the host (lean, log_num_zeros_in_grad, verbosity 2, or a subclass that counts its own way)'}."
-        )
-
-    def _step_sync_free(
-        self, found_inf: torch.Tensor, norm: torch.Tensor | None, inner: sync_free.InnerStep
-    ) -> StepResult:
-        """decide -> update -> commit with no host sync: `inner` steps the inner optimizer and
-        leaves everything as it was where found_inf is set (mixprec.core.sync_free), the scaler
-        advances by its device-side rule, and the step's row goes to the device StepRecord that
-        the counters read every DEFAULT_CHECK_EVERY steps or when read (skipped_steps,
-        skip_stats, last_result, the returned StepResult's fields): skip reports and
-        ScaleCollapseError come then. An LR scheduler sees what it sees on the syncing path:
-        step() returns either way, and its scheduler.step() moves the lr by its own count (a
-        skip is a step there too, as on the syncing path)."""
-        scale = self.scaler.scale_tensor.clone()  # the scale these grads ran under
-        self._update_scale(found_inf)  # no clean_growth: the device-side rule, no read
-        self._keep_grads()
-        inner(found_inf)
-        self._masters_to_params()  # after a skip the masters are unchanged: the same lp values
-        self._finish_step()
-        if not self._step_had_grads:  # host-known: counted apart, as the syncing step does
-            self._step_had_grads = True
-            self.noop_steps += 1
-            return StepResult(
-                skipped=False, scale=float("nan"), grad_norm=None, num_zeros=None, noop=True
-            )
-        self.steps += 1
-        if self._record is None:
-            self._record = StepRecord()
-        row = self._record.write(found_inf, scale, norm)
-        self._record.step_done(self.count_recorded_step, has_norm=norm is not None)
-        return _PendingStepResult(row, norm is not None)
-
-    def count_recorded_step(self, skipped: bool, scale: float, grad_norm: float | None) -> None:
-        """Count one step read from a device StepRecord (this optimizer's sync-free step's, or
-        compile_step's) as a syncing step is counted: the counters, the skip monitor's messages
-        and ScaleCollapseError; not the per-step skip lines (verbosity), which would name the
-        scale and step count at the read, up to check_every steps later, each a host read.
-        `steps` itself is counted by the step when it runs."""
-        result = StepResult(skipped=skipped, scale=scale, grad_norm=grad_norm, num_zeros=None)
-        self._count(result, per_step_reports=False)
-
-    def _read_record(self) -> None:
-        """Count the steps on the device record (one host sync for all of them)."""
-        if self._record is not None:
-            self._record.read(self.count_recorded_step)
-
-    def _report_scale_change(self, scale: float, skipped: bool) -> None:
-        """verbosity 2 (Colossal's NAIVE verbose=True): say when the scale moved and why."""
-        new_scale = self.scaler.scale  # a host sync, paid only when asked for debug output
-        if new_scale != scale and _is_rank_zero():
-            why = "overflow" if skipped else f"{self.scaler.cfg.growth_interval} clean steps"
-            log.info(
-                "mixprec: loss scale %g -> %g after step %d (%s)", scale, new_scale, self.steps, why
-            )
 
     def _report_skip(self, scale: float) -> None:
         """Log a skipped step once, on rank 0 (faces override this with their own words)."""
-        if _is_rank_zero():
+        if rank_and_world()[0] == 0:
             log.info(
                 "mixprec: non-finite gradients; skipped step %d (loss scale %g -> %g)",
                 self.steps,
@@ -878,7 +563,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def _report_skip_pattern(self, message: str) -> None:
         """Log the skip monitor's warm-up summary or rate warning once, on rank 0."""
-        if _is_rank_zero():
+        if rank_and_world()[0] == 0:
             log.warning(message)
 
     @override
@@ -899,5 +584,4 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Load a checkpoint of this class (any mode), of a plain torch optimizer or of Apex:
         see optim_state.load_optimizer_state."""
         load_optimizer_state(self, state_dict)
-        self._found_inf = None
-        self._grads_on_masters = False
+        self.step_flags.clear()

@@ -99,7 +99,7 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
             hp.grad = grad.float()
             self._fresh.add(id(hp))
         lp.grad = None
-        self._grads_on_masters = True  # the step must not copy (absent) lp grads over these
+        self.step_flags.on_masters = True  # the step must not copy (absent) lp grads over these
 
     @override
     def note_scaled_backward(self) -> None:
@@ -118,7 +118,7 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         for hp in self.hp_masters:
             if id(hp) not in self._fresh:
                 hp.grad = None  # no grad since zero_grad(): no stale gradient may be applied
-        self._grads_on_masters = True
+        self.step_flags.on_masters = True
         if self._dp_size > 1 and not self._dp_averaged:
             grads = [p.grad for g in self.optim.param_groups for p in g["params"]]
             grads = local_shards([g for g in grads if g is not None])
