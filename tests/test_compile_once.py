@@ -1,6 +1,6 @@
-"""compile_step compiles repeated structure once (issue 44): a stack of identical blocks is one
-block region called once per block, each kind of param update one region called once per param
-of that kind, and the step still equals the eager step bit for bit.
+"""compile_step compiles repeated structure once (issue 44): in a stack of identical blocks each
+kind of param update is one region called once per param of that kind, as many regions at any
+depth, and the step still equals the eager step bit for bit.
 
 Compiles use aot_eager (dynamo + aot_autograd, which build the regions; no inductor) behind a
 backend that counts the graphs it is handed and reads their invoke_subgraph calls; the inductor
@@ -19,7 +19,7 @@ from torch import nn
 from torch._dynamo.backends.registry import lookup_backend
 
 import mixprec
-from mixprec.core.compile_regions import block_regions, repeated_blocks
+from mixprec.core.compile_regions import repeated_blocks, use_regions
 from mixprec.core.compiled_step import compile_step
 
 WIDTH = 8
@@ -89,41 +89,36 @@ UPDATE_KINDS = 4
 
 
 @pytest.mark.parametrize("n", [2, 5])
-def test_n_identical_blocks_compile_one_block_region(n):
+def test_n_identical_blocks_compile_each_kind_of_update_once(n):
     counter = RegionCounter()
     model, step = run(n, None, backend=counter)
     assert step.compiled and step.regional
     assert len(counter.graphs) == 1  # one compile for 4 steps, a skip among them
     calls = counter.graphs[0]
-    block_calls = [c for c in calls.values() if c == n]
-    # one region per kind of update and one block region, called once per block: the same
-    # number of regions at any depth
-    assert len(calls) == 1 + UPDATE_KINDS
-    assert n in block_calls
-    assert sum(calls.values()) == n + len(list(model.parameters())) - 1  # the stem's weight
+    assert len(calls) == UPDATE_KINDS  # the same number of regions at any depth
+    assert sorted(calls.values()) == sorted([n, n, n, 3 * n + 1])
+    assert sum(calls.values()) == len(list(model.parameters())) - 1  # the stem's weight inline
 
 
 @pytest.mark.parametrize("mode", [None, "bf16"], ids=["fp32", "bf16_autocast"])
 def test_regional_step_equals_the_eager_step_bitwise(mode):
-    """Skipped step, clipping and AdamW included. Under autocast the blocks run inline (see
-    compile_regions.AUTOCAST_DTYPES) and the updates are still regions."""
+    """A skipped step, clipping and AdamW's decoupled decay included."""
     counter = RegionCounter()
     compiled, step = run(3, mode, backend=counter)
     eager, reference = run(3, mode, compile=False)
     assert step.compiled and step.regional and len(counter.graphs) == 1
+    assert len(counter.graphs[0]) == UPDATE_KINDS
     assert step.sync_counters() == reference.sync_counters() == 1
     for (name, a), b in zip(compiled.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a, b, **EXACT, msg=name)
     for a, b in zip(step.states, reference.states, strict=True):
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, **EXACT)
-    kinds = counter.graphs[0]
-    assert len(kinds) == UPDATE_KINDS + (mode is None)  # bf16: no block region
 
 
 def test_without_regions_the_step_is_one_graph_with_the_cpu_options():
     counter = RegionCounter()
-    _, step = run(2, None, backend=counter, regions=None)
+    _, step = run(2, None, backend=counter, regions=False)
     assert step.compiled and not step.regional
     assert counter.graphs == [collections.Counter()]
     model = blocks(2)
@@ -137,23 +132,17 @@ def test_repeated_blocks_are_the_children_that_share_class_and_shapes():
         Block(),
         Block(),
         Block(2 * WIDTH),  # another width: not one of them
-        nn.ModuleList([nn.BatchNorm1d(WIDTH), nn.BatchNorm1d(WIDTH)]),  # buffers: left out
+        nn.ModuleList([nn.ReLU(), nn.ReLU()]),  # no parameters: nothing to compile once
     )
     assert [[id(m) for m in g] for g in repeated_blocks(model)] == [[id(model[1]), id(model[2])]]
-    assert block_regions(model, [model[1], model[2], model[1]]).blocks == 2
+    assert use_regions(model, "auto") and not use_regions(model[3], "auto")
+    assert use_regions(model[3], True) and not use_regions(model, False)
 
 
-@pytest.mark.parametrize(
-    ("regions", "match"),
-    [
-        ("all", r"regions='all': pass 'auto'"),
-        (nn.Linear(2, 2), r"pass 'auto', None, or a list"),
-        ([nn.Linear(2, 2)], r"is not a submodule of the model"),
-    ],
-)
-def test_bad_regions_raise_naming_the_value_and_the_choices(regions, match):
-    with pytest.raises(ValueError, match=match):
-        block_regions(blocks(2), regions)
+@pytest.mark.parametrize("regions", ["all", None, 1, [nn.Linear(2, 2)]])
+def test_bad_regions_raise_naming_the_value_and_the_choices(regions):
+    with pytest.raises(ValueError, match=r"regions=.*: pass 'auto' .*True or False"):
+        use_regions(blocks(2), regions)
 
 
 def test_a_region_that_fails_to_compile_falls_back_to_one_graph(monkeypatch, caplog):
@@ -176,9 +165,9 @@ def test_a_region_that_fails_to_compile_falls_back_to_one_graph(monkeypatch, cap
 
 
 @pytest.mark.slow
-def test_inductor_compiles_the_block_once_and_matches_eager():
-    """inductor (the default backend): one graph, regional, the weights as the eager step's
-    within fp32 rounding (inductor fuses differently from eager, as without regions)."""
+def test_inductor_regional_step_matches_eager():
+    """inductor (the default backend): regional, the weights as the eager step's within fp32
+    rounding (inductor fuses differently from eager, as without regions)."""
     from tolerances import FP32_ROUNDING
 
     torch._dynamo.reset()

@@ -42,14 +42,14 @@ the loop body) reaches the forward and the loss and ends there: scaling, backwar
 run in an fp32_region, as an eager loop runs them outside auto_cast. One call is one optimizer
 step: no gradient accumulation.
 
-Repeated structure compiles once (compile_step's `regions`): the repeated blocks of a model
-(identical children of an nn.Sequential / nn.ModuleList, mixprec.core.compile_regions) and each
-kind of param update (same group flags, shape, dtypes and state format) are nested compile
-regions, traced and compiled once and called once per block or param; the in-place writes of
-an update stay outside its region. Where the whole step was one unrolled graph, inductor's
-fusion pass and the C++ wrapper's one-file build grew faster than the graph (residual MLP blocks,
-bf16, AdamW: 36 s at 2 blocks, 175 s at 8). Under autocast a block runs inline (see
-compile_regions.AUTOCAST_DTYPES); the updates are regions still.
+Repeated structure compiles once (compile_step's `regions`): in a model that repeats blocks
+(identical children of an nn.Sequential / nn.ModuleList, mixprec.core.compile_regions), each
+kind of param update (same group flags, shape, dtypes and state format) is a nested compile
+region, traced and compiled once and called once per param; the in-place writes of an update
+stay outside its region. As one unrolled graph, inductor's fusion pass and the C++ wrapper's
+one-file build grew faster than the graph (residual MLP blocks, bf16, AdamW: 36 s at 2 blocks,
+175 s at 8, of which 52 s fusion and 70 s the C++ build). The blocks' forward and backward stay
+inline: compile_regions says why.
 
 Skips are counted and reported by the optimizer's own StepCounter, as its eager steps are
 (optimizer.skipped_steps, consecutive_skips, skip_stats, the skip monitor's warm-up summary and
@@ -77,7 +77,7 @@ from mixprec.core import qstate
 from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
 from mixprec.core.clip import total_grad_norm
-from mixprec.core.compile_regions import BlockRegions, block_regions
+from mixprec.core.compile_regions import use_regions
 from mixprec.core.optim import MixedPrecisionOptimizer, StepResult
 from mixprec.core.scaling import ProcessGroup, ScaleRule, default_group, rank_and_world
 from mixprec.core.skip_monitor import SkipStats, StepCounter
@@ -332,10 +332,9 @@ class CompiledStep:
             model = model.module
         self.process_group = self.process_group or default_group()
         self.model, self.optimizer, self.inner, self.criterion = model, optimizer, inner, criterion
-        self._blocks = block_regions(model, regions)
-        self.regional = self._blocks.blocks > 0
-        """Whether the step compiles its repeated blocks and its updates as regions, each
-        kind once (see compile_step's `regions`)."""
+        self.regional = use_regions(model, regions)
+        """Whether the step compiles each kind of param update once, as a region (see
+        compile_step's `regions`)."""
         self.max_norm = float(max_norm)
         self.lean = optimizer.lean if wrapped else None
         """The optimizer's lean write-back (stochastic rounding, state format), run in the
@@ -530,16 +529,14 @@ class CompiledStep:
         flat = [x for t in state for x in (t if isinstance(t, tuple) else (t,))]
         twin = [] if lp is None else [lp]
         operands = [grad, hp, *twin, *flat, h, *head, keep, skip, *([] if key is None else [key])]
-        with torch.enable_grad():
-            values = self._regions[self._spec(i, flags)](*operands)
+        values = self._regions[self._spec(i, flags)](*operands)
         # what _update_values writes, in its order: qstate.writes' targets (a plain operand,
         # or a quantized one's codes and scale) of each moment, hp, lp, then Adam's step
         step = [state[0]] if flags[0] == "adam" else []
         moments = state[len(step) :]
         targets = [x for t in moments for x in (t[:2] if isinstance(t, tuple) else (t,))]
-        with torch.no_grad():  # dynamo runs a region's call with grad on (torch 2.13)
-            for old, value in zip([*targets, hp, *twin, *step], values, strict=True):
-                old.copy_(value)
+        for old, value in zip([*targets, hp, *twin, *step], values, strict=True):
+            old.copy_(value)
 
     def _spec(self, i: int, flags: tuple[str, tuple[bool, ...]]) -> tuple:
         """What param i's update code depends on: its group's kind and flags, clipping, its
@@ -613,7 +610,6 @@ class CompiledStep:
                     _TRACE_AUTOGRAD_GRAD,
                     scopes_set_aside(),
                     _torch_deprecations_ignored() if quiet else _NO_SCOPE,
-                    self._blocks.installed(),
                 ):
                     return self._compiled(*args)
             except Exception as exc:  # a missing compiler or an untraceable model
@@ -635,13 +631,12 @@ class CompiledStep:
             return
         if self.regional:
             log.info(
-                "mixprec.compile_step: compiling with regions (%d repeated blocks, the updates) "
-                "failed (%s: %s); compiling the whole step as one graph.",
-                self._blocks.blocks,
+                "mixprec.compile_step: compiling with update regions failed (%s: %s); "
+                "compiling the whole step as one graph.",
                 type(exc).__name__,
                 why,
             )
-            self._blocks, self.regional = BlockRegions([]), False
+            self.regional = False
             seen = list(self._flags_seen)  # the updates again, as plain functions
             self._regions.clear()
             self._flags_seen.clear()
@@ -753,15 +748,14 @@ def compile_step(
     check_every: steps between the host's reads of the on-device skip record (one sync each):
         skip counts, the skip monitor's reports and ScaleCollapseError arrive then, or when
         step.sync_counters() / step.skip_stats is read.
-    regions: which blocks compile once and run as often as the model calls them (nested
-        compile regions, mixprec.core.compile_regions). "auto": the children of any
-        nn.Sequential / nn.ModuleList that share their class and their parameter and buffer
-        names, shapes and dtypes (two or more: a stack of identical layers); a list of the
-        model's blocks: those (grouped the same way); None: none. With blocks, each param's
-        update is a region too, one per kind of param (group flags, shape, dtypes, state
-        format), so a deep model's compile grows little with depth; the step then compiles
-        without CPU_INDUCTOR_OPTIONS. Without any, the step is one graph, as before. The
-        values are the same either way: regions change what inductor fuses, not the math.
+    regions: "auto" (default): when the model repeats blocks (two or more children of an
+        nn.Sequential / nn.ModuleList with one class and the same parameter names, shapes and
+        dtypes: mixprec.core.compile_regions.repeated_blocks), each kind of param update
+        (group flags, shape, dtypes, state format) is a nested compile region, compiled once
+        and called once per param of that kind, so the compile grows less with depth; the
+        step then compiles without CPU_INDUCTOR_OPTIONS. True: update regions whatever the
+        model; False: the whole step unrolled in one graph, with the CPU options. The values
+        are the same either way (the same step_math; inductor fuses less across params).
         Should compiling with regions fail, the step compiles once more as one graph.
     compile_options: passed to torch.compile (mode="reduce-overhead" for CUDA graphs,
         backend=...); fullgraph=True and dynamic=False unless given. On CPU with inductor and
