@@ -14,7 +14,9 @@ the inner optimizer steps itself, where they live) is read once per param_groups
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +111,10 @@ class GradTransfer:
         self.carry: Carry | None = None  # the last step's gradients, left in .grad: see Carry
         self.unscaled_version = -1  # a master grad's version once unscaled: see keep()
         self.inv_used: torch.Tensor | None = None  # the inverse scale the last unscale used
+        self.way: Accumulate | PerBackward | None = None
+        """How grads reach the masters: None at step (to_masters copies them), Accumulate as
+        each backward accumulates, PerBackward at each backward's end (see accumulate_as_backward,
+        per_backward)."""
         self.carry_masters = False
         """The masters' grads are what backward sums into (a pipeline stage's hook frees each lp
         grad into its master's): the carry is then over every held param, masters included."""
@@ -189,9 +195,27 @@ class GradTransfer:
         grads = [lp.grad for lp in self.lp_params if lp.grad is not None]
         return grads + [p.grad for p in self.layout().own if p.grad is not None]
 
+    def accumulate_as_backward(
+        self, *, reuse_buffers: bool, on_add: Callable[[], None] | None = None
+    ) -> Accumulate:
+        """Move the grads as each backward accumulates from now on (see Accumulate)."""
+        self.way = Accumulate(self, reuse_buffers=reuse_buffers, on_add=on_add)
+        return self.way
+
+    def per_backward(self) -> PerBackward:
+        """Move the grads at the end of each backward, per loss, from now on (see PerBackward)."""
+        self.way = PerBackward(self)
+        return self.way
+
     def to_masters(self, *, free_lp: bool) -> None:
-        """The transfer at step: each lp grad, as backward left it, into its master's fp32 grad
-        (free_lp: the lp grad is freed, else it stays in .grad: see Carry)."""
+        """This step's grads onto the masters by self.way: at step, each lp grad, as backward
+        left it, into its master's fp32 grad (free_lp: the lp grad is freed, else it stays in
+        .grad: see Carry); Accumulate.at_step; nothing per backward (done at each backward)."""
+        if isinstance(self.way, Accumulate):
+            self.way.at_step()
+            return
+        if isinstance(self.way, PerBackward):
+            return
         lp_grads, hp_grads = [], []
         for lp, hp in zip(self.lp_params, self.hp_masters, strict=True):
             if lp.grad is None:
@@ -334,6 +358,117 @@ class GradTransfer:
                 factor = factor.reshape(())
                 times = factor if scale is None else scale * factor
             torch._foreach_mul_(self.local(grads), times)
+
+
+class Accumulate:
+    """The transfer as each backward accumulates: a post-accumulate-grad hook on each lp param
+    sums its grad into its master's fp32 grad and frees it (micro-batches sum in fp32, no lp
+    rounding between them; the lp grad lives only inside backward). Paddle's master-weight
+    optimizer and a pipeline stage use it.
+
+    Args:
+        reuse_buffers: a master grad not summed into since reset() (zero_grad) is overwritten in
+            place (its buffer, kept between steps, is reused: no page faults), and one still not
+            summed into at the step is dropped (no stale gradient applied). False: a master grad
+            present is added to (it is None after zero_grad, or zeroed).
+        on_add: called after each grad is moved (the pipeline marks its step's grads as on the
+            masters).
+    """
+
+    def __init__(
+        self,
+        transfer: GradTransfer,
+        *,
+        reuse_buffers: bool,
+        on_add: Callable[[], None] | None = None,
+    ) -> None:
+        self.transfer = transfer
+        self.reuse_buffers = reuse_buffers
+        self.on_add = on_add
+        self.fresh: set[int] = set()  # ids of masters whose grad holds a sum to add to
+
+    def hook(self, lp: torch.Tensor, hp: torch.Tensor) -> Any:
+        """Install the hook that moves lp's grads into hp's; returns its handle."""
+        return lp.register_post_accumulate_grad_hook(functools.partial(self.add, hp))
+
+    def add(self, hp: torch.Tensor, lp: torch.Tensor) -> None:
+        """lp's grad (when it has one) summed into hp's fp32 grad, then freed."""
+        grad = lp.grad
+        if grad is None:  # another hook already took it
+            return
+        if hp.grad is not None and (not self.reuse_buffers or id(hp) in self.fresh):
+            hp.grad.add_(grad)  # fp32 += lp: the add upcasts exactly
+        elif hp.grad is not None:
+            hp.grad.copy_(grad)  # reuse the buffer kept between steps
+        else:
+            hp.grad = grad.float()
+        self.fresh.add(id(hp))
+        lp.grad = None
+        if self.on_add is not None:
+            self.on_add()
+
+    def at_step(self) -> None:
+        """At the step: an lp grad still present was not produced by backward (set by hand):
+        fold it in rather than lose it; with reuse_buffers, drop master grads not summed into
+        since zero_grad (no stale gradient may be applied)."""
+        transfer = self.transfer
+        for lp, hp in zip(transfer.lp_params, transfer.hp_masters, strict=True):
+            self.add(hp, lp)
+        if self.reuse_buffers:
+            for hp in transfer.hp_masters:
+                if id(hp) not in self.fresh:
+                    hp.grad = None
+
+    def reset(self) -> None:
+        """zero_grad(): the sums are discarded with the grads."""
+        self.fresh.clear()
+
+
+class PerBackward:
+    """The transfer per backward (Apex's per-loss stash): the grads present before a backward
+    (already unscaled) are set aside, the backward's new grads are unscaled and checked on their
+    own by that loss's scaler, copied to fp32 and added to the masters' grads, and the stash is
+    added back. The lp params keep their last backward's grads, still scaled (as Apex)."""
+
+    def __init__(self, transfer: GradTransfer) -> None:
+        self.transfer = transfer
+        # (own param, its grad before this backward): grads that are already unscaled.
+        self.stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.stashed = False
+
+    def begin(self) -> None:
+        """Set aside the unscaled grads so the coming backward's grads can be unscaled alone."""
+        transfer = self.transfer
+        for lp in transfer.lp_params:
+            lp.grad = None  # Apex: the model grads hold the last backward's grads only
+        self.stash = []
+        for p in transfer.layout().own:
+            self.stash.append((p, p.grad))
+            p.grad = None
+        self.stashed = True
+
+    def add_unscaled(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """Unscale and check (raising found_inf) the grads since begin(), then add them to the
+        earlier ones: the lp grads' fp32 copies to the masters', the own grads to the stash."""
+        transfer = self.transfer
+        hp_targets, new_grads = [], []
+        for lp, hp in zip(transfer.lp_params, transfer.hp_masters, strict=True):
+            if lp.grad is not None:
+                hp_targets.append(hp)
+                new_grads.append(lp.grad.float())  # the lp->fp32 copy Apex makes before unscaling
+        own_new = [p.grad for p, _ in self.stash if p.grad is not None]
+        if new_grads or own_new:
+            unscale_and_check_(new_grads + own_new, inv_scale, found_inf)
+        for hp, grad in zip(hp_targets, new_grads, strict=True):
+            hp.grad = grad if hp.grad is None else hp.grad.add_(grad)
+        for p, old in self.stash:
+            if old is not None:
+                p.grad = old if p.grad is None else p.grad.add_(old)
+        self.forget()
+
+    def forget(self) -> None:
+        self.stash = []
+        self.stashed = False
 
 
 def _like(value: Any, param: torch.Tensor) -> bool:

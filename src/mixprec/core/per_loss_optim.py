@@ -83,9 +83,8 @@ class StashingOptimizer(MixedPrecisionOptimizer):
         # fused_step=False: the fused pass would unscale the already unscaled grads again
         super().__init__(optimizer, fused_step=False, **kwargs)
         self.events: list[UnscaleEvent] = []
-        # (fp32-own param, its grad before this backward): grads that are already unscaled.
-        self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._stashed = False
+        self.stash = self.transfer.per_backward()
+        """The grads present before a backward, set aside (GradTransfer's PerBackward)."""
         # loss_id whose scaled grads are accumulating (delay_unscale), None when none are.
         self.scaled_grads_from: int | None = None
         self.checked = GradVersions()
@@ -96,16 +95,10 @@ class StashingOptimizer(MixedPrecisionOptimizer):
 
     def begin_backward(self) -> None:
         """Set aside the unscaled grads so the coming backward's grads can be unscaled alone."""
-        if self._stashed:  # scaled grads are accumulating (delay_unscale): keep the stash
+        if self.stash.stashed:  # scaled grads are accumulating (delay_unscale): keep the stash
             return
         self._check_late_writes()  # a master grad written since its check is summed into below
-        for lp in self.lp_params:
-            lp.grad = None  # Apex: the model grads hold the last backward's grads only
-        self._stash = []
-        for p in self._own_params():
-            self._stash.append((p, p.grad))
-            p.grad = None
-        self._stashed = True
+        self.stash.begin()
 
     @torch.no_grad()
     def unscale_new_grads(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
@@ -115,23 +108,9 @@ class StashingOptimizer(MixedPrecisionOptimizer):
         fp32 copies, unscaled, are added to the masters' grads. found_inf is raised (not reduced
         over ranks: the caller does that once per loss).
         """
-        if not self._stashed:
+        if not self.stash.stashed:
             self.begin_backward()  # nothing was stashed: every grad present is new
-        hp_targets, new_grads = [], []
-        for lp, hp in zip(self.lp_params, self.hp_masters, strict=True):
-            if lp.grad is not None:
-                hp_targets.append(hp)
-                new_grads.append(lp.grad.float())  # the lp->fp32 copy Apex makes before unscaling
-        own_new = [p.grad for p, _ in self._stash if p.grad is not None]
-        if new_grads or own_new:
-            unscale_and_check_(new_grads + own_new, inv_scale, found_inf)
-        for hp, grad in zip(hp_targets, new_grads, strict=True):
-            hp.grad = grad if hp.grad is None else hp.grad.add_(grad)
-        for p, old in self._stash:
-            if old is not None:
-                p.grad = old if p.grad is None else p.grad.add_(old)
-        self._stash = []
-        self._stashed = False
+        self.stash.add_unscaled(inv_scale, found_inf)
         self.scaled_grads_from = None
         self.checked.record(self._watched())
 
@@ -220,8 +199,7 @@ class StashingOptimizer(MixedPrecisionOptimizer):
 
     def _forget_iteration(self) -> None:
         self.events = []
-        self._stash = []
-        self._stashed = False
+        self.stash.forget()
         self.scaled_grads_from = None
         self._late_inf = None
 

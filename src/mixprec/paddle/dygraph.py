@@ -400,17 +400,6 @@ def get_autocast_dtype(device_type: str | None = None) -> str:
 # ----- decorate -----
 
 
-def _grad_to_master(hp: torch.Tensor, lp: torch.Tensor) -> None:
-    """Post-accumulate hook on a low-precision param: move its grad into the fp32 master's."""
-    if lp.grad is None:  # another hook already took it
-        return
-    if hp.grad is None:
-        hp.grad = lp.grad.float()
-    else:  # micro-batches sum in fp32: no low-precision rounding between them
-        hp.grad.add_(lp.grad)
-    lp.grad = None  # the low-precision grad lives only inside backward
-
-
 class MasterWeightOptimizer(MixedPrecisionOptimizer):
     """MixedPrecisionOptimizer whose fp32 masters receive the gradients during backward.
 
@@ -437,6 +426,8 @@ class MasterWeightOptimizer(MixedPrecisionOptimizer):
         )
         self._hp_values = hp_values or {}
         self._hooks: list[Any] = []
+        # the masters' grads are None after clear_grad() or zeroed: each hook adds to them
+        self.accumulate = self.transfer.accumulate_as_backward(reuse_buffers=False)
         self._hook_pairs(0)
         self._hp_values = {}  # release the pre-cast fp32 tensors: the masters hold the values
         self._checked_found_inf: torch.Tensor | None = None
@@ -465,20 +456,12 @@ class MasterWeightOptimizer(MixedPrecisionOptimizer):
                 value = self._hp_values.get(id(lp))
                 if value is not None and value.shape == hp.shape:
                     hp.copy_(value)  # the pre-cast fp32 value, not its low-precision rounding
-                self._hooks.append(
-                    lp.register_post_accumulate_grad_hook(functools.partial(_grad_to_master, hp))
-                )
+                self._hooks.append(self.accumulate.hook(lp, hp))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         start = len(self.lp_params)
         super().add_param_group(param_group)
         self._hook_pairs(start)
-
-    def _lp_grads_to_masters(self) -> None:
-        # The hooks moved every gradient during backward. A low-precision grad still here was
-        # not produced by backward (set by hand): fold it in rather than lose it.
-        for lp, hp in zip(self.lp_params, self.hp_masters, strict=True):
-            _grad_to_master(hp, lp)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

@@ -74,31 +74,17 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
             # The fused step reads lp grads; here they are summed on the masters by the hook.
             self.fused_step = False
         self.transfer.carry_masters = True
-        self._fresh: set[int] = set()  # ids of masters whose grad holds a sum to add to
         self._dp_averaged = False
-        self._master_of = {
-            id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)
-        }
-        for lp in self.lp_params:
-            lp.register_post_accumulate_grad_hook(self._accumulate_in_fp32)
+        # each micro-batch's lp grad summed into its master's fp32 grad, the lp grad freed; the
+        # sum goes on from what the last step left (its grads, brought to this round's scale by
+        # note_scaled_backward) until zero_grad(); after it, the first micro-batch overwrites
+        self.accumulate = self.transfer.accumulate_as_backward(
+            reuse_buffers=True, on_add=self._on_masters
+        )
+        for lp, hp in zip(self.lp_params, self.hp_masters, strict=True):
+            self.accumulate.hook(lp, hp)
 
-    def _accumulate_in_fp32(self, lp: torch.Tensor) -> None:
-        """After each micro-batch's backward: lp grad -> fp32 master grad (sum), lp grad freed.
-
-        The sum goes on from what the last step left (its grads, brought to this round's scale
-        by note_scaled_backward) until zero_grad(); after it, the first micro-batch overwrites."""
-        grad, hp = lp.grad, self._master_of[id(lp)]
-        if grad is None:
-            return
-        if id(hp) in self._fresh and hp.grad is not None:
-            hp.grad.add_(grad)  # fp32 += lp: the add upcasts exactly
-        elif hp.grad is not None:
-            hp.grad.copy_(grad)  # reuse the buffer kept between steps (no page faults)
-            self._fresh.add(id(hp))
-        else:
-            hp.grad = grad.float()
-            self._fresh.add(id(hp))
-        lp.grad = None
+    def _on_masters(self) -> None:
         self.step_flags.on_masters = True  # the step must not copy (absent) lp grads over these
 
     @override
@@ -115,9 +101,7 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
 
         A replica's carried grads are alike on every replica (averaged last step), so the
         average of carried + new is carried + the average of the new ones."""
-        for hp in self.hp_masters:
-            if id(hp) not in self._fresh:
-                hp.grad = None  # no grad since zero_grad(): no stale gradient may be applied
+        self.transfer.to_masters(free_lp=True)  # stale master grads dropped (Accumulate)
         self.step_flags.on_masters = True
         if self._dp_size > 1 and not self._dp_averaged:
             grads = [p.grad for g in self.optim.param_groups for p in g["params"]]
@@ -149,12 +133,12 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
 
     @override
     def _end_step(self) -> None:
-        self._dp_averaged = False  # the sums stay (_fresh): the next round adds to them
+        self._dp_averaged = False  # the sums stay (Accumulate.fresh): the next round adds to them
 
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self._fresh.clear()  # accumulated master grads are discarded with the lp ones
+        self.accumulate.reset()  # accumulated master grads are discarded with the lp ones
         self._dp_averaged = False
 
 
