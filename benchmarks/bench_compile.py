@@ -18,8 +18,8 @@ order, and the 1-minute load average is recorded before and after each. compile_
 also records torch._dynamo.utils.compile_times()'s phase totals (dynamo tracing, AOT autograd,
 inductor's scheduling, codegen and C++ builds).
 
---dtype fp32 runs the same without autocast (compile_step's blocks then compile once as
-regions; under autocast they run inline and only the updates are regions).
+--dtype fp32 runs the same without autocast. compile_step compiles each kind of param update
+once (regions="auto": these blocks repeat); the blocks' forward and backward are inline.
 
     python benchmarks/bench_compile.py                       # depths 2, 8, 24 -> runs/
     python benchmarks/bench_compile.py --out benchmarks/results --name compile_cpu

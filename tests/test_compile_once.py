@@ -176,3 +176,54 @@ def test_inductor_regional_step_matches_eager():
     assert step.compiled and step.regional
     for a, b in zip(compiled.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a, b, **FP32_ROUNDING)
+
+
+def lean_pair(optim: str, state: str, rounding: str):
+    """Two identical lean (model, optimizer) pairs: three identical bf16 Linear(64, 64) layers,
+    no masters."""
+    from mixprec.core.lean import LeanConfig
+    from mixprec.core.optim import MixedPrecisionOptimizer
+
+    pairs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)]).to(torch.bfloat16)
+        if optim == "sgd":
+            inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+        else:
+            inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        lean = LeanConfig(rounding=rounding, state=state, seed=123)
+        pairs.append((model, MixedPrecisionOptimizer(inner, master_weights=False, lean=lean)))
+    return pairs
+
+
+@pytest.mark.parametrize(
+    ("optim", "state", "rounding"),
+    [("adamw", "int8", "stochastic"), ("sgd", "bf16", "stochastic"), ("adamw", "fp8", "nearest")],
+)
+def test_lean_update_regions_equal_the_eager_lean_step_bitwise(monkeypatch, optim, state, rounding):
+    """A lean optimizer: bf16 params without masters, quantized or bf16 state, the stochastic
+    rounding stream, each kind of update a region; a skipped step moves nothing."""
+    from test_lean import snapshot
+
+    from mixprec.core import fused_step
+
+    monkeypatch.setattr(fused_step, "_failed", True)  # the eager kernels: the same ops
+    (model, opt), (ref, ref_opt) = lean_pair(optim, state, rounding)
+    counter = RegionCounter()
+    step = compile_step(model, opt, nn.MSELoss(), backend=counter)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(4):
+        x, y = torch.randn(4, 64, generator=gen), torch.randn(4, 64, generator=gen)
+        if i == 1:
+            y[0, 0] = float("inf")  # a skip
+        x, y = x.bfloat16(), y.bfloat16()
+        step(x, y)
+        ref_opt.backward(nn.functional.mse_loss(ref(x), y))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for a, b in zip(snapshot(model, opt), snapshot(ref, ref_opt), strict=True):
+            torch.testing.assert_close(a, b, **EXACT)
+    assert step.compiled and step.regional and len(counter.graphs) == 1
+    assert sorted(counter.graphs[0].values()) == [3, 3]  # the weights' kind, the biases'
+    assert step.sync_counters() == 1
