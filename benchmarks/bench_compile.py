@@ -8,6 +8,8 @@ plus the residual; width 256, batch 32), AdamW, MSE, at each depth:
                     optimizer eager (how users compile today)
     compile_step    convert_to_amp(..., "bf16") + mixprec.compile_step: forward, backward,
                     check, update and the scaler in one compiled step
+    compile_step one graph  the same with regions=False: every update unrolled in the graph
+                    (not run by default; --loops adds it)
 
 Each (depth, loop) runs in a fresh subprocess with a cold inductor cache (TORCHINDUCTOR_CACHE_DIR
 a new temporary folder), one torch thread. The first step is wall time (it includes the
@@ -38,7 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-LOOPS = ("eager", "torch.compile", "compile_step")
+LOOPS = ("eager", "torch.compile", "compile_step", "compile_step one graph")
+DEFAULT_LOOPS = LOOPS[:3]
 GOALS = {
     "first step: compile_step / torch.compile at depth 8 (<=)": 1.5,
     "compile_step growth, s per block (<=)": 2.0,
@@ -90,10 +93,10 @@ def worker(args: argparse.Namespace) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     mse = nn.MSELoss()
     autocast = args.dtype == "bf16"
-    if args.loop == "compile_step":
+    if args.loop.startswith("compile_step"):
         if autocast:
             model, opt, mse = mixprec.convert_to_amp(model, opt, mse, "bf16")
-        step_fn = mixprec.compile_step(model, opt, mse)
+        step_fn = mixprec.compile_step(model, opt, mse, regions=args.loop == "compile_step")
 
         def step():
             return step_fn(x, y)
@@ -126,7 +129,7 @@ def worker(args: argparse.Namespace) -> dict:
         "steady_ms": 1e3 * statistics.median(times),
         "first_loss": first_loss,
     }
-    if args.loop == "compile_step":
+    if args.loop.startswith("compile_step"):
         result["regional"] = step_fn.regional
         result["compiled"] = step_fn.compiled
     if args.loop != "eager":
@@ -275,7 +278,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="timed steady steps")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    parser.add_argument("--loops", default=",".join(LOOPS))
+    parser.add_argument("--loops", default=",".join(DEFAULT_LOOPS), help=f"of {LOOPS}")
     parser.add_argument("--out", type=Path, help="folder (default: a fresh runs/ folder)")
     parser.add_argument("--name", default="compile_cpu", help="file stem of the results")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
