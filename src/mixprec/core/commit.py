@@ -35,6 +35,7 @@ import torch
 from mixprec.core import fused_step as fused
 from mixprec.core import sync_free
 from mixprec.core.scaling import LossScaler, all_reduce_found_inf_, default_group, rank_and_world
+from mixprec.core.skip_monitor import SkipMonitor, SkipStats, StepCounter
 from mixprec.core.step_math import clip_coefficient, inverse_scale
 from mixprec.core.step_record import StepRecord
 
@@ -193,6 +194,86 @@ class Accounting:
             )
 
 
+class _Counted:
+    """A counter that lives in the optimizer's StepCounter (self.counts); with
+    read_record, the sync-free step's device record is counted first (a host sync, if any)."""
+
+    def __init__(self, *, read_record: bool = False) -> None:
+        self.read_record = read_record
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        if self.read_record:
+            obj.accounting.read_record()
+        return getattr(obj.counts, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if self.read_record:
+            obj.accounting.read_record()
+        setattr(obj.counts, self.name, value)
+
+
+class StepAccounts:
+    """The optimizer's counters and skip reports, as MixedPrecisionOptimizer shows them: each
+    lives in its StepCounter (`counts`), read from the sync-free step's device record first
+    where it depends on skips (`accounting`). Faces override the reports with their own words."""
+
+    counts: StepCounter
+    accounting: Accounting
+    scaler: LossScaler
+
+    steps = _Counted()
+    """Optimizer steps taken, skipped ones included (no-op steps not)."""
+    noop_steps = _Counted()
+    """step() calls that found no gradient (not counted in steps)."""
+    max_consecutive_skips = _Counted()
+    skipped_steps = _Counted(read_record=True)
+    consecutive_skips = _Counted(read_record=True)
+    last_result = _Counted(read_record=True)
+
+    @property
+    def unread_steps(self) -> int:
+        """Steps whose skip flag is still on the sync-free step's device record (a host count,
+        no sync): the skip counters cover every step but these until the record is read."""
+        return self.accounting.unread
+
+    @property
+    def skip_monitor(self) -> SkipMonitor:
+        """Says when a run starts by skipping, or skips too often."""
+        return self.counts.monitor
+
+    @property
+    def skip_stats(self) -> SkipStats:
+        """Steps, skipped steps (in a row, in the warm-up) and the last scale: no host sync."""
+        self.accounting.read_record()
+        return self.counts.stats()
+
+    def count_recorded_step(self, skipped: bool, scale: float, grad_norm: float | None) -> None:
+        """Count one step read from a device StepRecord (this optimizer's sync-free step's, or
+        compile_step's) as a syncing step is counted (Accounting.count_recorded)."""
+        self.accounting.count_recorded(skipped, scale, grad_norm)
+
+    def _report_skip(self, scale: float) -> None:
+        """Log a skipped step once, on rank 0 (faces override this with their own words)."""
+        if _is_rank_zero():
+            log.info(
+                "mixprec: non-finite gradients; skipped step %d (loss scale %g -> %g)",
+                self.steps,
+                scale,
+                self.scaler.scale,
+            )
+
+    def _report_skip_pattern(self, message: str) -> None:
+        """Log the skip monitor's warm-up summary or rate warning once, on rank 0."""
+        if _is_rank_zero():
+            log.warning(message)
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What a strategy decided, for commit."""
@@ -225,8 +306,9 @@ def commit(opt: MixedPrecisionOptimizer, outcome: Outcome) -> StepResult:
             return StepResult(
                 skipped=False, scale=math.nan, grad_norm=None, num_zeros=None, noop=True
             )
-        opt.last_result = dataclasses.replace(outcome.host, skipped=False, noop=True)
-        return opt.last_result
+        noop = dataclasses.replace(outcome.host, skipped=False, noop=True)
+        opt.last_result = noop
+        return noop
     flags.had_grads = True
     opt.steps += 1
     return outcome.count()

@@ -24,6 +24,7 @@ from mixprec.core.clip import clip_grads_, local_shards
 from mixprec.core.commit import (
     Accounting,
     FusedCommit,
+    StepAccounts,
     StepFlags,
     StepResult,
     SyncFreeCommit,
@@ -41,12 +42,9 @@ from mixprec.core.scaling import (
     all_reduce_found_inf_,
     default_group,
     group_to_hold,
-    rank_and_world,
 )
 from mixprec.core.skip_monitor import (
     ScaleCollapseError,
-    SkipMonitor,
-    SkipStats,
     StepCounter,
 )
 from mixprec.core.validate import check_bool, check_max_norm, check_norm_type
@@ -81,30 +79,6 @@ def _route_zero_grad(inner: torch.optim.Optimizer, wrapper: MixedPrecisionOptimi
     inner.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
-class _Counted:
-    """A MixedPrecisionOptimizer attribute that lives in its StepCounter (self.counts); with
-    read_record, the sync-free step's device record is counted first (a host sync, if any)."""
-
-    def __init__(self, *, read_record: bool = False) -> None:
-        self.read_record = read_record
-        self.name = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        if obj is None:
-            return self
-        if self.read_record:
-            obj.accounting.read_record()
-        return getattr(obj.counts, self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        if self.read_record:
-            obj.accounting.read_record()
-        setattr(obj.counts, self.name, value)
-
-
 def _check_arguments(
     optimizer: Any, loss_scale: Any, max_norm: Any, fused_step: Any, log_num_zeros_in_grad: Any
 ) -> None:
@@ -122,6 +96,12 @@ def _check_arguments(
     reason = fused.unsupported_reason(optimizer)
     if fused_step and reason:
         raise ValueError(f"fused_step=True cannot run this optimizer: {reason}.")
+
+
+def _check_bools(**optional: bool | None) -> None:
+    """Each a bool or None (None: decided per device / step)."""
+    for name, value in optional.items():
+        check_bool(name, value, optional=True)
 
 
 TORCH_HOOK_DICTS = (
@@ -149,7 +129,44 @@ def _check_eps(group: dict[str, Any]) -> None:
         )
 
 
-class MixedPrecisionOptimizer(torch.optim.Optimizer):
+class WrapsOptimizer(torch.optim.Optimizer):
+    """torch.optim.Optimizer's face over a wrapped optimizer (`optim`): param_groups, state and
+    defaults are the wrapped one's, so LR schedulers and hooks see one optimizer."""
+
+    optim: torch.optim.Optimizer
+
+    def _wrap(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hold optimizer and make the hook registries torch's __init__ would (it is skipped)."""
+        self.optim = optimizer
+        for hooks in TORCH_HOOK_DICTS:
+            setattr(self, hooks, OrderedDict())
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optim.defaults
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    @override
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
     """Wraps any torch optimizer; `backward(loss)` scales, `step()` unscales, checks and steps.
 
     Args:
@@ -210,13 +227,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         lean: lean_step.LeanConfig | None = None,
     ) -> None:
         _check_arguments(optimizer, loss_scale, max_norm, fused_step, log_num_zeros_in_grad)
-        check_bool("master_weights", master_weights, optional=True)  # None: per device/step
-        check_bool("keep_master_grads", keep_master_grads, optional=True)
+        _check_bools(master_weights=master_weights, keep_master_grads=keep_master_grads)
         self.counts = StepCounter(max_consecutive_skips)  # checks it before anything changes
         """steps, skips, the skip monitor and the collapse guard (core.skip_monitor)."""
         self.accounting = Accounting(self)
         """Counts each step in self.counts and reports skips (core.commit)."""
-        self.optim = optimizer
+        self._wrap(optimizer)
         _route_zero_grad(optimizer, self)
         self.fused_step, self.master_weights = fused_step, master_weights
         self.max_norm = float(max_norm)
@@ -231,7 +247,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for group in optimizer.param_groups:
             group["params"] = self._masters_for(group["params"])
             _check_eps(group)
-        self.scaler = LossScaler(loss_scale, self._device())
+        self.scaler = LossScaler(loss_scale, self.transfer.device())
         self.step_flags = StepFlags()
         """The step in progress: its overflow flag, where its grads are (core.commit)."""
         self.watch = BackwardWatch()
@@ -241,33 +257,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         SyncFreeCommit.inner_step); True forces it (tests on CPU); False keeps the one read of
         the overflow flag per step."""
         self.lean = None if lean is None else lean_step.LeanUpdate(lean, optimizer)
-        for hooks in TORCH_HOOK_DICTS:  # torch.optim.Optimizer's, for hooks and LR schedulers
-            setattr(self, hooks, OrderedDict())
-
-    # ----- torch.optim.Optimizer's face, delegated to the wrapped optimizer -----
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optim.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optim.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optim.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optim.defaults
-
-    @override
-    def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__
-
-    @override
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
     @override
     def __repr__(self) -> str:
@@ -283,13 +272,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def hp_masters(self) -> list[torch.Tensor]:
         """The fp32 masters the inner optimizer steps in place of lp_params."""
         return self.transfer.hp_masters
-
-    def _device(self) -> torch.device:
-        return self.transfer.device()
-
-    def _own_params(self) -> list[torch.Tensor]:
-        """Params the inner optimizer steps directly (fp32, or low precision without masters)."""
-        return list(self.transfer.layout().own)
 
     def _masters_for(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.transfer.masters_for(params, use_masters=self.master_weights is not False)
@@ -310,38 +292,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         group["params"] = self._masters_for(params)
         self.optim.add_param_group(group)
         _check_eps(self.optim.param_groups[-1])
-
-    # ----- counters (self.counts): host values, or read from the sync-free step's record -----
-    steps = _Counted()
-    """Optimizer steps taken, skipped ones included (no-op steps not)."""
-    noop_steps = _Counted()
-    """step() calls that found no gradient (not counted in steps)."""
-    max_consecutive_skips = _Counted()
-    skipped_steps = _Counted(read_record=True)
-    consecutive_skips = _Counted(read_record=True)
-    last_result = _Counted(read_record=True)
-
-    @property
-    def unread_steps(self) -> int:
-        """Steps whose skip flag is still on the sync-free step's device record (a host count,
-        no sync): the skip counters cover every step but these until the record is read."""
-        return self.accounting.unread
-
-    @property
-    def skip_monitor(self) -> SkipMonitor:
-        """Says when a run starts by skipping, or skips too often."""
-        return self.counts.monitor
-
-    @property
-    def skip_stats(self) -> SkipStats:
-        """Steps, skipped steps (in a row, in the warm-up) and the last scale: no host sync."""
-        self.accounting.read_record()
-        return self.counts.stats()
-
-    def count_recorded_step(self, skipped: bool, scale: float, grad_norm: float | None) -> None:
-        """Count one step read from a device StepRecord (this optimizer's sync-free step's, or
-        compile_step's) as a syncing step is counted (Accounting.count_recorded)."""
-        self.accounting.count_recorded(skipped, scale, grad_norm)
 
     # ----- scaling, unscaling, checking -----
     @property
@@ -463,18 +413,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> StepResult:  # type: ignore[override]
         """plan -> transfer -> reduce -> unscale+check -> clip -> decide -> commit -> account.
 
-        Every subclass runs this sequence; it configures the stages, never re-sequences them:
-        - plan: the commit strategy (core.commit): FusedCommit when the step runs fused (one
-          pass per tensor from the lp grads, the stages below inside it), SyncFreeCommit when
-          it skips on the device, SyncingCommit otherwise;
-        - transfer + reduce: grads_to_masters (GradTransfer's strategy: at step; as each
-          backward accumulates for Paddle's and the pipeline's hooks; ZeRO's reduce buckets);
-        - unscale+check: _unscale_and_check (Apex's per-backward stash: done at each backward);
-        - clip: clip_grad_norm (each parallelism's norm), when max_norm > 0;
-        - decide: core.commit.decide on _scale_used() (the scale the grads carry), then
-          _update_scale;
-        - commit + account: core.commit.commit (the update unless skipped, masters back to the
-          params, the counters), _after_update (ZeRO's all-gather); _end_step always.
+        Every subclass runs this sequence and configures its stages, never re-sequences them:
+        _plan picks the commit strategy (core.commit); grads_to_masters runs GradTransfer's way
+        (+ a subclass's reduce); _unscale_and_check, clip_grad_norm (max_norm > 0), decide on
+        _scale_used() then _update_scale; core.commit.commit updates unless skipped and counts;
+        then _after_update (ZeRO's all-gather); _end_step always. A fused step runs unscale,
+        check, clip and update in one pass per tensor (FusedCommit).
         """
         if closure is not None:
             raise RuntimeError(
@@ -543,28 +487,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _finish_step(self) -> None:
         """Free the master grads (unless kept) and clear this step's flags."""
         keep = self.keep_master_grads
-        if self.hp_masters and not (self._device().type == "cpu" if keep is None else keep):
+        on_cpu = self.transfer.device().type == "cpu"
+        if self.hp_masters and not (on_cpu if keep is None else keep):
             self.transfer.free_master_grads()
         self._clear_step_flags()
 
     def _clear_step_flags(self) -> None:
         self.step_flags.clear()
         self.watch.clear()
-
-    def _report_skip(self, scale: float) -> None:
-        """Log a skipped step once, on rank 0 (faces override this with their own words)."""
-        if rank_and_world()[0] == 0:
-            log.info(
-                "mixprec: non-finite gradients; skipped step %d (loss scale %g -> %g)",
-                self.steps,
-                scale,
-                self.scaler.scale,
-            )
-
-    def _report_skip_pattern(self, message: str) -> None:
-        """Log the skip monitor's warm-up summary or rate warning once, on rank 0."""
-        if rank_and_world()[0] == 0:
-            log.warning(message)
 
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
