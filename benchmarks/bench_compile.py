@@ -6,10 +6,11 @@ plus the residual; width 256, batch 32), AdamW, MSE, at each depth:
     eager           torch.autocast (bf16) + foreach AdamW, no compile
     torch.compile   the same with torch.compile(model): the forward and backward compiled, the
                     optimizer eager (how users compile today)
-    compile_step    convert_to_amp(..., "bf16") + mixprec.compile_step: forward, backward,
-                    check, update and the scaler in one compiled step
-    compile_step one graph  the same with regions=False: every update unrolled in the graph
-                    (not run by default; --loops adds it)
+    compile_step    convert_to_amp(..., "bf16") + mixprec.compile_step(regions=True): forward,
+                    backward, check, update and the scaler in one compiled step, each kind of
+                    param update one region compiled once
+    compile_step one graph  the same with regions=False (compile_step's default): every
+                    update unrolled in the graph (not run by default; --loops adds it)
 
 Each (depth, loop) runs in a fresh subprocess with a cold inductor cache (TORCHINDUCTOR_CACHE_DIR
 a new temporary folder), one torch thread. The first step is wall time (it includes the
@@ -20,8 +21,8 @@ order, and the 1-minute load average is recorded before and after each. compile_
 also records torch._dynamo.utils.compile_times()'s phase totals (dynamo tracing, AOT autograd,
 inductor's scheduling, codegen and C++ builds).
 
---dtype fp32 runs the same without autocast. compile_step compiles each kind of param update
-once (regions="auto": these blocks repeat); the blocks' forward and backward are inline.
+--dtype fp32 runs the same without autocast. The blocks' forward and backward are inline in
+every compiled loop.
 
     python benchmarks/bench_compile.py                       # depths 2, 8, 24 -> runs/
     python benchmarks/bench_compile.py --out benchmarks/results --name compile_cpu

@@ -75,6 +75,7 @@ def run(n: int, mode: str | None, **options):
     crit = nn.MSELoss()
     if mode is not None:
         model, opt, crit = mixprec.convert_to_amp(model, opt, crit, mode)
+    options.setdefault("regions", "auto")
     step = compile_step(model, opt, crit, max_norm=1.0, **options)
     for i in range(4):
         step(*batch(i, bad=i == 1))
@@ -122,8 +123,10 @@ def test_without_regions_the_step_is_one_graph_with_the_cpu_options():
     assert step.compiled and not step.regional
     assert counter.graphs == [collections.Counter()]
     model = blocks(2)
-    inductor = compile_step(model, torch.optim.AdamW(model.parameters()), nn.MSELoss())
+    opt = torch.optim.AdamW(model.parameters())
+    inductor = compile_step(model, opt, nn.MSELoss(), regions="auto")
     assert inductor.regional and "options" not in inductor.compile_options  # no C++ wrapper
+    assert not compile_step(model, opt, nn.MSELoss(), compile=False).regional  # the default
 
 
 def test_repeated_blocks_are_the_children_that_share_class_and_shapes():
@@ -211,7 +214,7 @@ def test_lean_update_regions_equal_the_eager_lean_step_bitwise(monkeypatch, opti
     monkeypatch.setattr(fused_step, "_failed", True)  # the eager kernels: the same ops
     (model, opt), (ref, ref_opt) = lean_pair(optim, state, rounding)
     counter = RegionCounter()
-    step = compile_step(model, opt, nn.MSELoss(), backend=counter)
+    step = compile_step(model, opt, nn.MSELoss(), backend=counter, regions="auto")
     gen = torch.Generator().manual_seed(0)
     for i in range(4):
         x, y = torch.randn(4, 64, generator=gen), torch.randn(4, 64, generator=gen)

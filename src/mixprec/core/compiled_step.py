@@ -42,7 +42,7 @@ the loop body) reaches the forward and the loss and ends there: scaling, backwar
 run in an fp32_region, as an eager loop runs them outside auto_cast. One call is one optimizer
 step: no gradient accumulation.
 
-Repeated structure compiles once (compile_step's `regions`): in a model that repeats blocks
+Repeated structure can compile once (compile_step's regions="auto"): in a model that repeats blocks
 (identical children of an nn.Sequential / nn.ModuleList, mixprec.core.compile_regions), each
 kind of param update (same group flags, shape, dtypes and state format) is a nested compile
 region, traced and compiled once and called once per param; the in-place writes of an update
@@ -317,7 +317,7 @@ class CompiledStep:
         compile: bool,
         compile_options: dict[str, Any],
         check_every: int = 32,
-        regions: Any = "auto",
+        regions: Any = False,
     ) -> None:
         wrapped = isinstance(optimizer, MixedPrecisionOptimizer)
         inner = _runnable_inner(model, optimizer, criterion)
@@ -728,7 +728,7 @@ def compile_step(
     scaler: Any = None,
     compile: bool = True,
     check_every: int = 32,
-    regions: Any = "auto",
+    regions: Any = False,
     **compile_options: Any,
 ) -> CompiledStep:
     """The whole training step of any face, compiled: `loss = step(*inputs, target=y)`.
@@ -748,15 +748,18 @@ def compile_step(
     check_every: steps between the host's reads of the on-device skip record (one sync each):
         skip counts, the skip monitor's reports and ScaleCollapseError arrive then, or when
         step.sync_counters() / step.skip_stats is read.
-    regions: "auto" (default): when the model repeats blocks (two or more children of an
-        nn.Sequential / nn.ModuleList with one class and the same parameter names, shapes and
-        dtypes: mixprec.core.compile_regions.repeated_blocks), each kind of param update
-        (group flags, shape, dtypes, state format) is a nested compile region, compiled once
-        and called once per param of that kind, so the compile grows less with depth; the
-        step then compiles without CPU_INDUCTOR_OPTIONS. True: update regions whatever the
-        model; False: the whole step unrolled in one graph, with the CPU options. The values
-        are the same either way (the same step_math; inductor fuses less across params).
-        Should compiling with regions fail, the step compiles once more as one graph.
+    regions: False (default): the whole step unrolled in one graph (the fastest step: inductor
+        fuses every update with its neighbours; its compile grows with the param count).
+        "auto": when the model repeats blocks (two or more children of an nn.Sequential /
+        nn.ModuleList with one class and the same parameter names, shapes and dtypes:
+        mixprec.core.compile_regions.repeated_blocks), each kind of param update (group
+        flags, shape, dtypes, state format) is a nested compile region, compiled once and
+        called once per param of that kind, so the compile grows less with depth but each
+        step runs slower (the regions' results are copied into place, no fusion across
+        params: benchmarks/results/compile_cpu*.md); True: update regions whatever the model.
+        With regions the step compiles without CPU_INDUCTOR_OPTIONS. The values are the same
+        either way (the same step_math). Should compiling with regions fail, the step
+        compiles once more as one graph.
     compile_options: passed to torch.compile (mode="reduce-overhead" for CUDA graphs,
         backend=...); fullgraph=True and dynamic=False unless given. On CPU with inductor and
         no mode, CPU_INDUCTOR_OPTIONS (the C++ wrapper) join `options`; the step's
