@@ -4,8 +4,8 @@ A model built as a stack of identical blocks (children of an nn.Sequential or nn
 with the same class and the same parameter names, shapes and dtypes: transformer layers,
 residual MLP blocks) has many params of each shape, and compile_step unrolled one update per
 param into its graph; inductor's fusion pass and the C++ wrapper's one-file build grew faster
-than that graph. With repeated blocks, compile_step compiles each kind of param update once, as
-a nested compile region (see compiled_step._update_values).
+than that graph. With regions="auto" and repeated blocks, compile_step compiles each kind of
+param update once, as a nested compile region (see compiled_step._update_values).
 
 The blocks' forward is not made a region: in torch 2.13 (CPU) no form of it gave the step's
 values under inductor.
