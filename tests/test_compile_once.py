@@ -19,10 +19,17 @@ from torch import nn
 from torch._dynamo.backends.registry import lookup_backend
 
 import mixprec
-from mixprec.core.compile_regions import repeated_blocks, use_regions
+from mixprec.core import compile_regions
+from mixprec.core.compile_regions import regions_supported, repeated_blocks, use_regions
 from mixprec.core.compiled_step import compile_step
 
 WIDTH = 8
+needs_regions = pytest.mark.skipif(
+    not regions_supported(),
+    reason=f"torch {torch.__version__}'s nested_compile_region takes no reuse_hash_fn: compile_step "
+    "refuses regions=True and compiles 'auto' as one graph there "
+    "(test_regions_on_a_torch_without_reuse_keys)",
+)
 
 
 class Block(nn.Module):
@@ -89,6 +96,7 @@ def run(n: int, mode: str | None, **options):
 UPDATE_KINDS = 4
 
 
+@needs_regions
 @pytest.mark.parametrize("n", [2, 5])
 def test_n_identical_blocks_compile_each_kind_of_update_once(n):
     counter = RegionCounter()
@@ -101,6 +109,7 @@ def test_n_identical_blocks_compile_each_kind_of_update_once(n):
     assert sum(calls.values()) == len(list(model.parameters())) - 1  # the stem's weight inline
 
 
+@needs_regions
 @pytest.mark.parametrize("mode", [None, "bf16"], ids=["fp32", "bf16_autocast"])
 def test_regional_step_equals_the_eager_step_bitwise(mode):
     """A skipped step, clipping and AdamW's decoupled decay included."""
@@ -125,7 +134,10 @@ def test_without_regions_the_step_is_one_graph_with_the_cpu_options():
     model = blocks(2)
     opt = torch.optim.AdamW(model.parameters())
     inductor = compile_step(model, opt, nn.MSELoss(), regions="auto")
-    assert inductor.regional and "options" not in inductor.compile_options  # no C++ wrapper
+    if regions_supported():  # 'auto' with repeated blocks: regions, without the C++ wrapper
+        assert inductor.regional and "options" not in inductor.compile_options
+    else:  # one graph (torch 2.11), with the CPU options
+        assert not inductor.regional and "options" in inductor.compile_options
     assert not compile_step(model, opt, nn.MSELoss(), compile=False).regional  # the default
 
 
@@ -138,8 +150,10 @@ def test_repeated_blocks_are_the_children_that_share_class_and_shapes():
         nn.ModuleList([nn.ReLU(), nn.ReLU()]),  # no parameters: nothing to compile once
     )
     assert [[id(m) for m in g] for g in repeated_blocks(model)] == [[id(model[1]), id(model[2])]]
-    assert use_regions(model, "auto") and not use_regions(model[3], "auto")
-    assert use_regions(model[3], True) and not use_regions(model, False)
+    assert use_regions(model, "auto") == regions_supported()  # torch 2.11: one graph
+    assert not use_regions(model[3], "auto") and not use_regions(model, False)
+    if regions_supported():
+        assert use_regions(model[3], True)
 
 
 @pytest.mark.parametrize("regions", ["all", None, 1, [nn.Linear(2, 2)]])
@@ -148,6 +162,7 @@ def test_bad_regions_raise_naming_the_value_and_the_choices(regions):
         use_regions(blocks(2), regions)
 
 
+@needs_regions
 def test_a_region_that_fails_to_compile_falls_back_to_one_graph(monkeypatch, caplog):
     """Should compiling with regions fail, the step compiles once more as one graph (no eager
     fallback, no warning), with the same values."""
@@ -167,6 +182,7 @@ def test_a_region_that_fails_to_compile_falls_back_to_one_graph(monkeypatch, cap
         torch.testing.assert_close(a, b, **EXACT)
 
 
+@needs_regions
 @pytest.mark.slow
 def test_inductor_regional_step_matches_eager():
     """inductor (the default backend): regional, the weights as the eager step's within fp32
@@ -200,6 +216,7 @@ def lean_pair(optim: str, state: str, rounding: str):
     return pairs
 
 
+@needs_regions
 @pytest.mark.parametrize(
     ("optim", "state", "rounding"),
     [("adamw", "int8", "stochastic"), ("sgd", "bf16", "stochastic"), ("adamw", "fp8", "nearest")],
@@ -230,3 +247,16 @@ def test_lean_update_regions_equal_the_eager_lean_step_bitwise(monkeypatch, opti
     assert step.compiled and step.regional and len(counter.graphs) == 1
     assert sorted(counter.graphs[0].values()) == [3, 3]  # the weights' kind, the biases'
     assert step.sync_counters() == 1
+
+
+def test_regions_on_a_torch_without_reuse_keys(monkeypatch, caplog):
+    """torch 2.11's nested_compile_region has no reuse_hash_fn (regions_supported): 'auto'
+    compiles one graph and says why, True is refused naming the torch version and the choices."""
+    monkeypatch.setattr(compile_regions, "regions_supported", lambda: False)
+    model = blocks(2)
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        assert use_regions(model, "auto") is False
+    assert "reuse_hash_fn" in caplog.text and torch.__version__ in caplog.text
+    with pytest.raises(ValueError, match=r"regions=True.*reuse_hash_fn.*regions=False"):
+        use_regions(model, True)
+    assert use_regions(model, False) is False

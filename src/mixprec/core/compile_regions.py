@@ -23,9 +23,14 @@ values under inductor.
 
 from __future__ import annotations
 
+import inspect
+import logging
 from typing import Any
 
+import torch
 from torch import nn
+
+log = logging.getLogger("mixprec")
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -66,12 +71,36 @@ REGIONS = ("auto", True, False)
 """compile_step's `regions` values."""
 
 
+def regions_supported() -> bool:
+    """Whether this torch's nested_compile_region takes a reuse key (reuse_hash_fn, torch
+    2.13). Without it (torch 2.11: `nested_compile_region(fn=None, options=None)`) the update
+    regions, closures over one code object, cannot be told apart: dynamo reuses one region for
+    regions that differ (measured on 2.11: 5 subgraphs where 4 kinds of update were asked for)."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    return region is not None and "reuse_hash_fn" in inspect.signature(region).parameters
+
+
 def use_regions(model: nn.Module, regions: Any) -> bool:
-    """compile_step's `regions`: "auto" (when the model repeats blocks: repeated_blocks),
-    True or False."""
+    """compile_step's `regions`: "auto" (when the model repeats blocks: repeated_blocks, and
+    this torch supports regions: regions_supported), True or False."""
     if regions == "auto" and isinstance(regions, str):
-        return bool(repeated_blocks(model))
+        if not repeated_blocks(model):
+            return False
+        if not regions_supported():
+            log.info(
+                "compile_step(regions='auto'): torch %s's nested_compile_region takes no "
+                "reuse_hash_fn, so the step compiles as one graph.",
+                torch.__version__,
+            )
+            return False
+        return True
     if isinstance(regions, bool):
+        if regions and not regions_supported():
+            raise ValueError(
+                f"compile_step(regions=True) needs torch.compiler.nested_compile_region with "
+                f"reuse_hash_fn (torch 2.13); torch {torch.__version__} has none. Pass "
+                "regions=False (one graph) or 'auto' (one graph on this torch)."
+            )
         return regions
     raise ValueError(
         f"regions={regions!r}: pass 'auto' (update regions when the model repeats blocks: "
