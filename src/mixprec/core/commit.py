@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -141,7 +142,9 @@ class Accounting:
     count_recorded_step too). Holds the sync-free step's device StepRecord."""
 
     def __init__(self, opt: MixedPrecisionOptimizer) -> None:
-        self.opt = opt
+        # a proxy, not a reference: the optimizer holds this object, and a cycle would keep a
+        # deleted optimizer (its hooks, buffers, masters) alive until the next gc pass
+        self.opt = weakref.proxy(opt)
         self.record: StepRecord | None = None  # made at the first sync-free step
 
     def count(self, result: StepResult, *, per_step_reports: bool = True) -> StepResult:
