@@ -324,13 +324,7 @@ class CompiledStep:
         if max_norm is None:
             max_norm = optimizer.max_norm if wrapped else 0.0
         check_max_norm("max_norm", max_norm)  # None: the optimizer's own, checked when set
-        self.process_group: ProcessGroup | None = getattr(optimizer, "process_group", None)
-        self.average_grads = isinstance(model, nn.parallel.DistributedDataParallel)
-        if self.average_grads:
-            # the step averages the grads itself, as DDP's reducer would (it never runs here)
-            self.process_group = self.process_group or model.process_group
-            model = model.module
-        self.process_group = self.process_group or default_group()
+        model = self._take_ranks(model, optimizer)
         self.model, self.optimizer, self.inner, self.criterion = model, optimizer, inner, criterion
         self.regional = use_regions(model, regions)
         """Whether the step compiles each kind of param update once, as a region (see
@@ -366,13 +360,30 @@ class CompiledStep:
         self.compile_options: dict[str, Any] | None = None
         """What torch.compile was given (None: the step runs eagerly)."""
         if compile:
-            options = {"fullgraph": True, "dynamic": False, **compile_options}
-            self.compile_options = options
-            if not self.regional:
-                self.compile_options = _with_cpu_options(options, self.device_type)
-            if self.compile_options is not options:
-                self._plain_options = options
-            self._compiled = self._compile()
+            self._compile_first(compile_options)
+
+    def _take_ranks(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        """The ranks the step's found-inf (and, under DDP, gradient) reductions span; the
+        model the graph runs (a DDP model's module: the step averages the grads itself, as
+        DDP's reducer would, which never runs here)."""
+        group: ProcessGroup | None = getattr(optimizer, "process_group", None)
+        self.average_grads = isinstance(model, nn.parallel.DistributedDataParallel)
+        if self.average_grads:
+            group = group or model.process_group
+            model = model.module
+        self.process_group = group or default_group()
+        return model
+
+    def _compile_first(self, compile_options: dict[str, Any]) -> None:
+        """Compile with the caller's options (fullgraph, static shapes by default) plus, for
+        one graph on CPU, CPU_INDUCTOR_OPTIONS; those alone are kept for a second try."""
+        options = {"fullgraph": True, "dynamic": False, **compile_options}
+        self.compile_options = options
+        if not self.regional:
+            self.compile_options = _with_cpu_options(options, self.device_type)
+        if self.compile_options is not options:
+            self._plain_options = options
+        self._compiled = self._compile()
 
     def _compile(self) -> Callable[..., torch.Tensor]:
         """torch.compile of this object's own copy of _run. dynamo keys its cache (and its
