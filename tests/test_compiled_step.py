@@ -495,7 +495,7 @@ def test_refuses_optimizers_whose_step_does_collective_work():
     from mixprec.parallel.zero import ZeroOptimizer
 
     class ShardedStepOptimizer(mixprec.MixedPrecisionOptimizer):
-        whole_step_refusal = ZeroOptimizer.whole_step_refusal
+        traits = ZeroOptimizer.traits
 
     model = nn.Linear(4, 4)
     opt = ShardedStepOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))

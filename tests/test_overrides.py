@@ -65,3 +65,26 @@ def test_the_check_sees_an_unmarked_override() -> None:
         def own(self) -> None: ...
 
     assert [u.rsplit(".", 2)[-2:] for u in unmarked_overrides(Child)] == [["Child", "run"]]
+
+
+def test_the_class_switches_are_one_frozen_traits_value_per_class():
+    """Subclasses configure the step through one frozen StepTraits (no loose class flags):
+    ZeRO, the pipeline and Apex's per-loss optimizer decide on the host; ZeRO and Apex keep
+    torch's grads contract their own way; ZeRO and the pipeline refuse the compiled step."""
+    import dataclasses
+
+    from mixprec.core.optim import MixedPrecisionOptimizer, StepTraits
+    from mixprec.core.per_loss_optim import StashingOptimizer
+    from mixprec.parallel.pipeline.optim import PipelineOptimizer
+    from mixprec.parallel.zero import ZeroOptimizer
+
+    base = MixedPrecisionOptimizer.traits
+    assert base == StepTraits() and base.carries_grads and base.steps_on_device
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.carries_grads = False
+    for cls in (ZeroOptimizer, PipelineOptimizer, StashingOptimizer):
+        assert not cls.traits.steps_on_device, cls
+        for name in ("whole_step_refusal", "carries_grads", "steps_on_device"):
+            assert name not in vars(cls), f"{cls.__name__}.{name}: set it in traits"
+    assert ZeroOptimizer.traits.whole_step_refusal and PipelineOptimizer.traits.whole_step_refusal
+    assert not ZeroOptimizer.traits.carries_grads and not StashingOptimizer.traits.carries_grads

@@ -372,7 +372,7 @@ class SyncFreeCommit:
             return None
         plain = (
             opt.lean is None
-            and opt.steps_on_device  # ZeRO, the pipeline, Apex decide on the host
+            and opt.traits.steps_on_device  # ZeRO, the pipeline, Apex decide on the host
             and not opt.log_num_zeros_in_grad
             and opt.verbosity < 2  # the scale-change log reads the scale each step
         )
@@ -461,7 +461,7 @@ class FusedCommit:
             fused.fused_step(opt.optim, master_to_lp, inv_scale, clip)
 
         def after() -> None:
-            if not opt.carries_grads:
+            if not opt.traits.carries_grads:
                 for lp in opt.lp_params:
                     lp.grad = None  # as in the unfused step: the lp gradient lives to the step
 

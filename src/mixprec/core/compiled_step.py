@@ -150,10 +150,10 @@ def _runnable_inner(
             f"compile_step cannot run {type(inner).__name__}: {reason}. Supported: "
             "SGD (dampening 0 with momentum), Adam, AdamW; step it eagerly instead."
         )
-    if wrapped and optimizer.whole_step_refusal is not None:
+    if wrapped and optimizer.traits.whole_step_refusal is not None:
         raise CompileStepError(
             f"compile_step cannot run {type(optimizer).__name__}: "
-            f"{optimizer.whole_step_refusal}. Step it eagerly."
+            f"{optimizer.traits.whole_step_refusal}. Step it eagerly."
         )
     if any(hasattr(p, "to_local") for p in model.parameters()):  # DTensor params
         raise CompileStepError(

@@ -74,7 +74,7 @@ def refuse_stacked_scaler(optimizer: MixedPrecisionOptimizer) -> None:
             f"A GradScaler was given a {type(optimizer).__name__} that scales the loss itself "
             "(a loss-scaling mode: fp16, fp16_naive, Apex O1/O2): both would scale and the "
             "update would come out the loss scale times too small. Drop the GradScaler and call "
-            f"{optimizer.scaled_backward_hint} then optimizer.step(); or keep the GradScaler "
+            f"{optimizer.traits.scaled_backward_hint} then optimizer.step(); or keep the GradScaler "
             "with a mode that does not scale (fp32/bf16 Booster, mixprec.MixedPrecisionOptimizer "
             "with the default loss_scale)."
         )

@@ -12,7 +12,8 @@ import itertools
 import logging
 import weakref
 from collections import OrderedDict
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from typing_extensions import override
@@ -53,6 +54,7 @@ log = logging.getLogger("mixprec")
 __all__ = [  # the names below StepResult were imported from here before the split
     "MixedPrecisionOptimizer",
     "StepResult",
+    "StepTraits",
     "LOW_DTYPES",
     "Layout",
     "ScaleCollapseError",
@@ -166,6 +168,29 @@ class WrapsOptimizer(torch.optim.Optimizer):
         self.__dict__.update(state)
 
 
+@dataclass(frozen=True)
+class StepTraits:
+    """The class-level switches of a MixedPrecisionOptimizer subclass, in one frozen value."""
+
+    whole_step_refusal: str | None = None
+    """Why mixprec.compile_step must not run this optimizer's step (None: it may): set by a
+    subclass whose step() does collective work the compiled step does not know."""
+    scaled_backward_hint: str = (
+        "booster.backward(loss, optimizer) (Booster), optimizer.backward(loss) "
+        "(convert_to_amp, initialize) or engine.backward(loss)"
+    )
+    """How a user of this class runs the scaled backward (named when grads did not come
+    through it)."""
+    carries_grads: bool = True
+    """False where the subclass keeps torch's contract (a step leaves its grads in .grad) its
+    own way (ZeRO, across ranks) or follows its peer's rule instead (Apex clears the master
+    grads after every step; Lightning's wrappers zero param_groups only)."""
+    steps_on_device: bool = True
+    """False where a subclass's step reads its outcome on the host, so the sync-free step must
+    not run it: ZeRO and the pipeline (their reductions, owners and stage bookkeeping follow
+    the host's decision) and Apex's per-loss scalers."""
+
+
 class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
     """Wraps any torch optimizer; `backward(loss)` scales, `step()` unscales, checks and steps.
 
@@ -191,26 +216,13 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
             low-bit optimizer state and/or stochastic rounding into bf16 params (None: off).
     """
 
-    # Why mixprec.compile_step must not run this optimizer's step (None: it may). A subclass
-    # whose step() does collective work the compiled step does not know sets its reason.
-    whole_step_refusal: str | None = None
+    traits: ClassVar[StepTraits] = StepTraits()
+    """How this class's step behaves (StepTraits): a subclass sets its own, derived with
+    dataclasses.replace from its base's."""
     # torch's GradScaler.step then sets found_inf (its check, done once) and grad_scale (the
     # scale still in the grads, or None once unscale_ ran) on this object and calls step()
     # unconditionally, with no host sync of its own; see commit.outside_check.
     _step_supports_amp_scaling = True
-    # How a user of this class runs the scaled backward (named when grads did not come through it).
-    scaled_backward_hint = (
-        "booster.backward(loss, optimizer) (Booster), optimizer.backward(loss) "
-        "(convert_to_amp, initialize) or engine.backward(loss)"
-    )
-    carries_grads = True
-    """False where the subclass keeps torch's contract (a step leaves its grads in .grad) its
-    own way (ZeRO, across ranks) or follows its peer's rule instead (Apex clears the master grads
-    after every step)."""
-    steps_on_device = True
-    """False where a subclass's step reads its outcome on the host, so the sync-free step must
-    not run it: ZeRO and the pipeline (their reductions, owners and stage bookkeeping follow the
-    host's decision) and Apex's per-loss scalers."""
 
     def __init__(
         self,
@@ -331,7 +343,9 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
             or not (self.step_flags.on_masters or self.transfer.step_grads())
         ):
             return
-        raise unscaled_grads_error(type(self).__name__, self.scaler.cfg, self.scaled_backward_hint)
+        raise unscaled_grads_error(
+            type(self).__name__, self.scaler.cfg, self.traits.scaled_backward_hint
+        )
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward of the scaled loss; several calls before one step() accumulate."""
@@ -361,7 +375,7 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
     def _lp_grads_to_masters(self) -> None:
         """The transfer (GradTransfer.to_masters: its strategy; at step by default). A subclass
         whose grads reach the masters its own way (ZeRO's buckets) overrides this."""
-        self.transfer.to_masters(free_lp=not self.carries_grads)
+        self.transfer.to_masters(free_lp=not self.traits.carries_grads)
 
     def grads_to_masters(self) -> None:
         """Hand this step's lp grads to the fp32 masters, once (an outside GradScaler calls this
@@ -481,7 +495,7 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
     def _keep_grads(self, *, fused: bool = False, factor: torch.Tensor | None = None) -> None:
         """Leave this step's gradients in .grad for a backward before zero_grad()
         (GradTransfer.keep: fused, factor as there), unless this optimizer does not carry them."""
-        if self.carries_grads:
+        if self.traits.carries_grads:
             self.transfer.keep(self.scaler, fused=fused, factor=factor)
 
     def _finish_step(self) -> None:

@@ -10,6 +10,7 @@ the core's (lp param, fp32 master) pairs; `PerLossOptimizer` is what `amp.initia
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -67,12 +68,13 @@ class StashingOptimizer(MixedPrecisionOptimizer):
     non-finite value any rank wrote skips the step on every rank.
     """
 
-    scaled_backward_hint = (
-        "`with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()` or "
-        "optimizer.backward(loss)"
+    traits = dataclasses.replace(
+        MixedPrecisionOptimizer.traits,
+        scaled_backward_hint="`with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()` "
+        "or optimizer.backward(loss)",
+        carries_grads=False,  # Apex: the master grads hold only what was unscaled since the step
+        steps_on_device=False,  # decides on the host
     )
-    carries_grads = False  # Apex: the master grads hold only what was unscaled since the step
-    steps_on_device = False  # decides on the host: see MixedPrecisionOptimizer
 
     def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         if kwargs.pop("fused_step", None):

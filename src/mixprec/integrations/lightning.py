@@ -160,7 +160,7 @@ class MixprecPrecision(Precision):
         # core's g1 + g2 carry) would add into every later step, a skip's inf grads included.
         # Lightning zeroes before each optimizer step's backward, so nothing is lost by freeing
         # them at the step (accumulate_grad_batches accumulates before the step).
-        mp.carries_grads = False
+        mp.traits = dataclasses.replace(mp.traits, carries_grads=False)
         device = mp.scaler.scale_tensor.device
         mp.scaler = self._scaler_on(device)  # one scale: the one backward multiplied by
         if self._pending is not None:

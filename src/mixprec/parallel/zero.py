@@ -25,6 +25,7 @@ checkpoints (mixprec.parallel.zero_checkpoint); ZeroOptimizer is the step over t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -197,9 +198,12 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     (GradBuckets: the gradient reductions).
     """
 
-    whole_step_refusal = "ZeRO reduces gradients and gathers the owners' params inside step()"
-    carries_grads = False  # kept by _carry_grads, on the model's params, across ranks
-    steps_on_device = False  # decides on the host: see MixedPrecisionOptimizer
+    traits = dataclasses.replace(
+        MixedPrecisionOptimizer.traits,
+        whole_step_refusal="ZeRO reduces gradients and gathers the owners' params inside step()",
+        carries_grads=False,  # kept by _carry_grads, on the model's params, across ranks
+        steps_on_device=False,  # decides on the host
+    )
 
     def __init__(
         self,

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -40,11 +41,14 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
             None: each gradient all-reduced in fp32.
     """
 
-    whole_step_refusal = "a pipeline's backward runs inside torch.distributed.pipelining's schedule"
-    # The core's carry (GradTransfer.keep / rescale_carried) over the masters' grads, which the
-    # hook below sums each micro-batch into: GradTransfer.carry_masters.
-    carries_grads = True
-    steps_on_device = False  # decides on the host: see MixedPrecisionOptimizer
+    # carries_grads: the core's carry (GradTransfer.keep / rescale_carried) over the masters'
+    # grads, which the hook below sums each micro-batch into: GradTransfer.carry_masters.
+    traits = dataclasses.replace(
+        MixedPrecisionOptimizer.traits,
+        whole_step_refusal="a pipeline's backward runs inside torch.distributed.pipelining's "
+        "schedule",
+        steps_on_device=False,  # decides on the host
+    )
 
     def __init__(
         self,
@@ -162,7 +166,9 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         norm_group: with tensor parallelism, the ranks of this tp index (ZeroOptimizer's).
     """
 
-    whole_step_refusal = PipelineOptimizer.whole_step_refusal
+    traits = dataclasses.replace(
+        ZeroOptimizer.traits, whole_step_refusal=PipelineOptimizer.traits.whole_step_refusal
+    )
 
     def __init__(
         self,
