@@ -259,6 +259,7 @@ def test_at_run_time_the_core_holds_no_face_name_and_no_import_hook() -> None:
 # fp8's modules from the bottom up: each imports (at module top) only fp8 modules before it.
 FP8_ORDER = (
     "config",
+    "settings",
     "casts",
     "quantize",
     "kernels",

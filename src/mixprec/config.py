@@ -27,7 +27,7 @@ import torch.distributed as dist
 from mixprec.amp_type import AMP_TYPE
 from mixprec.core.policy import Policy, clip_norm_for, did_you_mean, to_policy
 from mixprec.core.validate import check_bool, check_max_norm
-from mixprec.mixed_precision import with_fp8
+from mixprec.fp8.settings import with_fp8
 from mixprec.parallel.zero import ZeroConfig, to_zero_config
 
 CONFIG_SUFFIXES: tuple[str, ...] = (".py", ".json", ".toml")
@@ -202,7 +202,7 @@ def _read_file(path: Path) -> dict[str, Any]:
 def config_to_policy(config: Mapping[str, Any]) -> Policy:
     """The Policy a config's `fp16` section names (no `fp16` key, or None: fp32), with the
     `fp8` section's float8 Linear layers on top: `fp8=dict(recipe='rowwise', ...)` (Float8Config's
-    fields), True, a recipe name or a Float8Config (mixprec.mixed_precision.to_float8_config);
+    fields), True, a recipe name or a Float8Config (mixprec.fp8.settings.to_float8_config);
     absent, None or False: none beyond what the fp16 section's mode has."""
     policy = to_policy(config.get("fp16"))
     fp8 = config.get("fp8")

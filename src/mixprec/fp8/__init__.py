@@ -27,6 +27,7 @@ Float8Telemetry observes each GEMM operand's quantization error; checkpoint.py r
 DeepSeek-V3's block-fp8 weight layout.
 """
 
+from mixprec.core.policy import register_mode_parser
 from mixprec.core.prepare import register_fp8_converter
 from mixprec.fp8.casts import (
     amax_to_scale,
@@ -86,9 +87,11 @@ from mixprec.fp8.quantize import (
     quantize_tensorwise,
 )
 from mixprec.fp8.recipes import RECIPE_OPERANDS, emulated_gemm, recipe_gemm
+from mixprec.fp8.settings import fp8_mode_policy
 from mixprec.fp8.telemetry import Float8Telemetry, OperandStats, operand_stats
 
 register_fp8_converter(convert_to_fp8)  # the core's prepare_model calls it for 'fp8'
+register_mode_parser("fp8", fp8_mode_policy)  # the 'fp8' mode's keys: Float8Config's fields
 
 __all__ = [
     "AMAX_EPS",

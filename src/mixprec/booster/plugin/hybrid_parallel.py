@@ -50,13 +50,8 @@ from mixprec.booster.plugin.plugin_base import (
 )
 from mixprec.core.validate import check_max_norm
 from mixprec.fp8.config import Float8Config
-from mixprec.mixed_precision import (
-    FP32Precision,
-    MixedPrecision,
-    to_float8_config,
-    to_mixed_precision,
-    with_fp8,
-)
+from mixprec.fp8.settings import to_float8_config, with_fp8
+from mixprec.mixed_precision import FP32Precision, MixedPrecision, to_mixed_precision
 from mixprec.parallel.comm import to_fp8_comm_dtype
 from mixprec.parallel.pipeline.checkpoint import (
     load_pipeline_model_state,

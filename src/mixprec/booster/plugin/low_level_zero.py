@@ -28,7 +28,8 @@ from mixprec.core.policy import Policy, ScalerConfig, preset
 from mixprec.core.scaling import default_group
 from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.fp8.config import Float8Config
-from mixprec.mixed_precision import FP32Precision, MixedPrecision, with_fp8
+from mixprec.fp8.settings import with_fp8
+from mixprec.mixed_precision import FP32Precision, MixedPrecision
 from mixprec.parallel.zero import (
     ZeroOptimizer,
     check_communication_dtype,
@@ -81,7 +82,7 @@ class LowLevelZeroPlugin(Plugin):
         use_fp8: eligible Linear layers compute in float8 (mixprec.fp8) under this precision:
             True (Colossal's: Float8Config(), recipe 'tensorwise'), or as mixprec's extension a
             recipe name ('rowwise', 'blockwise', 'mxfp8', ...), a Float8Config or a dict of its
-            fields (mixprec.mixed_precision.to_float8_config).
+            fields (mixprec.fp8.settings.to_float8_config).
         extra_dp_size: must be 1 (one flat data-parallel group).
         policy: (mixprec) a Policy parsed elsewhere (the config Engine's, any mode: see
             from_policy) instead of the precision keywords; it sets the precision, scaler and
