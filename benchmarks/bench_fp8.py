@@ -33,6 +33,7 @@ curves, written as fp8_train_<device>.{md,json,png}.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import sys
@@ -88,6 +89,37 @@ def machine_description(device: torch.device) -> dict[str, str]:
 def utc_date() -> str:
     """Now, as the records state it: 'YYYY-MM-DD HH:MM' in UTC."""
     return time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+
+
+def run_record(
+    machine: dict[str, str], args: argparse.Namespace, start: float, **fields: Any
+) -> dict[str, Any]:
+    """A finished run's record: the machine (its load average at the end added, before any
+    table shows it), the options but argv, the run's seconds since `start`, then `fields`."""
+    if hasattr(os, "getloadavg"):
+        machine["load_avg_1min_at_end"] = f"{os.getloadavg()[0]:.2f}"
+    return {
+        "machine": machine,
+        "args": {k: v for k, v in vars(args).items() if k != "argv"},
+        "total_seconds": round(time.perf_counter() - start, 1),
+        **fields,
+    }
+
+
+def publish(
+    args: argparse.Namespace,
+    stem: str,
+    table: str,
+    record: dict[str, Any],
+    chart: Callable[[Path], None],
+) -> int:
+    """Print the table; unless --no-write, write <stem>.md/.json/.png under --out (default: a
+    new runs/bench_fp8-<UTC time>/) and name the files written. Returns the exit status, 0."""
+    print(table)
+    if not args.no_write:
+        paths = write_record(args.out or fresh_out_dir("bench_fp8"), stem, table, record, chart)
+        print("wrote " + ", ".join(map(str, paths.values())), file=sys.stderr)
+    return 0
 
 
 def scaled_mm_ops(device: torch.device) -> list[str]:
@@ -361,26 +393,10 @@ def run_recipes(args: argparse.Namespace, device: torch.device) -> int:
                 }
             )
         print(f"w={width} (elapsed {time.perf_counter() - start:.0f} s)", file=sys.stderr)
-    if hasattr(os, "getloadavg"):
-        machine["load_avg_1min_at_end"] = f"{os.getloadavg()[0]:.2f}"
+    record = run_record(machine, args, start, results=rows)
     table = recipe_markdown(rows, machine, args)
-    print(table)
-    if not args.no_write:
-        payload = {
-            "machine": machine,
-            "args": {k: v for k, v in vars(args).items() if k not in ("argv",)},
-            "total_seconds": round(time.perf_counter() - start, 1),
-            "results": rows,
-        }
-        paths = write_record(
-            args.out or fresh_out_dir("bench_fp8"),
-            f"fp8_recipes_{device.type}",
-            table,
-            payload,
-            lambda png: recipe_chart(rows, machine, png),
-        )
-        print("wrote " + ", ".join(map(str, paths.values())), file=sys.stderr)
-    return 0
+    chart_of = functools.partial(recipe_chart, rows, machine)
+    return publish(args, f"fp8_recipes_{device.type}", table, record, chart_of)
 
 
 # ----- the training axis: the stdlib-text GPT per recipe vs bf16 vs fp32 -----
@@ -620,36 +636,21 @@ def run_train(args: argparse.Namespace, device: torch.device) -> int:
         for mode, seed in plan:
             bar.set_postfix_str(f"{mode} seed {seed}")
             runs.append(train_run(mode, seed, args, text, device, bar))
-    if hasattr(os, "getloadavg"):
-        machine["load_avg_1min_at_end"] = f"{os.getloadavg()[0]:.2f}"
-    record = {
-        "machine": machine,
-        "date": date,
-        "argv": args.argv,
-        "args": {k: v for k, v in vars(args).items() if k != "argv"},
-        "total_seconds": round(time.perf_counter() - start, 1),
-        "params": sum(
-            p.numel()
-            for p in GPT(
-                args.train_width, args.train_depth, args.train_heads, args.train_context
-            ).parameters()
-        ),
-        "converted": max((len(r["converted"]) for r in runs), default=0),
-        "runs": runs,
-    }
+    gpt = GPT(args.train_width, args.train_depth, args.train_heads, args.train_context)
+    record = run_record(
+        machine,
+        args,
+        start,
+        date=date,
+        argv=args.argv,
+        params=sum(p.numel() for p in gpt.parameters()),
+        converted=max((len(r["converted"]) for r in runs), default=0),
+        runs=runs,
+    )
     record["verdicts"] = train_verdicts(record)
     table = train_markdown(record)
-    print(table)
-    if not args.no_write:
-        paths = write_record(
-            args.out or fresh_out_dir("bench_fp8"),
-            f"fp8_train_{device.type}",
-            table,
-            record,
-            lambda png: train_chart(record, png),
-        )
-        print("wrote " + ", ".join(map(str, paths.values())), file=sys.stderr)
-    return 0
+    chart_of = functools.partial(train_chart, record)
+    return publish(args, f"fp8_train_{device.type}", table, record, chart_of)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -795,26 +796,10 @@ def main(argv: list[str] | None = None) -> int:
                 "all_seconds": times,
             }
         )
-    if hasattr(os, "getloadavg"):
-        machine["load_avg_1min_at_end"] = f"{os.getloadavg()[0]:.2f}"
+    record = run_record(machine, args, start, results=results)
     table = markdown(results, machine, args)
-    print(table)
-    if not args.no_write:
-        payload = {
-            "machine": machine,
-            "args": {k: v for k, v in vars(args).items() if k not in ("argv",)},
-            "total_seconds": round(time.perf_counter() - start, 1),
-            "results": results,
-        }
-        paths = write_record(
-            args.out or fresh_out_dir("bench_fp8"),
-            f"fp8{'' if FAST_ACCUM else '_exact_accum'}_{device.type}",
-            table,
-            payload,
-            lambda png: chart(results, machine, png),
-        )
-        print("wrote " + ", ".join(map(str, paths.values())), file=sys.stderr)
-    return 0
+    stem = f"fp8{'' if FAST_ACCUM else '_exact_accum'}_{device.type}"
+    return publish(args, stem, table, record, functools.partial(chart, results, machine))
 
 
 if __name__ == "__main__":
