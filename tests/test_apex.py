@@ -19,8 +19,8 @@ from torch import nn
 
 from mixprec import AMP_TYPE, convert_to_amp, to_policy
 from mixprec.apex import FP16_Optimizer, amp
-from mixprec.core.optim import ScaleCollapseError
 from mixprec.core.per_loss_optim import PerLossOptimizer
+from mixprec.core.skip_monitor import ScaleCollapseError
 
 # numerics: one variant per --device (conftest); tensors built here land on that device
 pytestmark = pytest.mark.usefixtures("device")

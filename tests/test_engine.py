@@ -26,9 +26,10 @@ from torch.utils.data import (
 
 from mixprec import AMP_TYPE
 from mixprec.config import gpc
-from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError
+from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import preset
 from mixprec.core.prepare import prepare_model
+from mixprec.core.skip_monitor import ScaleCollapseError
 from mixprec.engine import (
     Engine,
     EpochShuffledDistributedSampler,

@@ -26,8 +26,9 @@ import mixprec
 import mixprec.paddle as paddle_amp
 from mixprec.apex import amp as apex_amp
 from mixprec.core.compiled_step import compile_step
-from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError
+from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import APEX_SCALER, ScalerConfig
+from mixprec.core.skip_monitor import ScaleCollapseError
 
 _REGIONS = importlib.import_module("mixprec.core.autocast")  # the module; mixprec.autocast: a class
 PATTERN = [True, False, True, True, True, False, False, False]

@@ -20,12 +20,14 @@ from mixprec.core.autocast import (
 )
 from mixprec.core.casting import cast_floating, cast_module
 from mixprec.core.checkpoint import load_checkpoint, save_checkpoint
+from mixprec.core.commit import StepResult
 from mixprec.core.compiled_step import CompiledStep, compile_step
 from mixprec.core.grad_scaler import GradScaler
-from mixprec.core.optim import MixedPrecisionOptimizer, ScaleCollapseError, StepResult
+from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import MODES, Policy, ScalerConfig, preset, to_policy
 from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
 from mixprec.core.scaling import LossScaler
+from mixprec.core.skip_monitor import ScaleCollapseError
 from mixprec.engine import Engine, initialize
 from mixprec.launch import (
     get_default_parser,

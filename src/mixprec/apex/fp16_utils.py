@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mixprec.core.optim import StepResult
+from mixprec.core.commit import StepResult
 from mixprec.core.per_loss_optim import (
     StashingOptimizer,
     UnscaleEvent,

@@ -77,8 +77,9 @@ from mixprec.core import qstate
 from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
 from mixprec.core.clip import total_grad_norm
+from mixprec.core.commit import StepResult
 from mixprec.core.compile_regions import use_regions
-from mixprec.core.optim import MixedPrecisionOptimizer, StepResult
+from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.scaling import ProcessGroup, ScaleRule, default_group, rank_and_world
 from mixprec.core.skip_monitor import SkipStats, StepCounter
 from mixprec.core.step_plan import GroupPlan, group_scalars

@@ -89,9 +89,6 @@ class Carry:
     """The same for own params' grads (None: unscaled and clipped in place already)."""
 
 
-_Carry = Carry  # the name core.optim gave it
-
-
 class GradTransfer:
     """lp params, their fp32 masters, and the gradients between them, for one inner optimizer.
 

@@ -21,7 +21,7 @@ from typing_extensions import override
 from mixprec.core import fused_step as fused
 from mixprec.core import lean as lean_step
 from mixprec.core.backward_watch import BackwardWatch, unscaled_grads_error
-from mixprec.core.clip import clip_grads_, local_shards
+from mixprec.core.clip import clip_grads_
 from mixprec.core.commit import (
     Accounting,
     FusedCommit,
@@ -33,8 +33,7 @@ from mixprec.core.commit import (
     commit,
     outside_check,
 )
-from mixprec.core.grad_transfer import LOW_DTYPES, GradTransfer, Layout
-from mixprec.core.grad_transfer import Carry as _Carry
+from mixprec.core.grad_transfer import GradTransfer
 from mixprec.core.optim_state import load_optimizer_state, optimizer_state
 from mixprec.core.policy import UNIT_SCALE, ScalerConfig
 from mixprec.core.scaling import (
@@ -44,29 +43,17 @@ from mixprec.core.scaling import (
     default_group,
     group_to_hold,
 )
-from mixprec.core.skip_monitor import (
-    ScaleCollapseError,
-    StepCounter,
-)
+from mixprec.core.skip_monitor import StepCounter
 from mixprec.core.validate import check_bool, check_max_norm, check_norm_type
 
 log = logging.getLogger("mixprec")
-__all__ = [  # the names below StepResult were imported from here before the split
-    "MixedPrecisionOptimizer",
-    "StepResult",
-    "StepTraits",
-    "LOW_DTYPES",
-    "Layout",
-    "ScaleCollapseError",
-    "_Carry",
-    "local_shards",
-]
+__all__ = ["MixedPrecisionOptimizer", "StepTraits", "WrapsOptimizer"]
 
 
 def _route_zero_grad(inner: torch.optim.Optimizer, wrapper: MixedPrecisionOptimizer) -> None:
     """The inner optimizer's zero_grad() becomes the wrapper's: Lightning, Fabric and a user who
     kept the torch optimizer call it, and it cleared only the masters' grads, so the model's lp
-    grads a step leaves in .grad (see _Carry) added into every later step (a skipped step's inf
+    grads a step leaves in .grad (see grad_transfer.Carry) added into every later step (a skipped step's inf
     grads too). The wrapper's zero_grad clears the inner groups itself (no recursion); a weak
     reference, so the inner optimizer keeps no dropped wrapper alive."""
     owner = weakref.ref(wrapper)
@@ -201,7 +188,7 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
         max_norm: clip the unscaled gradients to this total norm in every step (0: off).
         process_group: ranks that must agree on overflow (default: the world when initialised).
         log_num_zeros_in_grad: count zero gradient entries each step (one more host sync).
-        max_consecutive_skips: raise ScaleCollapseError after this many skipped steps in a row
+        max_consecutive_skips: raise skip_monitor.ScaleCollapseError after this many skipped steps in a row
             (None: never). From fp16_naive's 2**32 about 34 skips reach a scale of 1; far more
             means the run overflows at any scale and will never train.
         keep_master_grads: keep the fp32 master gradients allocated between steps (None: only

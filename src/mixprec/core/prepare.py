@@ -13,9 +13,10 @@ from torch import nn
 from typing_extensions import override
 
 from mixprec.core.casting import cast_call_args, cast_floating, cast_module
+from mixprec.core.grad_transfer import LOW_DTYPES
 from mixprec.core.lean import lean_config
 from mixprec.core.logs import log_info_to_stdout
-from mixprec.core.optim import LOW_DTYPES, MixedPrecisionOptimizer
+from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy, clip_norm_for
 from mixprec.core.scaling import ProcessGroup
 from mixprec.core.validate import check_callable, check_module_has_parameters

@@ -10,8 +10,9 @@ from typing import Any
 
 from torch import nn
 
+from mixprec.core.commit import StepResult
 from mixprec.core.lr_schedule import SkipAwareLRScheduler
-from mixprec.core.optim import MixedPrecisionOptimizer, StepResult
+from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.skip_monitor import SkipStats
 
 

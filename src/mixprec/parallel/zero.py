@@ -35,8 +35,9 @@ import torch
 from typing_extensions import override
 
 from mixprec.core.clip import clip_grads_, local_shards
+from mixprec.core.commit import StepResult
 from mixprec.core.lean import LeanConfig, rank_seed, state_bytes
-from mixprec.core.optim import MixedPrecisionOptimizer, StepResult
+from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
 from mixprec.core.prepare import prepare_optimizer
 from mixprec.core.scaling import ProcessGroup, default_group, group_to_hold, rank_and_world

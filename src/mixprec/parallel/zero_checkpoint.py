@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from mixprec.core.grad_transfer import LOW_DTYPES
 from mixprec.core.lean import base_seed
-from mixprec.core.optim import LOW_DTYPES, MixedPrecisionOptimizer
+from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.scaling import rank_and_world
 from mixprec.parallel.zero_layout import local
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from mixprec.core.clip import clip_grads_
-from mixprec.core.optim import MixedPrecisionOptimizer, local_shards
+from mixprec.core.clip import clip_grads_, local_shards
+from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.scaling import ProcessGroup
 from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.parallel.comm import fp8_all_reduce
