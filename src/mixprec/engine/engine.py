@@ -14,8 +14,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.core import multi_loss
+from mixprec.core.commit import StepResult
 from mixprec.core.compiled_step import CompiledStep, compile_step
-from mixprec.core.optim import MixedPrecisionOptimizer, StepResult
+from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy
 from mixprec.core.prepare import FP32Criterion, PrecisionModule
 from mixprec.engine.base import EngineBase

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from mixprec.booster.plugin.hybrid_parallel import HybridParallelPlugin
-from mixprec.core.optim import StepResult
+from mixprec.core.commit import StepResult
 from mixprec.core.policy import Policy
 from mixprec.core.prepare import FP32Criterion
 from mixprec.engine.base import EngineBase
