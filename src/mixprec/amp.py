@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from mixprec.amp_type import AMP_TYPE
-from mixprec.core.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
+from mixprec.core.multi_loss import prepare_loss_optimizer
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import MODES, Policy, to_policy
 from mixprec.core.prepare import FP32Criterion, PrecisionModule, prepare_model, prepare_optimizer
-from mixprec.mixed_precision import OptimizerWrapperAPI, with_optimizer_wrapper_api
+from mixprec.mixed_precision import ColossalMultiLossOptimizer, OptimizerWrapperAPI
 
 
 class AMPOptimizer(OptimizerWrapperAPI, MixedPrecisionOptimizer):
@@ -36,7 +36,7 @@ def convert_to_amp(
     criterion: Callable[..., torch.Tensor] | None,
     mode: AMP_TYPE | str | Policy | Mapping[str, Any],
     amp_config: Mapping[str, Any] | None = None,
-) -> tuple[PrecisionModule, AMPOptimizer | MultiLossOptimizer, FP32Criterion | None]:
+) -> tuple[PrecisionModule, AMPOptimizer | ColossalMultiLossOptimizer, FP32Criterion | None]:
     """Convert model, optimizer and criterion to mixed precision.
 
     mode: AMP_TYPE.TORCH / APEX / NAIVE, a mixprec mode name ('bf16', 'fp16', ...), a config
@@ -55,8 +55,8 @@ def convert_to_amp(
     policy = to_policy(mode, amp_config)
     model = prepare_model(model, policy)
     # APEX with num_losses=N: N scalers, optimizer.backward(loss, loss_id=i)
-    optimizer = with_optimizer_wrapper_api(
-        prepare_loss_optimizer(optimizer, policy, single=AMPOptimizer)
+    optimizer = prepare_loss_optimizer(
+        optimizer, policy, single=AMPOptimizer, multi=ColossalMultiLossOptimizer
     )
     return model, optimizer, (None if criterion is None else FP32Criterion(criterion))
 
@@ -75,7 +75,7 @@ def convert_to_naive_amp(
 
 def convert_to_apex_amp(
     model: nn.Module, optimizer: torch.optim.Optimizer, amp_config: Mapping[str, Any] | None = None
-) -> tuple[PrecisionModule, AMPOptimizer | MultiLossOptimizer]:
+) -> tuple[PrecisionModule, AMPOptimizer | ColossalMultiLossOptimizer]:
     """Colossal-AI's legacy `convert_to_apex_amp(model, optimizer, amp_config)`: Apex's keys."""
     model, optimizer, _ = convert_to_amp(model, optimizer, None, AMP_TYPE.APEX, amp_config)
     return model, optimizer

@@ -45,7 +45,9 @@ _CORE_CLIP_MODULES = (
 
 
 class OptimizerWrapperAPI:
-    """Colossal-AI's OptimizerWrapper methods over a mixprec optimizer (mixed into its class).
+    """Colossal-AI's OptimizerWrapper methods over a mixprec optimizer: a base of every
+    optimizer class the Colossal faces build (the classes below, AMPOptimizer,
+    LowLevelZeroOptimizer), so each optimizer has them from its construction on.
 
     Clipping acts on the unscaled gradients (the grads are unscaled and checked first, once a
     step) through the parallelism's own clip: the norm spans every ZeRO shard, pipeline stage
@@ -177,8 +179,8 @@ class OptimizerWrapperAPI:
         return result
 
 
-# Colossal's OptimizerWrapper methods over each optimizer class a Colossal face returns, each
-# declared here (pickle finds them by this module and their names).
+# Each optimizer class a Colossal face returns, declared here with Colossal's OptimizerWrapper
+# methods and built as such by the face (pickle finds them by this module and their names).
 class ColossalMixedPrecisionOptimizer(OptimizerWrapperAPI, MixedPrecisionOptimizer):
     """The core optimizer (single process, DDP, FSDP) with Colossal's methods."""
 
@@ -197,35 +199,6 @@ class ColossalPipelineOptimizer(OptimizerWrapperAPI, PipelineOptimizer):
 
 class ColossalPipelineZeroOptimizer(OptimizerWrapperAPI, PipelineZeroOptimizer):
     """A pipeline stage's ZeRO optimizer (HybridParallelPlugin, zero_stage) with its methods."""
-
-
-WITH_API: dict[type, type] = {
-    MixedPrecisionOptimizer: ColossalMixedPrecisionOptimizer,
-    MultiLossOptimizer: ColossalMultiLossOptimizer,
-    ZeroOptimizer: ColossalZeroOptimizer,
-    PipelineOptimizer: ColossalPipelineOptimizer,
-    PipelineZeroOptimizer: ColossalPipelineZeroOptimizer,
-}
-"""Optimizer class -> its declared subclass with OptimizerWrapperAPI (the one mechanism by
-which every Colossal face's optimizer gets Colossal's methods)."""
-
-
-def with_optimizer_wrapper_api(optimizer: MixedPrecisionOptimizer) -> MixedPrecisionOptimizer:
-    """optimizer, its class now the declared subclass of WITH_API with Colossal's methods.
-
-    The instance keeps its state and isinstance of its own class. The core and parallel layers
-    build their own classes (they import no face), so the face sets the class it returns."""
-    if isinstance(optimizer, OptimizerWrapperAPI):
-        return optimizer
-    api_cls = WITH_API.get(type(optimizer))
-    if api_cls is None:
-        raise TypeError(
-            f"{type(optimizer).__name__} has no Colossal OptimizerWrapper class; the Colossal "
-            f"faces return {', '.join(c.__name__ for c in WITH_API)} (built by boost(), "
-            "convert_to_amp or initialize)."
-        )
-    optimizer.__class__ = api_cls
-    return optimizer
 
 
 _NAIVE = ScalerKeywords.defaults(NAIVE_SCALER)  # FP16NaiveMixedPrecision's signature defaults
@@ -259,11 +232,15 @@ class MixedPrecision:
         process_group: ProcessGroup | None = None,
         policy: Policy | None = None,
     ) -> MixedPrecisionOptimizer:
-        """Wrap optimizer (after convert_module: masters copy the cast params)."""
-        return with_optimizer_wrapper_api(
-            prepare_loss_optimizer(
-                optimizer, policy or self.policy, max_norm=max_norm, process_group=process_group
-            )
+        """Wrap optimizer (after convert_module: masters copy the cast params), with
+        Colossal's OptimizerWrapper methods."""
+        return prepare_loss_optimizer(
+            optimizer,
+            policy or self.policy,
+            max_norm=max_norm,
+            process_group=process_group,
+            single=ColossalMixedPrecisionOptimizer,
+            multi=ColossalMultiLossOptimizer,
         )
 
     def convert_criterion(self, criterion: Callable[..., torch.Tensor]) -> FP32Criterion:

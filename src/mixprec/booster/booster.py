@@ -28,11 +28,7 @@ from mixprec.core.lr_schedule import SkipAwareLRScheduler
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.prepare import FP32Criterion
 from mixprec.core.skip_monitor import SkipStats
-from mixprec.mixed_precision import (
-    MixedPrecision,
-    to_mixed_precision,
-    with_optimizer_wrapper_api,
-)
+from mixprec.mixed_precision import MixedPrecision, OptimizerWrapperAPI, to_mixed_precision
 
 
 class Booster:
@@ -107,8 +103,13 @@ class Booster:
         boosted, mp_optimizer = self.plugin.configure(
             model, optimizer, self.mixed_precision, self.device
         )
-        if mp_optimizer is not None:  # Colossal's OptimizerWrapper methods, every plugin
-            mp_optimizer = with_optimizer_wrapper_api(mp_optimizer)
+        if mp_optimizer is not None and not isinstance(mp_optimizer, OptimizerWrapperAPI):
+            raise TypeError(
+                f"{type(self.plugin).__name__}.configure returned a {type(mp_optimizer).__name__}"
+                ", which has no Colossal OptimizerWrapper methods; a plugin builds one of "
+                "mixprec.mixed_precision's Colossal*Optimizer classes (e.g. through "
+                "mixed_precision.convert_optimizer)."
+            )
         fp32_criterion = (
             None if criterion is None else self.mixed_precision.convert_criterion(criterion)
         )

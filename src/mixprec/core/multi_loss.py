@@ -124,7 +124,8 @@ def prepare_loss_optimizer(
     *,
     max_norm: float = 0.0,
     process_group: ProcessGroup | None = None,
-    single: type[MixedPrecisionOptimizer] | None = None,
+    single: type[MixedPrecisionOptimizer] = MixedPrecisionOptimizer,
+    multi: type[MultiLossOptimizer] = MultiLossOptimizer,
 ) -> MixedPrecisionOptimizer:
     """The optimizer wrapper for policy: Apex's (per-loss scalers, each backward unscaled as
     Apex's scale_loss exit does) for an Apex policy, whatever num_losses; else the core's.
@@ -133,12 +134,13 @@ def prepare_loss_optimizer(
     optimizer.backward(loss) the grads were still multiplied by the loss scale under
     the 'fp16_apex' mode with one loss, and unscaled with two.
 
-    single: the class to build for one loss (a face's subclass of MixedPrecisionOptimizer).
+    single, multi: the classes built (a face passes its subclasses of MixedPrecisionOptimizer
+    and MultiLossOptimizer, so the instance is of the face's class from construction on).
     """
     if policy.num_losses > 1 or is_apex_policy(policy):
         if policy.log_num_zeros_in_grad:
             raise ValueError("log_num_zeros_in_grad=True is not supported with num_losses > 1.")
-        return MultiLossOptimizer(
+        return multi(
             optimizer,
             policy=policy,
             max_norm=clip_norm_for(policy, max_norm),  # the policy's own clip, as prepare_optimizer
@@ -149,7 +151,7 @@ def prepare_loss_optimizer(
         policy,
         max_norm=max_norm,
         process_group=process_group,
-        optimizer_cls=single or MixedPrecisionOptimizer,
+        optimizer_cls=single,
     )
 
 

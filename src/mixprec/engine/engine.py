@@ -21,7 +21,7 @@ from mixprec.core.policy import Policy
 from mixprec.core.prepare import FP32Criterion, PrecisionModule
 from mixprec.engine.base import EngineBase
 from mixprec.engine.state import engine_state_dict, load_engine_state_dict
-from mixprec.mixed_precision import with_optimizer_wrapper_api
+from mixprec.mixed_precision import OptimizerWrapperAPI
 
 
 class Engine(EngineBase):
@@ -33,7 +33,9 @@ class Engine(EngineBase):
 
     Args:
         model: the prepared model, possibly wrapped in DistributedDataParallel.
-        optimizer: the core's optimizer wrapper (clipping and loss scaling live there).
+        optimizer: the core's optimizer wrapper with Colossal's OptimizerWrapper methods, as
+            initialize, Booster.boost and convert_to_amp build it (clipping and loss scaling
+            live there); a MixedPrecisionOptimizer without those methods is refused.
         criterion: the fp32 loss, reached as `engine.criterion(output, label)`.
         lr_scheduler: stepped after every optimizer step that was not skipped (None: the
             caller steps its own scheduler, as seed 000 does once per epoch).
@@ -64,6 +66,13 @@ class Engine(EngineBase):
                 f"Engine needs a mixprec MixedPrecisionOptimizer, got {type(optimizer)!r}; "
                 "use mixprec.engine.initialize."
             )
+        if not isinstance(optimizer, OptimizerWrapperAPI):  # Colossal's Engine takes its wrapper
+            raise TypeError(
+                f"Engine needs an optimizer with Colossal's OptimizerWrapper methods "
+                f"(backward_by_grad, clip_grad_by_norm, ...), got a {type(optimizer).__name__}; "
+                "pass the one mixprec.engine.initialize, Booster.boost or "
+                "mixprec.amp.convert_to_amp returns."
+            )
         if criterion is not None and not isinstance(criterion, FP32Criterion):
             raise TypeError(f"Engine needs an FP32Criterion or None, got {type(criterion)!r}.")
         if (
@@ -75,9 +84,7 @@ class Engine(EngineBase):
                 f"gradient_accumulation={gradient_accumulation!r} must be an int >= 1."
             )
         self.model = model
-        # Colossal's OptimizerWrapper methods (clip_grad_by_norm, backward_by_grad, ...), the
-        # one implementation every Colossal face's optimizer gets (initialize has applied it)
-        self.optimizer = with_optimizer_wrapper_api(optimizer)
+        self.optimizer = optimizer
         self.criterion = criterion
         self.lr_scheduler = lr_scheduler
         self.gradient_accumulation = gradient_accumulation

@@ -23,7 +23,7 @@ from mixprec.core.prepare import FP32Criterion
 from mixprec.core.scaling import rank_and_world
 from mixprec.core.validate import check_bool
 from mixprec.engine.engine import Engine
-from mixprec.mixed_precision import FP32Precision, MixedPrecision, with_optimizer_wrapper_api
+from mixprec.mixed_precision import FP32Precision, MixedPrecision
 from mixprec.parallel.data import shard_loader
 from mixprec.parallel.zero import check_cpu_offload
 
@@ -123,8 +123,7 @@ def initialize(
     wrapped, mp_optimizer = plugin.configure(
         model, optimizer, precision, device or next(model.parameters(), torch.empty(0)).device
     )
-    assert mp_optimizer is not None
-    mp_optimizer = with_optimizer_wrapper_api(mp_optimizer)  # Colossal's methods, as boost()
+    assert mp_optimizer is not None  # a plugin builds it with Colossal's methods, as for boost()
     if world_size > 1:
         train_dataloader, test_dataloader = (
             shard_loader(loader, rank, world_size, f"mixprec.engine.initialize({which})")

@@ -27,7 +27,7 @@ from mixprec.core.commit import StepResult
 from mixprec.core.policy import Policy
 from mixprec.core.prepare import FP32Criterion
 from mixprec.engine.base import EngineBase
-from mixprec.mixed_precision import FP32Precision, MixedPrecision, with_optimizer_wrapper_api
+from mixprec.mixed_precision import FP32Precision, MixedPrecision
 from mixprec.parallel.data import shard_loader
 from mixprec.parallel.pipeline.optim import PipelineOptimizer
 from mixprec.parallel.pipeline.schedule import PipelinedModel, data_shard, next_batch
@@ -135,8 +135,8 @@ def initialize_pipeline(
     piped, mp_optimizer = plugin.configure(
         model, optimizer, FP32Precision(), device or torch.device("cpu")
     )
+    # the plugin builds the stage optimizer with Colossal's methods, as for boost()
     assert isinstance(piped, PipelinedModel) and mp_optimizer is not None
-    mp_optimizer = with_optimizer_wrapper_api(mp_optimizer)  # Colossal's methods, as boost()
     # A replica's stages must read the same batches in the same order: shard over dp only.
     dp_rank, dp_size = data_shard(pp_size)
     train, test = (

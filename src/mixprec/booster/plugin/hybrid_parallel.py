@@ -51,7 +51,13 @@ from mixprec.booster.plugin.plugin_base import (
 from mixprec.core.validate import check_max_norm
 from mixprec.fp8.config import Float8Config
 from mixprec.fp8.settings import to_float8_config, with_fp8
-from mixprec.mixed_precision import FP32Precision, MixedPrecision, to_mixed_precision
+from mixprec.mixed_precision import (
+    ColossalPipelineOptimizer,
+    ColossalPipelineZeroOptimizer,
+    FP32Precision,
+    MixedPrecision,
+    to_mixed_precision,
+)
 from mixprec.parallel.comm import to_fp8_comm_dtype
 from mixprec.parallel.pipeline.checkpoint import (
     load_pipeline_model_state,
@@ -61,7 +67,7 @@ from mixprec.parallel.pipeline.checkpoint import (
     pipeline_optimizer_state,
     template_from_metadata,
 )
-from mixprec.parallel.pipeline.optim import StageOptimizer
+from mixprec.parallel.pipeline.optim import PipelineOptimizer, PipelineZeroOptimizer, StageOptimizer
 from mixprec.parallel.pipeline.schedule import (
     PipelineConfig,
     PipelinedModel,
@@ -71,6 +77,12 @@ from mixprec.parallel.pipeline.schedule import (
     prepare_pipeline,
 )
 from mixprec.parallel.zero import check_cpu_offload
+
+_COLOSSAL_STAGE_CLASS: dict[type, type] = {
+    PipelineOptimizer: ColossalPipelineOptimizer,
+    PipelineZeroOptimizer: ColossalPipelineZeroOptimizer,
+}
+"""The pipeline's stage optimizer class -> its declared class with Colossal's methods."""
 
 SHARDFORMER = "a shardformer feature mixprec does not have (tensor parallelism is tp_plan)"
 DDP_KNOB = (
@@ -443,7 +455,7 @@ class HybridParallelPlugin(Plugin):
                 "reduce_bucket_numel": settings.reduce_bucket_numel,
                 "fp8_communication": settings.fp8_communication,
             }
-        return prepare_pipeline(
+        piped, stage_optimizer = prepare_pipeline(
             model,
             optimizer,
             precision.policy,
@@ -455,6 +467,11 @@ class HybridParallelPlugin(Plugin):
             fp8_communication=None if zero else self.fp8_communication,
             zero=zero,
         )
+        if stage_optimizer is not None:
+            # prepare_pipeline builds the parallel layer's class (it imports no face) and takes
+            # no class to build yet: this is the one place a Colossal face sets the class.
+            stage_optimizer.__class__ = _COLOSSAL_STAGE_CLASS[type(stage_optimizer)]
+        return piped, stage_optimizer
 
     def execute_pipeline(
         self,

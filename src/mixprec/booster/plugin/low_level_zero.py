@@ -25,17 +25,17 @@ from mixprec.booster.plugin.plugin_base import (
 from mixprec.core.checkpoint import hp_model_state_dict
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy, ScalerConfig, preset
+from mixprec.core.prepare import prepare_optimizer
 from mixprec.core.scaling import default_group
 from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.fp8.config import Float8Config
 from mixprec.fp8.settings import with_fp8
-from mixprec.mixed_precision import FP32Precision, MixedPrecision
+from mixprec.mixed_precision import ColossalZeroOptimizer, FP32Precision, MixedPrecision
 from mixprec.parallel.zero import (
     ZeroOptimizer,
     check_communication_dtype,
     check_cpu_offload,
     check_fp8_communication,
-    prepare_zero_optimizer,
 )
 
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -222,9 +222,12 @@ class LowLevelZeroPlugin(Plugin):
         boosted = mixed_precision.convert_module(model.to(device), self.policy)
         if optimizer is None:
             return boosted, None
-        zero = prepare_zero_optimizer(
+        # ZeroOptimizer with Colossal's OptimizerWrapper methods, built by the core's one
+        # mapping of a Policy onto an optimizer's constructor
+        zero = prepare_optimizer(
             optimizer,
             self.policy,
+            optimizer_cls=ColossalZeroOptimizer,
             stage=self.stage,
             max_norm=self.max_norm,
             norm_type=self.norm_type,

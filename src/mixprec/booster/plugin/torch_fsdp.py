@@ -56,7 +56,7 @@ from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy
 from mixprec.core.prepare import set_verbosity
 from mixprec.core.scaling import ProcessGroup
-from mixprec.mixed_precision import MixedPrecision
+from mixprec.mixed_precision import ColossalMixedPrecisionOptimizer, MixedPrecision
 from mixprec.parallel.comm import Fp8ReduceScatter, to_fp8_comm_dtype
 
 ShardFilter = Callable[[str, nn.Module], bool]
@@ -256,7 +256,7 @@ class TorchFSDPPlugin(Plugin):
         if optimizer is None:
             return boosted, None
         _point_optimizer_at_shards(optimizer, names_before, boosted.module)
-        mp_optimizer = MixedPrecisionOptimizer(
+        mp_optimizer = ColossalMixedPrecisionOptimizer(  # with Colossal's OptimizerWrapper methods
             optimizer,
             loss_scale=shard_policy.loss_scale,
             master_weights=False,
