@@ -33,6 +33,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from mixprec.bench.gpt import (
     train_gpt,
 )
 from mixprec.bench.progress import progress_bar
+from mixprec.bench.report import write_record
 from mixprec.bench.runner import machine_name
 from mixprec.core.lean import state_bytes
 from mixprec.core.policy import Policy, preset, to_policy, with_optimizer_state
@@ -474,20 +476,13 @@ def run_size(args: argparse.Namespace) -> int:
         "load": [load0, os.getloadavg()[0]],
         "memory": memory,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "lean_memory.json").write_text(json.dumps(record, indent=2) + "\n")
-    render_size(out)
-    return 0
+    return publish(out, "lean_memory", size_markdown(record), record, size_chart)
 
 
 def render_size(folder: Path) -> None:
-    """lean_memory.md and .png of a --size run from its lean_memory.json."""
+    """lean_memory.md and .png of a --size run again from its lean_memory.json."""
     record = json.loads((folder / "lean_memory.json").read_text())
-    table = size_markdown(record)
-    print(table)
-    (folder / "lean_memory.md").write_text(table)
-    size_chart(record, folder / "lean_memory.png")
-    print(f"wrote {folder}/lean_memory.md, .json, .png", file=sys.stderr)
+    publish(folder, "lean_memory", size_markdown(record), record, size_chart)
 
 
 def size_markdown(record: dict) -> str:
@@ -765,9 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--render":  # md and png again from a run's lean.json
         folder = Path(argv[1])
         record = json.loads((folder / "lean.json").read_text())
-        (folder / "lean.md").write_text(markdown(record))
-        chart(record, folder / "lean.png")
-        return 0
+        return publish(folder, "lean", markdown(record), record, chart)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--out",
@@ -856,7 +849,6 @@ def main(argv: list[str] | None = None) -> int:
         + args.time_rounds
         + 2
     )
-    record: dict[str, Any] = {"argv": argv, "args": vars(args) | {"out": str(out)}}
     with progress_bar(total=total, enabled=not args.no_progress, desc="bench_lean") as bar:
         memory = {}
         for mode in mem_modes:
@@ -867,24 +859,9 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix_str("step time")
         samples = time_steps(args, text, bar)
     timing = {n: median(t) for n, t in samples.items()}
-    record |= {
-        "machine": machine_name(torch.device("cpu")),
-        "seconds": time.perf_counter() - start,
-        "load": [load0, os.getloadavg()[0]],
-        "memory": memory,
-        "quality": quality,
-        "time": timing,
-        "time_samples": samples,
-    }
-    record["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in record["args"].items()}
-    table = markdown(record)
-    print(table)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "lean.md").write_text(table)
-    (out / "lean.json").write_text(json.dumps(record, indent=2) + "\n")
-    chart(record, out / "lean.png")
-    print(f"wrote {out}/lean.md, .json, .png", file=sys.stderr)
-    return 0
+    record = run_record(args, argv, out, start, load0)
+    record |= {"memory": memory, "quality": quality, "time": timing, "time_samples": samples}
+    return publish(out, "lean", markdown(record), record, chart)
 
 
 def quality_modes(args: argparse.Namespace) -> list[str]:
@@ -910,20 +887,39 @@ def run_quality(args: argparse.Namespace, text: tuple, bar: Any) -> dict[str, di
     return quality
 
 
+def run_record(
+    args: argparse.Namespace, argv: list[str], out: Path, start: float, load0: float
+) -> dict[str, Any]:
+    """What every record of a run starts with: the command, its options (with the folder it
+    writes), machine and torch, UTC date, seconds since `start`, load average then and now."""
+    options = vars(args) | {"out": out}
+    return {
+        "argv": argv,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in options.items()},
+        "machine": machine_name(torch.device("cpu")),
+        "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "seconds": time.perf_counter() - start,
+        "load": [load0, os.getloadavg()[0]],
+    }
+
+
+def publish(
+    out: Path, stem: str, table: str, record: dict, draw: Callable[[dict, Path], None]
+) -> int:
+    """Print the table and write <stem>.md, .json and .png (draw(record, path)) into out."""
+    print(table)
+    paths = write_record(out, stem, table, record, functools.partial(draw, record))
+    print("wrote " + ", ".join(map(str, paths.values())), file=sys.stderr)
+    return 0
+
+
 def quality_only(args, argv, out: Path, text: tuple, start: float, load0: float) -> int:
     modes = quality_modes(args)
     runs = args.fp32_seeds + (len(modes) - 1) * args.gpt_seeds
     total = len(modes) * args.seeds * args.digits_steps + runs * args.gpt_steps
     with progress_bar(total=total, enabled=not args.no_progress, desc="bench_lean quality") as bar:
         quality = run_quality(args, text, bar)
-    record = {
-        "argv": argv,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": machine_name(torch.device("cpu")),
-        "seconds": time.perf_counter() - start,
-        "load": [load0, os.getloadavg()[0]],
-        "quality": quality,
-    }
+    record = run_record(args, argv, out, start, load0) | {"quality": quality}
     head = [
         f"# Lean quality, {record['machine']}",
         "",
@@ -931,13 +927,7 @@ def quality_only(args, argv, out: Path, text: tuple, start: float, load0: float)
         f"average {record['load'][0]:.1f} -> {record['load'][1]:.1f} on {os.cpu_count()} cores)",
     ]
     table = "\n".join(head + quality_lines(record)) + "\n"
-    print(table)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quality.md").write_text(table)
-    (out / "quality.json").write_text(json.dumps(record, indent=2) + "\n")
-    quality_chart(record, out / "quality.png")
-    print(f"wrote {out}/quality.md, .json, .png", file=sys.stderr)
-    return 0
+    return publish(out, "quality", table, record, quality_chart)
 
 
 def time_only(args, argv, out: Path, text: tuple, start: float, load0: float) -> int:
@@ -945,23 +935,9 @@ def time_only(args, argv, out: Path, text: tuple, start: float, load0: float) ->
         total=args.time_rounds + 2, enabled=not args.no_progress, desc="bench_lean time"
     ) as bar:
         samples = time_steps(args, text, bar)
-    record = {
-        "argv": argv,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": machine_name(torch.device("cpu")),
-        "seconds": time.perf_counter() - start,
-        "load": [load0, os.getloadavg()[0]],
-        "time": {n: median(t) for n, t in samples.items()},
-        "time_samples": samples,
-    }
-    table = time_markdown(record)
-    print(table)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "time.md").write_text(table)
-    (out / "time.json").write_text(json.dumps(record, indent=2) + "\n")
-    time_chart(record, out / "time.png")
-    print(f"wrote {out}/time.md, .json, .png", file=sys.stderr)
-    return 0
+    record = run_record(args, argv, out, start, load0)
+    record |= {"time": {n: median(t) for n, t in samples.items()}, "time_samples": samples}
+    return publish(out, "time", time_markdown(record), record, time_chart)
 
 
 if __name__ == "__main__":

@@ -520,7 +520,7 @@ def test_progress_bar_without_tqdm_is_a_silent_no_op(capsys, monkeypatch) -> Non
 
 
 def test_write_record_is_the_one_writer_of_the_benchmark_scripts(tmp_path) -> None:
-    """bench_zero / bench_fp8_comm / bench_fp8 write through write_record: md as given, JSON
+    """The benchmark scripts write through write_record: md as given, JSON
     (a Path in argparse args as its str), the chart only when asked, a stale one removed."""
     (tmp_path / "zero_cpu.png").write_bytes(b"old chart")
     record = {"args": {"out": tmp_path}, "rows": [{"speed": 1.5}]}
@@ -534,7 +534,7 @@ def test_write_record_is_the_one_writer_of_the_benchmark_scripts(tmp_path) -> No
     drawn = []
     paths = bench_report.write_record(tmp_path, "zero_cpu", "", record, drawn.append)
     assert drawn == [tmp_path / "zero_cpu.png"] and paths["png"] == drawn[0]
-    for script in ("bench_zero", "bench_fp8_comm", "bench_fp8", "bench_sync_free"):
+    for script in ("bench_zero", "bench_fp8_comm", "bench_fp8", "bench_sync_free", "bench_lean"):
         text = (Path(__file__).parent.parent / "benchmarks" / f"{script}.py").read_text()
         assert "write_record(" in text and "write_text" not in text.split("def main")[1], script
 
