@@ -97,6 +97,7 @@ def test_run_builds_torchrun_argv_that_torchrun_parses():
         "localhost",
         "--master-port",
         "1234",
+        cli.WORKER,
         "train.py",
         "--config",
         "config/config_AMP_torch.py",
@@ -105,8 +106,11 @@ def test_run_builds_torchrun_argv_that_torchrun_parses():
     parsed = torchrun.parse_args(argv)
     assert (parsed.nproc_per_node, parsed.nnodes, parsed.node_rank) == ("2", "1", 0)
     assert (parsed.master_addr, parsed.master_port) == ("localhost", 1234)
-    assert parsed.training_script == "train.py"
-    assert parsed.training_script_args == ["--config", "config/config_AMP_torch.py", "--flag"]
+    assert parsed.training_script == cli.WORKER  # which runs train.py with its arguments
+    assert parsed.training_script_args == [
+        "train.py",
+        *("--config", "config/config_AMP_torch.py", "--flag"),
+    ]
 
 
 def test_run_leaves_the_port_to_torchrun_when_not_given():
@@ -223,6 +227,87 @@ def test_mixprec_run_exits_1_when_a_worker_fails(tmp_path):
     assert done.returncode == 1
     assert "fail.py FAILED" in done.stderr
     assert re.search(r"exitcode\s*:\s*3", done.stderr), done.stderr  # torchrun's summary
+
+
+WHAT_THE_SCRIPT_SEES = textwrap.dedent(
+    """
+    import json, sys
+    seen = {
+        "name": __name__, "argv": sys.argv, "path0": sys.path[0],
+        "preloaded": sorted(m for m in ("torch", "mixprec") if m in sys.modules),
+    }
+    def main():
+        with open("seen.json", "w") as f:
+            json.dump(seen, f)
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def test_the_worker_runs_the_script_as_python_would(tmp_path):
+    """sys.argv, __main__, sys.path[0] as `python script args`; nothing imported before the
+    script (torch reads OMP_NUM_THREADS and others at import)."""
+    (tmp_path / "sub").mkdir()
+    script = tmp_path / "sub" / "train.py"
+    script.write_text(WHAT_THE_SCRIPT_SEES)
+    done = subprocess.run(
+        [sys.executable, cli.WORKER, str(script), "--lr", "0.1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen == {
+        "name": "__main__",
+        "argv": [str(script), "--lr", "0.1"],
+        "path0": str(script.parent),
+        "preloaded": [],
+    }
+
+
+def test_a_failing_script_keeps_its_traceback_and_status(tmp_path):
+    (tmp_path / "bad.py").write_text("import sys\nx = 1\nraise ValueError('boom')\n")
+    done = subprocess.run(
+        [sys.executable, cli.WORKER, "bad.py"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert 'bad.py", line 3' in done.stderr and "ValueError: boom" in done.stderr
+    (tmp_path / "exit.py").write_text("import sys\nsys.exit(5)\n")
+    done = subprocess.run([sys.executable, cli.WORKER, "exit.py"], cwd=tmp_path)
+    assert done.returncode == 5
+
+
+LEAVES_THE_GROUP_UP = textwrap.dedent(
+    """
+    import atexit, os
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from mixprec.launch import launch_from_torch
+
+    launch_from_torch(config={}, verbose=False)
+    model = DDP(torch.nn.Linear(4, 2))  # alive in the globals at the script's end
+    model(torch.ones(3, 4)).sum().backward()
+
+    def at_exit():
+        with open(f"rank{dist.get_rank() if dist.is_initialized() else os.environ['RANK']}", "w") as f:
+            f.write(str(dist.is_initialized()))
+
+    atexit.register(at_exit)
+    """
+)
+
+
+@pytest.mark.distributed
+def test_mixprec_run_destroys_the_group_a_script_leaves_up(tmp_path):
+    """A gloo group held by live objects at interpreter exit sometimes aborted a finished
+    worker (SIGABRT): the worker frees the script's globals, then destroys the group."""
+    (tmp_path / "train.py").write_text(LEAVES_THE_GROUP_UP)
+    done = mixprec_run(tmp_path, "--nproc_per_node", "2", "train.py")
+    assert done.returncode == 0, done.stderr
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["False", "False"]
 
 
 def test_doctor_reports_fp8_for_every_device_and_how_mixprec_runs_it(capsys):

@@ -8,7 +8,7 @@ deferred ones inside functions included, so a new module cannot slip past a hand
              imports only core/ and fp8/, so a face may build on it (Paddle's amp.debugging)
   faces      the Colossal-AI mirror at the top level, apex/, paddle/, integrations/: a face
              imports no other face (Colossal's AMP_TYPE.APEX may use apex/policy)
-  programs   bench/, cli: anything
+  programs   bench/, cli, worker: anything
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ FACES = {
     "paddle": ("paddle",),
     "integrations": ("integrations",),
 }
-PROGRAMS = ("bench", "cli")
+PROGRAMS = ("bench", "cli", "worker")
 ALLOWED_FACE_IMPORTS = {("colossal", "mixprec.apex.policy")}  # AMP_TYPE.APEX's presets
 
 

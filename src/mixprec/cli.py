@@ -17,6 +17,9 @@ from pathlib import Path
 
 from mixprec.core.policy import did_you_mean
 
+WORKER = str(Path(__file__).with_name("worker.py"))
+"""The file each `mixprec run` worker runs (by path): it runs the training script."""
+
 NPROC_WORDS: tuple[str, ...] = ("auto", "cpu", "gpu", "xpu")
 """torchrun's non-numeric --nproc_per_node values (one worker per device of that kind)."""
 MASTER_ADDR = "127.0.0.1"
@@ -132,7 +135,8 @@ def run_args_to_torchrun_argv(args: argparse.Namespace) -> list[str]:
         # torch: torch 2.11's torchrun would take 29500, so two jobs on one machine collided.
         # (--standalone serves on localhost: an address the user names keeps torchrun's way.)
         argv.insert(0, "--standalone")
-    return [*argv, str(args.training_script), *args.training_script_args]
+    # each worker runs mixprec/worker.py, which runs the script and then tears its group down
+    return [*argv, WORKER, str(args.training_script), *args.training_script_args]
 
 
 def _one_node(nnodes: str) -> bool:
@@ -154,8 +158,10 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         torchrun.run(torchrun.parse_args(run_args_to_torchrun_argv(args)))
     except ChildFailedError as err:
-        # the workers' own tracebacks are already on stderr; this is torchrun's summary
-        print(err.format_msg(), file=sys.stderr)
+        # the workers' own tracebacks are already on stderr; this is torchrun's summary, under
+        # the script's name (torchrun's entrypoint is the worker)
+        named = ChildFailedError(Path(args.training_script).name, err.failures)
+        print(named.format_msg(), file=sys.stderr)
         return 1
     return 0
 
