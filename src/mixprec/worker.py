@@ -5,9 +5,10 @@ The script runs as `python script args` would run it: `__name__ == "__main__"`, 
 not as `-m mixprec.worker`, so neither mixprec nor torch is imported ahead of a script that
 sets OMP_NUM_THREADS or other variables torch reads at import). When the script ends without
 an error, the worker frees what it left in its globals and then destroys the process group if
-the script left one up, before the interpreter's own teardown: a gloo group still held by live
-objects at interpreter exit sometimes aborted a finished worker ("terminate called without an
-active exception", SIGABRT: the job failed after its last line ran). A script that fails keeps
+the script left one up, before the interpreter's own teardown: a gloo group still up at
+interpreter exit sometimes aborted a finished worker ("terminate called without an active
+exception", SIGABRT: the job failed after its last line ran), its worker threads' finished work
+holding tensors that were then freed while the interpreter was being torn down. A script that fails keeps
 its traceback and exit status, as under torchrun alone.
 """
 
