@@ -93,6 +93,8 @@ class StepFlags:
     """The reduced overflow flag, once this step's grads are unscaled."""
     on_masters: bool = False
     """This step's gradients reached the masters (at step, or by a hook during backward)."""
+    transferred: bool = False
+    """This step's transfer and reduction ran (GradTransfer.to_masters: once per step)."""
     had_grads: bool = True
     """Cleared when this step's check found no gradient on this rank (and no rank shares it)."""
     clean_growth: float | None = None
@@ -100,7 +102,7 @@ class StepFlags:
 
     def clear(self) -> None:
         self.found_inf = None
-        self.on_masters = False
+        self.on_masters = self.transferred = False
 
 
 def decide(

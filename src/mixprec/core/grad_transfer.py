@@ -7,6 +7,10 @@ subclass moves them its own way: as each backward accumulates, or through ZeRO's
 copies the updated masters back into the params, and keeps the gradients a step leaves in
 .grad for a backward that comes before zero_grad() (the g1 + g2 carry, see Carry).
 
+How the grads move is its way (at step; Accumulate; PerBackward); a reducer slot follows it
+(GradReducer: none by default; the parallel layer supplies a data-parallel mean, fp8 included,
+and ZeRO's buckets), so a parallelism reduces the grads without overriding the optimizer.
+
 Everything per-param that does not change between steps (which params are masters, which
 the inner optimizer steps itself, where they live) is read once per param_groups layout
 (Layout) instead of being rebuilt every step.
@@ -18,7 +22,7 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -89,6 +93,32 @@ class Carry:
     """The same for own params' grads (None: unscaled and clipped in place already)."""
 
 
+class GradReducer(Protocol):
+    """The reducer slot after the transfer's way: what a step's gradients go through, once per
+    step, before they are unscaled and checked, so that every rank sharing them steps on the
+    same values. NoReduce by default; mixprec.parallel supplies the others."""
+
+    def reduce_(self, transfer: GradTransfer, move: Callable[[], None]) -> None:
+        """Reduce this step's grads in place around move() (the way's move at step): after it,
+        where the fp32 grads the masters then hold are reduced; or in its place, where the lp
+        grads are reduced first and the reducer hands each master its share itself."""
+        ...
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """zero_grad(): drop what the reducer holds of the grads being cleared."""
+        ...
+
+
+class NoReduce:
+    """Nothing to reduce: one process, or the grads arrive reduced (DDP's backward)."""
+
+    def reduce_(self, transfer: GradTransfer, move: Callable[[], None]) -> None:
+        move()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Nothing held."""
+
+
 class GradTransfer:
     """lp params, their fp32 masters, and the gradients between them, for one inner optimizer.
 
@@ -112,6 +142,8 @@ class GradTransfer:
         """How grads reach the masters: None at step (to_masters copies them), Accumulate as
         each backward accumulates, PerBackward at each backward's end (see accumulate_as_backward,
         per_backward)."""
+        self.reducer: GradReducer = NoReduce()
+        """What the grads go through after the way, once per step (see reduce_with)."""
         self.carry_masters = False
         """The masters' grads are what backward sums into (a pipeline stage's hook frees each lp
         grad into its master's): the carry is then over every held param, masters included."""
@@ -204,10 +236,20 @@ class GradTransfer:
         self.way = PerBackward(self)
         return self.way
 
+    def reduce_with(self, reducer: GradReducer) -> GradReducer:
+        """Reduce the grads by reducer after the way from now on (see GradReducer)."""
+        self.reducer = reducer
+        return reducer
+
     def to_masters(self, *, free_lp: bool) -> None:
-        """This step's grads onto the masters by self.way: at step, each lp grad, as backward
-        left it, into its master's fp32 grad (free_lp: the lp grad is freed, else it stays in
-        .grad: see Carry); Accumulate.at_step; nothing per backward (done at each backward)."""
+        """This step's grads onto the masters by self.way, through self.reducer (the caller runs
+        it once per step: see MixedPrecisionOptimizer.grads_to_masters)."""
+        self.reducer.reduce_(self, functools.partial(self._move, free_lp=free_lp))
+
+    def _move(self, *, free_lp: bool) -> None:
+        """The way at step: each lp grad, as backward left it, into its master's fp32 grad
+        (free_lp: the lp grad is freed, else it stays in .grad: see Carry); Accumulate.at_step;
+        nothing per backward (done at each backward)."""
         if isinstance(self.way, Accumulate):
             self.way.at_step()
             return
@@ -280,7 +322,11 @@ class GradTransfer:
 
     def zero_grad(self, set_to_none: bool) -> None:
         """torch's zero_grad over the lp params and own params (masters' grads are overwritten
-        each step, or freed: zeroing them is wasted work); the carry is dropped with them."""
+        each step, or freed: zeroing them is wasted work); the carry, the reducer's share and
+        Accumulate's sums are dropped with them."""
+        self.reducer.zero_grad(set_to_none)
+        if isinstance(self.way, Accumulate):
+            self.way.reset()
         for p in (*self.lp_params, *self.layout().own):
             if p.grad is not None:
                 if set_to_none:

@@ -359,21 +359,18 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
         """Gradients of everything the wrapped optimizer steps (local shards of DTensors)."""
         return self.transfer.held_grads()
 
-    def _lp_grads_to_masters(self) -> None:
-        """The transfer (GradTransfer.to_masters: its strategy; at step by default). A subclass
-        whose grads reach the masters its own way (ZeRO's buckets) overrides this."""
-        self.transfer.to_masters(free_lp=not self.traits.carries_grads)
-
     def grads_to_masters(self) -> None:
-        """Hand this step's lp grads to the fp32 masters, once (an outside GradScaler calls this
+        """Hand this step's grads to the fp32 masters and reduce them, once per step
+        (GradTransfer.to_masters: its way, then its reducer; an outside GradScaler calls this
         before unscaling, since it only sees the masters in param_groups)."""
-        if not self.step_flags.on_masters:
-            self._lp_grads_to_masters()
-            self.step_flags.on_masters = True
+        flags = self.step_flags
+        if not flags.transferred:
+            self.transfer.to_masters(free_lp=not self.traits.carries_grads)
+            flags.on_masters = flags.transferred = True
 
     def unscale_grads(self) -> torch.Tensor:
         """The step's first stages, once per step: transfer the grads to the masters (and reduce
-        them: the pipeline's dp average, ZeRO's buckets), unscale and check them.
+        them by the transfer's reducer: a dp mean, ZeRO's buckets), unscale and check them.
 
         Returns the overflow flag (a device tensor, reduced over the process group).
         """
@@ -382,7 +379,7 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
         self._check_scaled_backward()
         # a second step() with no backward through this optimizer
         self.transfer.rescale_carried(self.scaler)
-        self.grads_to_masters()  # transfer + reduce (subclasses reduce here)
+        self.grads_to_masters()  # transfer + reduce (GradTransfer's way and reducer)
         found_inf = self._unscale_and_check()
         group = self.process_group or default_group()
         self.step_flags.found_inf = all_reduce_found_inf_(found_inf, group)
@@ -416,7 +413,7 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
 
         Every subclass runs this sequence and configures its stages, never re-sequences them:
         _plan picks the commit strategy (core.commit); grads_to_masters runs GradTransfer's way
-        (+ a subclass's reduce); _unscale_and_check, clip_grad_norm (max_norm > 0), decide on
+        and its reducer (GradReducer, set by the parallel layer); _unscale_and_check, clip_grad_norm (max_norm > 0), decide on
         _scale_used() then _update_scale; core.commit.commit updates unless skipped and counts;
         then _after_update (ZeRO's all-gather); _end_step always. A fused step runs unscale,
         check, clip and update in one pass per tensor (FusedCommit).

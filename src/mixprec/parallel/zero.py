@@ -45,7 +45,7 @@ from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.parallel import zero_checkpoint
 from mixprec.parallel.comm import to_fp8_comm_dtype
 from mixprec.parallel.zero_buckets import GradBuckets
-from mixprec.parallel.zero_layout import ShardLayout, local, shaped_like
+from mixprec.parallel.zero_layout import ShardLayout, shaped_like
 
 log = logging.getLogger("mixprec")
 STAGES = (1, 2)
@@ -259,7 +259,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             fused_step=False,
             lean=lean,  # each owner's low-bit state is its shard, as fp32 state is
         )
-        self._stepped: dict[int, torch.Tensor] = {}  # see _carry_grads
+        # gradients reduced once per step and handed to this rank's masters (the reducer)
+        self.transfer.reduce_with(self.buckets)
         if overlap_communication:
             self.buckets.install_overlap_hooks()
         if self.world == 1:
@@ -285,37 +286,6 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         """Backward passes inside accumulate their gradients without reducing any bucket; the
         first backward after it reduces the sums (the same values as reducing at step())."""
         return self.buckets.no_sync()
-
-    # ----- gradients: reduced once per step, then handed to this rank's masters -----
-    @override
-    def _lp_grads_to_masters(self) -> None:
-        reduced = self.buckets.reduce()
-        lp_to_hp = {id(lp): hp for lp, hp in zip(self.lp_params, self.hp_masters, strict=True)}
-        masters, means = [], []
-        self._stepped = {}
-        for i, p in enumerate(self.all_params):
-            if not self.owns(i):
-                p.grad = None  # no rank keeps a gradient of a param another rank owns
-                continue
-            hp, mean = lp_to_hp.get(id(p)), reduced.get(i)
-            if hp is None:  # None when no rank produced a gradient: no update
-                if mean is not None and mean.dtype != p.dtype:
-                    mean = mean.to(p.dtype)
-                p.grad = None if mean is None else shaped_like(p, mean)
-                if mean is not None:
-                    self._stepped[i] = mean  # p.grad's local shard (the same storage)
-                continue
-            p.grad = None
-            if mean is None:
-                hp.grad = None
-                continue
-            if hp.grad is None:  # kept between steps on CPU (MixedPrecisionOptimizer's rule)
-                hp.grad = torch.empty_like(hp)
-            masters.append(local(hp.grad))
-            means.append(mean)
-            self._stepped[i] = masters[-1]
-        if masters:
-            torch._foreach_copy_(masters, means)  # lp -> fp32 is exact
 
     @override
     def clip_grad_norm(self, max_norm: float, norm_type: float | None = None) -> torch.Tensor:
@@ -345,24 +315,13 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         the world size (the next reduction divides the sum of every rank's grads by it; the
         other ranks hold none of this param): that reduction then gives mean(g1) + mean(g2).
         zero_grad(), the optimizer's or the model's, drops it as in torch."""
-        if not self._stepped:
+        stepped = self.buckets.take_stepped()
+        if not stepped:
             return
         factor = self.scaler.scale_tensor * self.world  # device tensors: no sync
-        for i, grad in self._stepped.items():  # local shards: DTensor grads rebuilt around them
+        for i, grad in stepped.items():  # local shards: DTensor grads rebuilt around them
             p = self.all_params[i]
             p.grad = shaped_like(p, (grad * factor).to(p.dtype))
-        self._stepped = {}
-
-    @override
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.buckets.discard_pending()  # reductions of grads about to be dropped
-        super().zero_grad(set_to_none)
-        for p in self.all_params:  # params other ranks own are not in the inner optimizer
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
 
     # ----- checkpoints: one shard per rank (resumes on the same world size), or gathered -----
     def shard_layout(self) -> dict[str, Any]:

@@ -16,13 +16,16 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from mixprec.parallel.comm import PendingFp8ReduceScatter
-from mixprec.parallel.zero_layout import ShardLayout, local
+from mixprec.parallel.zero_layout import ShardLayout, local, shaped_like
+
+if TYPE_CHECKING:
+    from mixprec.core.grad_transfer import GradTransfer
 
 
 class LaunchedBucket:
@@ -94,6 +97,8 @@ class GradBuckets:
         self._ready: dict[int, set[int]] = {}  # bucket -> params whose grad this backward gave
         self.syncs = True
         """False inside no_sync(): backward passes launch no reduction."""
+        self.stepped: dict[int, torch.Tensor] = {}
+        """What reduce_ handed each owned param (see take_stepped)."""
 
     def plan(self) -> list[tuple[torch.dtype, list[int]]]:
         """(communication dtype, param indices) of each bucket, in reduction order."""
@@ -142,6 +147,60 @@ class GradBuckets:
             launched = pending.pop(b, None)
             out.update((launched or self.launch(dtype, bucket)).wait())
         return out
+
+    # ----- the reducer slot (core.grad_transfer.GradReducer) -----
+    def reduce_(self, transfer: GradTransfer, move: Callable[[], None]) -> None:
+        """The lp grads reduced (reduce()), then handed to this rank's masters: each owned
+        param's mean copied into its master's fp32 grad (exact), or, for a param without a
+        master, set as its grad in its dtype; no rank keeps a gradient of a param another rank
+        owns. move() is not run: the group's mean, not this rank's lp grad, is what the masters
+        take. What each owner steps with is kept for take_stepped()."""
+        reduced = self.reduce()
+        lp_to_hp = {
+            id(lp): hp for lp, hp in zip(transfer.lp_params, transfer.hp_masters, strict=True)
+        }
+        masters, means = [], []
+        self.stepped = {}
+        for i, p in enumerate(self.layout.all_params):
+            if not self.layout.owns(i):
+                p.grad = None  # no rank keeps a gradient of a param another rank owns
+                continue
+            hp, mean = lp_to_hp.get(id(p)), reduced.get(i)
+            if hp is None:  # None when no rank produced a gradient: no update
+                if mean is not None and mean.dtype != p.dtype:
+                    mean = mean.to(p.dtype)
+                p.grad = None if mean is None else shaped_like(p, mean)
+                if mean is not None:
+                    self.stepped[i] = mean  # p.grad's local shard (the same storage)
+                continue
+            p.grad = None
+            if mean is None:
+                hp.grad = None
+                continue
+            if hp.grad is None:  # kept between steps on CPU (MixedPrecisionOptimizer's rule)
+                hp.grad = torch.empty_like(hp)
+            masters.append(local(hp.grad))
+            means.append(mean)
+            self.stepped[i] = masters[-1]
+        if masters:
+            torch._foreach_copy_(masters, means)  # lp -> fp32 is exact
+
+    def take_stepped(self) -> dict[int, torch.Tensor]:
+        """index -> the gradient (local shard) this rank stepped with, for each param it owns
+        that had one in the last reduce_ (ZeroOptimizer's carry), once."""
+        stepped, self.stepped = self.stepped, {}
+        return stepped
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The reductions in flight are completed and dropped (discard_pending), and the grads
+        of every param, those other ranks own too, cleared as torch's zero_grad does."""
+        self.discard_pending()
+        for p in self.layout.all_params:  # params other ranks own are not in the optimizer
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
 
     def discard_pending(self) -> None:
         """Complete and drop the reductions launched for grads about to be dropped."""

@@ -4,8 +4,9 @@
   each micro-batch's backward lands (a hook per param), never in fp16/bf16: m micro-batches
   summed in fp16 would lose log2(m) bits and can overflow where their fp32 sum does not.
 - A step leaves its gradients where the next round's backward adds to them (torch's contract,
-  the core's _Carry): two execute_pipeline rounds with no zero_grad() step on g1 + g2.
-- Data-parallel replicas of a stage average their gradients once per step, in fp32.
+  the core's grad_transfer.Carry): two execute_pipeline rounds with no zero_grad() step on g1 + g2.
+- Data-parallel replicas of a stage average their gradients once per step, in fp32 (or moved
+  in fp8): the transfer's reducer, mixprec.parallel.dp_mean.DataParallelMean.
 - Clipping uses the norm over every stage: each stage holds only its params' gradients, so
   the squared norms are summed over the pipeline group before one coefficient is applied.
 - The overflow flag is reduced over every rank (MixedPrecisionOptimizer's process_group),
@@ -21,11 +22,11 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from mixprec.core.clip import clip_grads_, local_shards
+from mixprec.core.clip import clip_grads_
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.scaling import ProcessGroup
 from mixprec.core.validate import check_max_norm, check_norm_type
-from mixprec.parallel.comm import fp8_all_reduce
+from mixprec.parallel.dp_mean import DataParallelMean
 from mixprec.parallel.zero import ZeroOptimizer
 
 
@@ -78,15 +79,16 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
             # The fused step reads lp grads; here they are summed on the masters by the hook.
             self.fused_step = False
         self.transfer.carry_masters = True
-        self._dp_averaged = False
         # each micro-batch's lp grad summed into its master's fp32 grad, the lp grad freed; the
         # sum goes on from what the last step left (its grads, brought to this round's scale by
         # note_scaled_backward) until zero_grad(); after it, the first micro-batch overwrites
-        self.accumulate = self.transfer.accumulate_as_backward(
+        accumulate = self.transfer.accumulate_as_backward(
             reuse_buffers=True, on_add=self._on_masters
         )
         for lp, hp in zip(self.lp_params, self.hp_masters, strict=True):
-            self.accumulate.hook(lp, hp)
+            accumulate.hook(lp, hp)
+        if self._dp_size > 1:  # the replicas' mean of the masters' sums, once per step
+            self.transfer.reduce_with(DataParallelMean(dp_group, fp8_communication))
 
     def _on_masters(self) -> None:
         self.step_flags.on_masters = True  # the step must not copy (absent) lp grads over these
@@ -100,31 +102,6 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         self.transfer.rescale_carried(self.scaler)
 
     @override
-    def grads_to_masters(self) -> None:
-        """This step's grads are on the masters already; drop stale ones, average over dp.
-
-        A replica's carried grads are alike on every replica (averaged last step), so the
-        average of carried + new is carried + the average of the new ones."""
-        self.transfer.to_masters(free_lp=True)  # stale master grads dropped (Accumulate)
-        self.step_flags.on_masters = True
-        if self._dp_size > 1 and not self._dp_averaged:
-            grads = [p.grad for g in self.optim.param_groups for p in g["params"]]
-            grads = local_shards([g for g in grads if g is not None])
-            if self.fp8_communication is None:
-                for grad in grads:  # fp32 sums (masters or fp32 params): no lp rounding here
-                    dist.all_reduce(grad, group=self.dp_group)
-            elif grads:
-                # One flat buffer, one scale per replica (as a DDP bucket): a collective per
-                # tensor would send more headers than fp8 saves on small ones.
-                sizes = [g.numel() for g in grads]
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                summed = fp8_all_reduce(flat, self.dp_group, self.fp8_communication).split(sizes)
-                views = [v.view_as(g) for v, g in zip(summed, grads, strict=True)]
-                torch._foreach_copy_(grads, views)
-            torch._foreach_div_(grads, float(self._dp_size))
-            self._dp_averaged = True
-
-    @override
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every stage's unscaled gradients by one coefficient from their joint norm."""
         check_max_norm("max_norm", max_norm)
@@ -134,16 +111,6 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         # Stages hold disjoint params (pp group); dp replicas hold equal grads (not summed).
         device = self.scaler.scale_tensor.device
         return clip_grads_(grads, max_norm, norm_type, group=self.pp_group, device=device)
-
-    @override
-    def _end_step(self) -> None:
-        self._dp_averaged = False  # the sums stay (Accumulate.fresh): the next round adds to them
-
-    @override
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self.accumulate.reset()  # accumulated master grads are discarded with the lp ones
-        self._dp_averaged = False
 
 
 class PipelineZeroOptimizer(ZeroOptimizer):
