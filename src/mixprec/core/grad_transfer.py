@@ -2,14 +2,14 @@
 
 MixedPrecisionOptimizer holds one GradTransfer over its inner optimizer. It pairs each
 low-precision param with its fp32 master (the master sits in the inner optimizer's
-param_groups where the lp param was), moves a step's lp grads onto the masters (at step; a
-subclass moves them its own way: as each backward accumulates, or through ZeRO's buckets),
-copies the updated masters back into the params, and keeps the gradients a step leaves in
+param_groups where the lp param was), moves a step's lp grads onto the masters, copies the updated masters back into the params, and keeps the gradients a step leaves in
 .grad for a backward that comes before zero_grad() (the g1 + g2 carry, see Carry).
 
-How the grads move is its way (at step; Accumulate; PerBackward); a reducer slot follows it
-(GradReducer: none by default; the parallel layer supplies a data-parallel mean, fp8 included,
-and ZeRO's buckets), so a parallelism reduces the grads without overriding the optimizer.
+How the grads move is its way: at step, as each backward accumulates (Accumulate) or per
+backward (PerBackward). A reducer slot follows the way (GradReducer: NoReduce by default; the
+parallel layer supplies the data-parallel mean, fp8 included, and ZeRO's buckets, which reduce
+the lp grads and hand each owner its share in place of the move), so a parallelism reduces the
+grads without overriding the optimizer.
 
 Everything per-param that does not change between steps (which params are masters, which
 the inner optimizer steps itself, where they live) is read once per param_groups layout

@@ -65,7 +65,7 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         self.fp8_communication = fp8_communication
         self._dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
         if kwargs.get("max_norm", 0.0) > 0 or self._dp_size > 1:
-            # The fused step reads grads before this class averages / globally clips them.
+            # The fused step reads grads before the dp mean (the reducer) and the global clip.
             kwargs["fused_step"] = False
         if kwargs.get("keep_master_grads") is False:
             raise ValueError(
