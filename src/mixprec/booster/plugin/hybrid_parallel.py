@@ -67,7 +67,7 @@ from mixprec.parallel.pipeline.checkpoint import (
     pipeline_optimizer_state,
     template_from_metadata,
 )
-from mixprec.parallel.pipeline.optim import PipelineOptimizer, PipelineZeroOptimizer, StageOptimizer
+from mixprec.parallel.pipeline.optim import StageOptimizer
 from mixprec.parallel.pipeline.schedule import (
     PipelineConfig,
     PipelinedModel,
@@ -77,12 +77,6 @@ from mixprec.parallel.pipeline.schedule import (
     prepare_pipeline,
 )
 from mixprec.parallel.zero import check_cpu_offload
-
-_COLOSSAL_STAGE_CLASS: dict[type, type] = {
-    PipelineOptimizer: ColossalPipelineOptimizer,
-    PipelineZeroOptimizer: ColossalPipelineZeroOptimizer,
-}
-"""The pipeline's stage optimizer class -> its declared class with Colossal's methods."""
 
 SHARDFORMER = "a shardformer feature mixprec does not have (tensor parallelism is tp_plan)"
 DDP_KNOB = (
@@ -455,7 +449,7 @@ class HybridParallelPlugin(Plugin):
                 "reduce_bucket_numel": settings.reduce_bucket_numel,
                 "fp8_communication": settings.fp8_communication,
             }
-        piped, stage_optimizer = prepare_pipeline(
+        return prepare_pipeline(
             model,
             optimizer,
             precision.policy,
@@ -466,12 +460,9 @@ class HybridParallelPlugin(Plugin):
             tp_plan=self.tp_plan,
             fp8_communication=None if zero else self.fp8_communication,
             zero=zero,
+            # the stage optimizers with Colossal's OptimizerWrapper methods, built as such
+            optimizer_classes=(ColossalPipelineOptimizer, ColossalPipelineZeroOptimizer),
         )
-        if stage_optimizer is not None:
-            # prepare_pipeline builds the parallel layer's class (it imports no face) and takes
-            # no class to build yet: this is the one place a Colossal face sets the class.
-            stage_optimizer.__class__ = _COLOSSAL_STAGE_CLASS[type(stage_optimizer)]
-        return piped, stage_optimizer
 
     def execute_pipeline(
         self,

@@ -41,6 +41,8 @@ from mixprec.parallel.pipeline.split import split_sequential
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 Convert = Callable[[nn.Module, Policy], PrecisionModule]
+StageClasses = tuple[type[PipelineOptimizer], type[PipelineZeroOptimizer]]
+"""The stage optimizer classes prepare_pipeline builds: (without ZeRO, with ZeRO)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -362,6 +364,7 @@ def prepare_pipeline(
     tp_plan: Mapping[str, Any] | None = None,
     fp8_communication: torch.dtype | None = None,
     zero: Mapping[str, Any] | None = None,
+    optimizer_classes: StageClasses = (PipelineOptimizer, PipelineZeroOptimizer),
 ) -> tuple[PipelinedModel, StageOptimizer | None]:
     """Cut model into stages, keep this rank's (cast per policy), and wrap optimizer over them.
 
@@ -370,6 +373,8 @@ def prepare_pipeline(
     rank's params. torch.distributed must be initialised; the world is a (dp, pp) mesh.
     zero: ZeroOptimizer's arguments (stage, communication_dtype, ...) to shard each stage's
     masters and optimizer state over its data-parallel group (PipelineZeroOptimizer), or None.
+    optimizer_classes: the (PipelineOptimizer, PipelineZeroOptimizer) subclasses to build (a
+    face's, with its own methods).
     """
     if zero is not None and fp8_communication is not None:
         raise ValueError("fp8_communication with zero: pass it among zero's arguments.")
@@ -393,7 +398,7 @@ def prepare_pipeline(
     if optimizer is None:
         return piped, None
     return piped, _stage_optimizer(
-        optimizer, policy, mesh, wrapped, max_norm, fp8_communication, zero
+        optimizer, policy, mesh, wrapped, max_norm, fp8_communication, zero, optimizer_classes
     )
 
 
@@ -405,6 +410,7 @@ def _stage_optimizer(
     max_norm: float,
     fp8_communication: torch.dtype | None,
     zero: Mapping[str, Any] | None,
+    classes: StageClasses,
 ) -> StageOptimizer:
     """optimizer wrapped over this rank's stages: averaged over the stage's replicas
     (PipelineOptimizer), or ZeRO over them (PipelineZeroOptimizer)."""
@@ -412,9 +418,9 @@ def _stage_optimizer(
     # every stage and replica skips together: the overflow flag is reduced over the world
     if zero is not None:  # fp8_communication among zero's keywords (ZeRO's own buckets)
         norm_group = _tp_index_group(mesh) if mesh.size(2) > 1 else None
-        cls, extra = PipelineZeroOptimizer, {"norm_group": norm_group, **zero}
+        cls, extra = classes[1], {"norm_group": norm_group, **zero}
     else:
-        cls, extra = PipelineOptimizer, {"fp8_communication": fp8_communication}
+        cls, extra = classes[0], {"fp8_communication": fp8_communication}
     mp_optimizer: StageOptimizer = prepare_optimizer(  # type: ignore[assignment]
         optimizer,
         policy,
