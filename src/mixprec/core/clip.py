@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mixprec.core.scaling import ProcessGroup
+from mixprec.core.scaling import ProcessGroup, default_group, group_to_hold
 from mixprec.core.step_math import clip_coefficient
 
 
@@ -92,6 +93,31 @@ def mul_grads_(grads: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
         by_device.setdefault(g.device, []).append(g)
     for device, same in by_device.items():
         torch._foreach_mul_(same, factor.to(device))
+
+
+@dataclass(frozen=True)
+class ClipSpan:
+    """The ranks one clip's norm is combined over, as an optimizer holds it (data, not code).
+
+    ClipSpan(): none; this rank's grads are the model's (one process, or replicas holding equal
+    grads). ClipSpan(group): a group's ranks hold disjoint parts (a pipeline's stages).
+    ClipSpan.over(group): the same, but the default group is looked up at each use rather than
+    held (core.scaling.group_to_hold); ZeRO spans every rank's shard this way.
+    """
+
+    group: ProcessGroup | None = None
+    default: bool = False
+    """The default group, looked up at each use."""
+
+    @staticmethod
+    def over(group: ProcessGroup | None) -> ClipSpan:
+        """Span group's ranks (None: the default group)."""
+        held = group_to_hold(group or default_group())
+        return ClipSpan(held, default=held is None)
+
+    def resolve(self) -> ProcessGroup | None:
+        """The group to combine the norm over now (None: no reduction)."""
+        return default_group() if self.default else self.group
 
 
 def clip_grads_(

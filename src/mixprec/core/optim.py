@@ -21,7 +21,7 @@ from typing_extensions import override
 from mixprec.core import fused_step as fused
 from mixprec.core import lean as lean_step
 from mixprec.core.backward_watch import BackwardWatch, unscaled_grads_error
-from mixprec.core.clip import clip_grads_
+from mixprec.core.clip import ClipSpan, clip_grads_
 from mixprec.core.commit import (
     Accounting,
     FusedCommit,
@@ -206,6 +206,11 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
     traits: ClassVar[StepTraits] = StepTraits()
     """How this class's step behaves (StepTraits): a subclass sets its own, derived with
     dataclasses.replace from its base's."""
+    clip_span: ClipSpan = ClipSpan()
+    """The ranks clip_grad_norm's norm spans (core.clip.ClipSpan): none here, as replicas hold
+    equal grads; a parallelism whose ranks hold disjoint parts sets its own."""
+    norm_type: float = 2.0
+    """clip_grad_norm's p when none is passed."""
     # torch's GradScaler.step then sets found_inf (its check, done once) and grad_scale (the
     # scale still in the grads, or None once unscale_ ran) on this object and calls step()
     # unconditionally, with no host sync of its own; see commit.outside_check.
@@ -392,14 +397,16 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
         self.step_flags.had_grads = had_grads or self._shares_steps()
         return found_inf
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the unscaled gradients to max_norm; returns their total norm before clipping."""
+    def clip_grad_norm(self, max_norm: float, norm_type: float | None = None) -> torch.Tensor:
+        """Clip the unscaled gradients to max_norm by their norm over self.clip_span's ranks
+        (norm_type None: self.norm_type); returns the total norm before clipping."""
         check_max_norm("max_norm", max_norm)
-        norm_type = check_norm_type("norm_type", norm_type)
+        p = self.norm_type if norm_type is None else check_norm_type("norm_type", norm_type)
         self.unscale_grads()
-        grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-        # Replicas hold equal grads (no group); DTensor grads complete their norm over their mesh.
-        return clip_grads_(grads, max_norm, norm_type, device=self.scaler.scale_tensor.device)
+        grads = [q.grad for g in self.optim.param_groups for q in g["params"] if q.grad is not None]
+        # DTensor grads complete their norm over their own mesh first (core.clip).
+        group, device = self.clip_span.resolve(), self.scaler.scale_tensor.device
+        return clip_grads_(grads, max_norm, p, group=group, device=device)
 
     def count_zero_grads(self) -> int:
         """Zero entries of the held grads (log_num_zeros_in_grad: a host sync per tensor)."""

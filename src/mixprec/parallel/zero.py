@@ -34,14 +34,14 @@ from typing import Any, cast
 import torch
 from typing_extensions import override
 
-from mixprec.core.clip import clip_grads_, local_shards
+from mixprec.core.clip import ClipSpan, local_shards
 from mixprec.core.commit import StepResult
 from mixprec.core.lean import LeanConfig, rank_seed, state_bytes
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import UNIT_SCALE, Policy, ScalerConfig, check_keys
 from mixprec.core.prepare import prepare_optimizer
 from mixprec.core.scaling import ProcessGroup, default_group, group_to_hold, rank_and_world
-from mixprec.core.validate import check_max_norm, check_norm_type
+from mixprec.core.validate import check_norm_type
 from mixprec.parallel import zero_checkpoint
 from mixprec.parallel.comm import to_fp8_comm_dtype
 from mixprec.parallel.zero_buckets import GradBuckets
@@ -235,7 +235,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         shard = group if shard_group is None else shard_group
         self.stage = stage
         self.norm_type = check_norm_type("norm_type", norm_type)
-        self.norm_group = group_to_hold(group if norm_group is None else norm_group)
+        self.clip_span = ClipSpan.over(group if norm_group is None else norm_group)
         self.overlap_communication = overlap_communication
         layout = self.layout = ShardLayout(optimizer, shard, group_to_hold(shard))
         self.rank, self.world, self.shard_group = layout.rank, layout.world, layout.group
@@ -286,19 +286,6 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         """Backward passes inside accumulate their gradients without reducing any bucket; the
         first backward after it reduces the sums (the same values as reducing at step())."""
         return self.buckets.no_sync()
-
-    @override
-    def clip_grad_norm(self, max_norm: float, norm_type: float | None = None) -> torch.Tensor:
-        """Clip every rank's gradients by the norm over the whole model (all shards)."""
-        check_max_norm("max_norm", max_norm)
-        p = self.norm_type if norm_type is None else check_norm_type("norm_type", norm_type)
-        self.unscale_grads()
-        # Each rank holds its own shard (of its pipeline stage, when sharded over a stage's
-        # data-parallel group); DTensor grads complete their norm over their tp mesh first.
-        group = self.norm_group or default_group()
-        grads = [q.grad for g in self.optim.param_groups for q in g["params"] if q.grad is not None]
-        device = self.scaler.scale_tensor.device
-        return clip_grads_(grads, max_norm, p, group=group, device=device)
 
     # ----- the step: this rank's shard, then the updated lp params to every rank -----
     @override

@@ -22,10 +22,9 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from mixprec.core.clip import clip_grads_
+from mixprec.core.clip import ClipSpan
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.scaling import ProcessGroup
-from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.parallel.dp_mean import DataParallelMean
 from mixprec.parallel.zero import ZeroOptimizer
 
@@ -61,6 +60,8 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         **kwargs: Any,
     ) -> None:
         self.pp_group = pp_group
+        # stages hold disjoint params; a stage's replicas hold equal grads (not summed)
+        self.clip_span = ClipSpan(pp_group)
         self.dp_group = dp_group
         self.fp8_communication = fp8_communication
         self._dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
@@ -100,17 +101,6 @@ class PipelineOptimizer(MixedPrecisionOptimizer):
         only the last stage calls scale_loss, so the other stages would not otherwise)."""
         super().note_scaled_backward()
         self.transfer.rescale_carried(self.scaler)
-
-    @override
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip every stage's unscaled gradients by one coefficient from their joint norm."""
-        check_max_norm("max_norm", max_norm)
-        norm_type = check_norm_type("norm_type", norm_type)
-        self.unscale_grads()
-        grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-        # Stages hold disjoint params (pp group); dp replicas hold equal grads (not summed).
-        device = self.scaler.scale_tensor.device
-        return clip_grads_(grads, max_norm, norm_type, group=self.pp_group, device=device)
 
 
 class PipelineZeroOptimizer(ZeroOptimizer):
