@@ -10,9 +10,11 @@ from collections.abc import Callable
 
 import torch
 
+from mixprec.core.clip import ClipSpan
 from mixprec.core.grad_transfer import GradTransfer, NoReduce
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.policy import ScalerConfig
+from mixprec.core.scaling import default_group
 from mixprec.parallel.pipeline.optim import PipelineOptimizer
 from mixprec.parallel.zero import ZeroOptimizer
 from mixprec.parallel.zero_buckets import GradBuckets
@@ -106,3 +108,14 @@ def test_zero_and_the_pipeline_reduce_through_the_slot_not_overrides() -> None:
     for cls in (ZeroOptimizer, PipelineOptimizer):
         for name in ("grads_to_masters", "zero_grad", "_end_step", "unscale_grads"):
             assert name not in vars(cls), f"{cls.__name__}.{name}: reduce in the reducer slot"
+
+
+def test_the_ranks_a_clip_spans_are_data_not_overrides() -> None:
+    """ZeRO's clip spans every shard (the default group, looked up at each use, not held); a
+    pipeline stage's its stages; the base class none (replicas hold equal grads)."""
+    for cls in (ZeroOptimizer, PipelineOptimizer):
+        assert "clip_grad_norm" not in vars(cls), f"{cls.__name__}: set clip_span instead"
+    zero = ZeroOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), stage=1)
+    assert zero.clip_span == ClipSpan.over(None)
+    assert zero.clip_span.resolve() is default_group()
+    assert MixedPrecisionOptimizer.clip_span == ClipSpan() and ClipSpan().resolve() is None
