@@ -9,7 +9,6 @@ the policy they build.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +16,8 @@ import torch
 from torch import nn
 
 from mixprec.amp_type import ScalerKeywords, naive_amp_policy, torch_amp_policy
-from mixprec.apex.policy import apex_policy
+from mixprec.apex.policy import DEFAULTS as APEX_DEFAULTS
+from mixprec.apex.policy import ApexOptions
 from mixprec.core.keywords import Default, passed
 from mixprec.core.multi_loss import MultiLossOptimizer, prepare_loss_optimizer
 from mixprec.core.optim import MixedPrecisionOptimizer
@@ -204,11 +204,6 @@ class ColossalPipelineZeroOptimizer(OptimizerWrapperAPI, PipelineZeroOptimizer):
 _NAIVE = ScalerKeywords.defaults(NAIVE_SCALER)  # FP16NaiveMixedPrecision's signature defaults
 
 
-_APEX_DEFAULTS: dict[str, Any] = {
-    name: p.default for name, p in inspect.signature(apex_policy).parameters.items()
-}
-
-
 class MixedPrecision:
     """Base of every mode: a Policy and the hooks that apply it (each hook calls the core)."""
 
@@ -298,33 +293,19 @@ class FP16ApexMixedPrecision(MixedPrecision):
 
     def __init__(
         self,
-        opt_level: str = _APEX_DEFAULTS["opt_level"],
-        cast_model_type: torch.dtype | None = _APEX_DEFAULTS["cast_model_type"],
-        patch_torch_functions: bool | None = _APEX_DEFAULTS["patch_torch_functions"],
-        keep_batchnorm_fp32: bool | str | None = _APEX_DEFAULTS["keep_batchnorm_fp32"],
-        master_weights: bool | None = _APEX_DEFAULTS["master_weights"],
-        loss_scale: float | str | None = _APEX_DEFAULTS["loss_scale"],
-        cast_model_outputs: Any = _APEX_DEFAULTS["cast_model_outputs"],
-        num_losses: int = _APEX_DEFAULTS["num_losses"],
-        verbosity: int = _APEX_DEFAULTS["verbosity"],
-        min_loss_scale: float | None = _APEX_DEFAULTS["min_loss_scale"],
-        max_loss_scale: float = _APEX_DEFAULTS["max_loss_scale"],
+        opt_level: str = APEX_DEFAULTS["opt_level"],
+        cast_model_type: torch.dtype | None = APEX_DEFAULTS["cast_model_type"],
+        patch_torch_functions: bool | None = APEX_DEFAULTS["patch_torch_functions"],
+        keep_batchnorm_fp32: bool | str | None = APEX_DEFAULTS["keep_batchnorm_fp32"],
+        master_weights: bool | None = APEX_DEFAULTS["master_weights"],
+        loss_scale: float | str | None = APEX_DEFAULTS["loss_scale"],
+        cast_model_outputs: Any = APEX_DEFAULTS["cast_model_outputs"],
+        num_losses: int = APEX_DEFAULTS["num_losses"],
+        verbosity: int = APEX_DEFAULTS["verbosity"],
+        min_loss_scale: float | None = APEX_DEFAULTS["min_loss_scale"],
+        max_loss_scale: float = APEX_DEFAULTS["max_loss_scale"],
     ) -> None:
-        super().__init__(
-            apex_policy(
-                opt_level=opt_level,
-                cast_model_type=cast_model_type,
-                patch_torch_functions=patch_torch_functions,
-                keep_batchnorm_fp32=keep_batchnorm_fp32,
-                master_weights=master_weights,
-                loss_scale=loss_scale,
-                cast_model_outputs=cast_model_outputs,
-                num_losses=num_losses,
-                verbosity=verbosity,
-                min_loss_scale=min_loss_scale,
-                max_loss_scale=max_loss_scale,
-            )
-        )
+        super().__init__(ApexOptions.of(locals()).policy)
 
 
 class FP16NaiveMixedPrecision(MixedPrecision):

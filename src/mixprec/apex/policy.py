@@ -26,6 +26,7 @@ with masters (O2) gives fp32 masters to whichever params are fp16/bf16.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -183,6 +184,14 @@ class ApexOptions:
         values["policy"] = _policy(values)
         return cls(**values)
 
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any], **unknown: Any) -> ApexOptions:
+        """parse() over Apex's keywords among a call's arguments (a locals() dict, as
+        ScalerKeywords.of takes), plus the unknown keywords the call collected (refused)."""
+        return cls.parse(
+            **{key: arguments[key] for key in APEX_KEYS if key in arguments}, **unknown
+        )
+
     def properties(self) -> dict[str, Any]:
         """Apex's opt_properties: the level's defaults, then each override that is not None,
         normalised as Apex's setters did."""
@@ -321,21 +330,7 @@ def apex_policy(
     Like Apex, a cast model (O2/O3 or cast_model_type) returns fp32 outputs unless
     cast_model_outputs says otherwise. Unknown keywords raise, naming the closest valid one.
     """
-    return ApexOptions.parse(
-        enabled=enabled,
-        opt_level=opt_level,
-        cast_model_type=cast_model_type,
-        patch_torch_functions=patch_torch_functions,
-        keep_batchnorm_fp32=keep_batchnorm_fp32,
-        master_weights=master_weights,
-        loss_scale=loss_scale,
-        cast_model_outputs=cast_model_outputs,
-        num_losses=num_losses,
-        verbosity=verbosity,
-        min_loss_scale=min_loss_scale,
-        max_loss_scale=max_loss_scale,
-        **unknown,
-    ).policy
+    return ApexOptions.of(locals(), **unknown).policy
 
 
 # Apex's Properties as each opt level reports them before overrides (amp._amp_state.opt_properties)

@@ -229,20 +229,7 @@ def initialize(
     The overrides adjust the opt level's properties (see mixprec.apex.policy.ApexOptions).
     """
     global _state
-    options = ApexOptions.parse(
-        enabled=enabled,
-        opt_level=opt_level,
-        cast_model_type=cast_model_type,
-        patch_torch_functions=patch_torch_functions,
-        keep_batchnorm_fp32=keep_batchnorm_fp32,
-        master_weights=master_weights,
-        loss_scale=loss_scale,
-        cast_model_outputs=cast_model_outputs,
-        num_losses=num_losses,
-        verbosity=verbosity,
-        min_loss_scale=min_loss_scale,
-        max_loss_scale=max_loss_scale,
-    )
+    options = ApexOptions.of(locals())
     policy, verbosity = options.policy, options.verbosity
     model_list, models_was_list = _as_list(models, nn.Module, "models")
     if optimizers is None:
