@@ -83,56 +83,34 @@ def _is_backend_name(value: object) -> bool:
     return isinstance(value, str) and (value in BACKENDS or ":" in value)
 
 
-def _plain(fn: Callable[..., Any]) -> inspect.Signature:
-    """fn's signature as a user reads it: names and defaults, no annotations."""
-    sig = inspect.signature(fn)
+def _plain(sig: inspect.Signature) -> inspect.Signature:
+    """A signature as a user reads it: names and defaults, no annotations."""
     params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
     return sig.replace(parameters=params, return_annotation=inspect.Signature.empty)
 
 
-def _bind(
-    who: str, modern: Callable[..., Any], legacy: Callable[..., Any], is_modern: bool, args, kwargs
-) -> dict[str, Any]:
-    """The call's arguments by name, read in Colossal-AI's current or legacy signature."""
-    form = modern if is_modern else legacy
+def _today(legacy: inspect.Signature) -> inspect.Signature:
+    """Colossal-AI's current form of a legacy signature: the config leaves the front and is
+    a keyword-only argument defaulting to None."""
+    params = [p for name, p in legacy.parameters.items() if name != "config"]
+    config = legacy.parameters["config"].replace(kind=inspect.Parameter.KEYWORD_ONLY, default=None)
+    return legacy.replace(parameters=[*params, config])
+
+
+def _bind(who: str, legacy: Callable[..., Any], is_modern: bool, args, kwargs) -> dict[str, Any]:
+    """The call's arguments by name, read in Colossal-AI's current or legacy signature (the
+    legacy one is `legacy`'s: the config first)."""
+    legacy_form = inspect.signature(legacy)
+    modern_form = _today(legacy_form)
     try:
-        bound = inspect.signature(form).bind(*args, **kwargs)
+        bound = (modern_form if is_modern else legacy_form).bind(*args, **kwargs)
     except TypeError as err:
         raise TypeError(
-            f"{who}: {err}. Call it as {who}{_plain(modern)} (Colossal-AI today) "
-            f"or {who}{_plain(legacy)} (legacy: the config first)."
+            f"{who}: {err}. Call it as {who}{_plain(modern_form)} (Colossal-AI today) "
+            f"or {who}{_plain(legacy_form)} (legacy: the config first)."
         ) from None
     bound.apply_defaults()
     return dict(bound.arguments)
-
-
-def _launch_today(
-    rank: int,
-    world_size: int,
-    host: str,
-    port: int,
-    backend: str | None = None,
-    local_rank: int | None = None,
-    seed: int = 1024,
-    verbose: bool = True,
-    timeout: timedelta | None = None,
-    *,
-    config: ConfigLike = None,
-) -> None: ...
-
-
-def _launch_legacy(
-    config: ConfigLike,
-    rank: int,
-    world_size: int,
-    host: str,
-    port: int,
-    backend: str | None = None,
-    local_rank: int | None = None,
-    seed: int = 1024,
-    verbose: bool = True,
-    timeout: timedelta | None = None,
-) -> None: ...
 
 
 def launch(*args: Any, **kwargs: Any) -> Config:
@@ -143,7 +121,7 @@ def launch(*args: Any, **kwargs: Any) -> Config:
     that is not an int (the config). See `_launch` for the arguments.
     """
     modern = not args or (isinstance(args[0], int) and not isinstance(args[0], bool))
-    return _launch(**_bind("launch", _launch_today, _launch_legacy, modern, args, kwargs))
+    return _launch(**_bind("launch", _launch, modern, args, kwargs))
 
 
 def _launch(
@@ -252,27 +230,6 @@ def _env_str(name: str, launcher: str) -> str:
     return raw
 
 
-def _from_torch_today(
-    backend: str | None = None, seed: int = 1024, verbose: bool = True, *, config: ConfigLike = None
-) -> None: ...
-
-
-def _from_torch_legacy(
-    config: ConfigLike, backend: str | None = None, seed: int = 1024, verbose: bool = True
-) -> None: ...
-
-
-def _host_launcher_today(
-    host: str,
-    port: int,
-    backend: str | None = None,
-    seed: int = 1024,
-    verbose: bool = True,
-    *,
-    config: ConfigLike = None,
-) -> None: ...
-
-
 def _host_launcher_legacy(
     config: ConfigLike,
     host: str,
@@ -286,7 +243,7 @@ def _host_launcher_legacy(
 def _host_launcher_args(who: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     # legacy: (config, host, port, ...) -- a second positional str, or a positional before host=
     legacy = (len(args) >= 2 and isinstance(args[1], str)) or (bool(args) and "host" in kwargs)
-    return _bind(who, _host_launcher_today, _host_launcher_legacy, not legacy, args, kwargs)
+    return _bind(who, _host_launcher_legacy, not legacy, args, kwargs)
 
 
 def launch_from_torch(*args: Any, **kwargs: Any) -> Config:
@@ -296,11 +253,14 @@ def launch_from_torch(*args: Any, **kwargs: Any) -> Config:
     today, or the legacy launch_from_torch(config, backend=None, seed=1024, verbose=True).
     """
     modern = not args or _is_backend_name(args[0])
-    bound = _bind("launch_from_torch", _from_torch_today, _from_torch_legacy, modern, args, kwargs)
-    return _launch_from_torch(**bound)
+    return _launch_from_torch(
+        **_bind("launch_from_torch", _launch_from_torch, modern, args, kwargs)
+    )
 
 
-def _launch_from_torch(config: ConfigLike, backend: str | None, seed: int, verbose: bool) -> Config:
+def _launch_from_torch(
+    config: ConfigLike, backend: str | None = None, seed: int = 1024, verbose: bool = True
+) -> Config:
     who = "launch_from_torch (torchrun / mixprec run)"
     return _launch(
         config,
