@@ -16,9 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.core.grad_transfer import LOW_DTYPES
 from mixprec.core.optim import MixedPrecisionOptimizer
-
-LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class CheckpointError(ValueError):
