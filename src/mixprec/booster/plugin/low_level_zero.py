@@ -283,13 +283,7 @@ def _zero(optimizer: MixedPrecisionOptimizer) -> ZeroOptimizer:
 
 POLICY_KEYWORDS = (
     "precision",
-    "initial_scale",
-    "min_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "hysteresis",
-    "max_scale",
+    *ScalerKeywords.NAMES,
     "max_norm",
     "master_weights",
     "update_rounding",
