@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
+from mixprec.core.grad_scaler import SCALING_KEYWORDS
 from mixprec.core.keywords import Default
 from mixprec.core.policy import (
     APEX_SCALER,
@@ -122,17 +123,7 @@ ScalerKeywords.NAMES = tuple(f.name for f in fields(ScalerKeywords))
 
 # Keys each Colossal-AI mode accepts in its amp_config / fp16=dict(...) (seed 000), plus
 # mixprec's additions (dtype, hysteresis, min_scale, max_scale on TORCH).
-TORCH_KEYS = (
-    "init_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "enabled",
-    "hysteresis",
-    "min_scale",
-    "max_scale",
-    "dtype",
-)
+TORCH_KEYS = (*SCALING_KEYWORDS, "dtype")
 NAIVE_KEYS = (
     "log_num_zeros_in_grad",
     *ScalerKeywords.NAMES,

@@ -37,8 +37,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-TORCH_KEYWORDS: tuple[str, ...] = (
-    "device",
+SCALING_KEYWORDS: tuple[str, ...] = (
     "init_scale",
     "growth_factor",
     "backoff_factor",
@@ -47,6 +46,12 @@ TORCH_KEYWORDS: tuple[str, ...] = (
     "hysteresis",
     "min_scale",
     "max_scale",
+)
+"""GradScaler's keywords that set its scale and rule: torch.amp.GradScaler's and mixprec's
+hysteresis, floor and ceiling (what a config that builds a torch-style scaler may set)."""
+TORCH_KEYWORDS: tuple[str, ...] = (
+    "device",
+    *SCALING_KEYWORDS,
     "consecutive_hysteresis",
     "dynamic",
     "process_group",
