@@ -12,6 +12,7 @@ only the white list low. The loss scale is a mixprec.paddle.GradScaler: Paddle's
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -357,23 +358,14 @@ def decorate_fp16_only(
     if use_bf16 and dtype is not None and to_low_dtype(dtype) != torch.bfloat16:
         raise ValueError(f"use_bf16=True and dtype={dtype!r} disagree: pass one of them.")
     lp_dtype = torch.bfloat16 if use_bf16 else to_low_dtype(dtype or "float16")
-    return OptimizerWithMixedPrecision(
+    return _decorated(
         optimizer,
-        AmpConfig(
-            lists=amp_lists or AutoMixedPrecisionLists(dtype=_dtype_name(lp_dtype)),
-            lp_dtype=lp_dtype,
-            level="O2" if use_pure_fp16 else "O1",
-            guard=use_pure_fp16 if use_fp16_guard is None else use_fp16_guard,
-            promote=use_promote,
-            scaler=_scaler_kwargs(
-                init_loss_scaling,
-                incr_ratio,
-                decr_ratio,
-                incr_every_n_steps,
-                decr_every_n_nan_or_inf,
-                use_dynamic_loss_scaling,
-            ),
-        ),
+        amp_lists,
+        locals(),
+        lp_dtype=lp_dtype,
+        level="O2" if use_pure_fp16 else "O1",
+        guard=use_pure_fp16 if use_fp16_guard is None else use_fp16_guard,
+        promote=use_promote,
     )
 
 
@@ -420,39 +412,41 @@ def decorate_common(
         )
     if use_dynamic_loss_scaling is None:
         use_dynamic_loss_scaling = lp_dtype == torch.float16
-    return OptimizerWithMixedPrecision(
+    return _decorated(
         optimizer,
-        AmpConfig(
-            lists=amp_lists or AutoMixedPrecisionLists(dtype=_dtype_name(lp_dtype)),
-            lp_dtype=lp_dtype,
-            level=upper,
-            guard=use_amp_guard and upper == "O2",
-            promote=use_promote,
-            scaler=_scaler_kwargs(
-                init_loss_scaling,
-                incr_ratio,
-                decr_ratio,
-                incr_every_n_steps,
-                decr_every_n_nan_or_inf,
-                use_dynamic_loss_scaling,
-            ),
-        ),
+        amp_lists,
+        locals(),
+        lp_dtype=lp_dtype,
+        level=upper,
+        guard=use_amp_guard and upper == "O2",
+        promote=use_promote,
     )
 
 
-def _scaler_kwargs(
-    init: float, incr: float, decr: float, incr_n: int, decr_n: int, dynamic: bool
-) -> dict[str, Any]:
-    kwargs = {
-        "init_loss_scaling": init,
-        "incr_ratio": incr,
-        "decr_ratio": decr,
-        "incr_every_n_steps": incr_n,
-        "decr_every_n_nan_or_inf": decr_n,
-        "use_dynamic_loss_scaling": dynamic,
-    }
-    GradScaler(**kwargs)  # validates now, at decorate, naming the bad value
-    return kwargs
+_SCALE_KEYWORDS = (
+    "init_loss_scaling",
+    "incr_ratio",
+    "decr_ratio",
+    "incr_every_n_steps",
+    "decr_every_n_nan_or_inf",
+    "use_dynamic_loss_scaling",
+)
+"""The loss-scale keywords both decorate overloads take (Paddle's GradScaler's names)."""
+
+
+def _decorated(
+    optimizer: torch.optim.Optimizer,
+    amp_lists: AutoMixedPrecisionLists | None,
+    arguments: Mapping[str, Any],
+    **config: Any,
+) -> OptimizerWithMixedPrecision:
+    """optimizer decorated with config (AmpConfig's fields but lists and scaler): the lists
+    default to Paddle's for config's lp_dtype; the scaler takes the _SCALE_KEYWORDS among the
+    overload's arguments (a locals() dict), validated now, naming a bad value."""
+    scaler = {key: arguments[key] for key in _SCALE_KEYWORDS}
+    GradScaler(**scaler)  # validates now, at decorate, naming the bad value
+    lists = amp_lists or AutoMixedPrecisionLists(dtype=_dtype_name(config["lp_dtype"]))
+    return OptimizerWithMixedPrecision(optimizer, AmpConfig(lists=lists, scaler=scaler, **config))
 
 
 _OVERLOADS = (decorate_fp16_only, decorate_common)
