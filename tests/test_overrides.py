@@ -1,5 +1,7 @@
-"""The subclass contract is explicit: every method a class in core/ or parallel/ overrides is
-marked @override (typing_extensions'), so a renamed base method cannot leave a silent orphan."""
+"""The subclass contract is explicit: every method a class in core/ or parallel/ overrides, and
+every method any subclass of MixedPrecisionOptimizer anywhere in mixprec overrides, is marked
+@override (typing_extensions'), so a renamed base method cannot leave a silent orphan. The
+classes are found by walking the whole package: a new module or class is held to it unlisted."""
 
 from __future__ import annotations
 
@@ -11,19 +13,32 @@ import pytest
 from typing_extensions import override
 
 import mixprec
+from mixprec.core.optim import MixedPrecisionOptimizer
 
 LAYERS = ("mixprec.core", "mixprec.parallel")
-NOT_YET = ("mixprec.core.per_loss_optim", "mixprec.core.multi_loss", "mixprec.core.backward_watch")
-"""Apex's per-loss optimizers, marked in their own change."""
 DUNDERS = ("__getstate__", "__setstate__", "__repr__")  # the dunders a class here overrides
+ALL_MODULES = [info.name for info in pkgutil.walk_packages(mixprec.__path__, "mixprec.")]
 
 
 def modules() -> list[str]:
-    return [
-        info.name
-        for info in pkgutil.walk_packages(mixprec.__path__, "mixprec.")
-        if info.name.startswith(LAYERS) and info.name not in NOT_YET
-    ]
+    return [name for name in ALL_MODULES if name.startswith(LAYERS)]
+
+
+def optimizer_subclasses() -> list[type]:
+    """Every subclass of MixedPrecisionOptimizer defined in a mixprec module (the walk imports
+    each module, so a class defined anywhere in the package is found)."""
+    found = []
+    for name in ALL_MODULES:
+        module = importlib.import_module(name)
+        for value in vars(module).values():
+            if (
+                inspect.isclass(value)
+                and value.__module__ == name
+                and issubclass(value, MixedPrecisionOptimizer)
+                and value is not MixedPrecisionOptimizer
+            ):
+                found.append(value)
+    return found
 
 
 def unmarked_overrides(cls: type) -> list[str]:
@@ -48,6 +63,25 @@ def test_every_override_is_marked(module_name: str) -> None:
     classes = [c for c in vars(module).values() if inspect.isclass(c)]
     found = [u for c in classes if c.__module__ == module_name for u in unmarked_overrides(c)]
     assert found == []
+
+
+def test_every_optimizer_subclass_marks_its_overrides() -> None:
+    """Each face's optimizer classes too (Apex's FP16_Optimizer, Paddle's master-weight
+    optimizer, Colossal's LowLevelZeroOptimizer and convert_to_amp's, ...)."""
+    classes = optimizer_subclasses()
+    names = {f"{c.__module__}.{c.__qualname__}" for c in classes}
+    # the walk reaches every face (a walk that found none would pass vacuously)
+    for expected in (
+        "mixprec.amp.AMPOptimizer",
+        "mixprec.apex.fp16_utils.FP16_Optimizer",
+        "mixprec.core.multi_loss.MultiLossOptimizer",
+        "mixprec.core.per_loss_optim.PerLossOptimizer",
+        "mixprec.paddle.dygraph.MasterWeightOptimizer",
+        "mixprec.parallel.zero.ZeroOptimizer",
+        "mixprec.zero.low_level.low_level_optim.LowLevelZeroOptimizer",
+    ):
+        assert expected in names, expected
+    assert [u for c in classes for u in unmarked_overrides(c)] == []
 
 
 def test_the_check_sees_an_unmarked_override() -> None:

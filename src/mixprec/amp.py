@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from mixprec.amp_type import AMP_TYPE
 from mixprec.core.multi_loss import prepare_loss_optimizer
@@ -20,6 +21,7 @@ class AMPOptimizer(OptimizerWrapperAPI, MixedPrecisionOptimizer):
     """The core optimizer wrapper with Colossal-AI's `clip_grad_norm(model, max_norm)` and its
     OptimizerWrapper methods (clip_grad_by_norm, get_grad_norm, ...)."""
 
+    @override
     def clip_grad_norm(
         self, model: nn.Module | float, max_norm: float | None = None
     ) -> torch.Tensor:

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from mixprec.core.commit import StepResult
 from mixprec.core.per_loss_optim import (
@@ -97,6 +98,7 @@ class FP16_Optimizer(StashingOptimizer):  # noqa: N801 - Apex's name, which scri
         """The wrapped optimizer (Apex's attribute name)."""
         return self.optim
 
+    @override
     def backward(  # type: ignore[override]
         self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False
     ) -> None:
@@ -121,6 +123,7 @@ class FP16_Optimizer(StashingOptimizer):  # noqa: N801 - Apex's name, which scri
         reduce_found_inf_(found_inf)
         self.events.append(UnscaleEvent(0, found_inf, scale.clone(), scale.clone()))
 
+    @override
     def zero_grad(  # type: ignore[override]
         self,
         set_grads_to_None: bool = False,
@@ -139,23 +142,28 @@ class FP16_Optimizer(StashingOptimizer):  # noqa: N801 - Apex's name, which scri
 
     # The core's step, configured: grads deferred by update_master_grads=False are unscaled
     # first; the own scaler decides and advances as the core's.
+    @override
     def unscale_grads(self) -> torch.Tensor:
         self.update_master_grads()
         return super().unscale_grads()
 
+    @override
     def _after_update(self, result: StepResult) -> None:
         self.overflow = result.skipped  # Apex's attribute
 
+    @override
     def _report_skip(self, scale: float) -> None:
         if self.verbose and is_rank_zero():
             log.warning(
                 "Gradient overflow.  Skipping step, reducing loss scale to %s", self.scaler.scale
             )
 
+    @override
     def _report_skip_pattern(self, message: str) -> None:
         if self.verbose:  # verbose=False silences every message, as in Apex
             super()._report_skip_pattern(message)
 
+    @override
     def __repr__(self) -> str:
         return f"FP16_Optimizer({self.optim!r}, scaler={self.scaler.cfg})"
 

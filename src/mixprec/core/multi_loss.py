@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.per_loss_optim import PerLossOptimizer, UnscaleEvent
@@ -62,6 +63,7 @@ class MultiLossOptimizer(PerLossOptimizer):
         self.max_norm = float(max_norm)
         self.process_group = group_to_hold(process_group)
 
+    @override
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **kwargs: Any) -> None:
         """Backward of loss times scale `loss_id`; the new grads are unscaled and checked now."""
         if isinstance(loss_id, bool) or not isinstance(loss_id, int):
@@ -83,6 +85,7 @@ class MultiLossOptimizer(PerLossOptimizer):
             UnscaleEvent(loss_id, found_inf, scale_used, scaler.scale_tensor.clone())
         )
 
+    @override
     def clip_grad_norm(
         self, model: nn.Module | float, max_norm: float | None = None
     ) -> torch.Tensor:
@@ -93,11 +96,13 @@ class MultiLossOptimizer(PerLossOptimizer):
             max_norm = model  # validated by the core's clip: "1.0" is refused, not float()ed
         return super().clip_grad_norm(max_norm)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()
         out["loss_scalers"] = [s.state_dict() for s in self.scalers]
         return out
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("loss_scalers")
         if saved is None or len(saved) != len(self.scalers):
@@ -108,9 +113,6 @@ class MultiLossOptimizer(PerLossOptimizer):
         super().load_state_dict(state_dict)
         for scaler, scaler_state in zip(self.scalers, saved, strict=True):
             scaler.load_state_dict(scaler_state)
-
-    def __repr__(self) -> str:
-        return f"MultiLossOptimizer({self.optim!r}, num_losses={len(self.scalers)})"
 
 
 def is_apex_policy(policy: Policy) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from mixprec.core.backward_watch import GradVersions
 from mixprec.core.optim import MixedPrecisionOptimizer
@@ -134,6 +135,7 @@ class StashingOptimizer(MixedPrecisionOptimizer):
             unscale_and_check_(self.transfer.local(late), one, self._late_inf)
         self.checked.record(self.transfer.layout().held)
 
+    @override
     def unscale_grads(self) -> torch.Tensor:
         """The overflow flag of every contribution since the last step (grads are unscaled),
         and of the held grads written after their check (checked again here).
@@ -160,6 +162,7 @@ class StashingOptimizer(MixedPrecisionOptimizer):
         flags = [e.found_inf.to(device) for e in self.events]
         return torch.stack([*flags, late]).amax(dim=0)
 
+    @override
     def _grads_came_through_backward(self) -> bool:
         # one event per scaled backward since the last step; without one, grads that all came
         # through an earlier scaled backward (kept lp grads, own grads a step left) are no misuse
@@ -189,12 +192,14 @@ class StashingOptimizer(MixedPrecisionOptimizer):
                     "once.)"
                 )
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    @override
+    def clip_grad_norm(self, max_norm: float, norm_type: float | None = None) -> torch.Tensor:
         norm = super().clip_grad_norm(max_norm, norm_type)
         # this clip scaled checked grads by a finite factor: nothing for a later check to see
         self.checked.record(self.transfer.layout().held)
         return norm
 
+    @override
     def _end_step(self) -> None:
         self.events = []  # this step's unscale events are consumed (skips were reported)
         self._late_inf = None
@@ -205,6 +210,7 @@ class StashingOptimizer(MixedPrecisionOptimizer):
         self.scaled_grads_from = None
         self._late_inf = None
 
+    @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for hp in self.hp_masters:  # master grads accumulate per loss here, so they are cleared
@@ -212,6 +218,7 @@ class StashingOptimizer(MixedPrecisionOptimizer):
         self._forget_iteration()
         self.checked.record(self._watched())  # None, or zeros: nothing left to check
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._forget_iteration()
@@ -249,9 +256,11 @@ class PerLossOptimizer(StashingOptimizer):
         self.amp_state: Any = None  # the amp.initialize call this came from (set by it)
 
     @property
+    @override
     def scales_loss(self) -> bool:
         return any(s.cfg.dynamic or s.cfg.init_scale != 1.0 for s in self.scalers)
 
+    @override
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **kwargs: Any) -> None:
         """Same as `with amp.scale_loss(loss, self, loss_id) as s: s.backward(**kwargs)`."""
         if self.amp_scale_loss is None:
@@ -262,9 +271,11 @@ class PerLossOptimizer(StashingOptimizer):
         with self.amp_scale_loss(loss, self, loss_id=loss_id) as scaled_loss:
             scaled_loss.backward(**kwargs)
 
+    @override
     def _report_skip(self, scale: float) -> None:
         self._log_overflows()
 
+    @override
     def _report_skip_pattern(self, message: str) -> None:
         if self.verbosity > 0:  # Apex's verbosity=0 silences every amp message
             super()._report_skip_pattern(message)
@@ -284,13 +295,16 @@ class PerLossOptimizer(StashingOptimizer):
 
     # The core's step, configured: the grads were unscaled at each backward; skip if any
     # contributing loss overflowed.
+    @override
     def _scale_used(self) -> torch.Tensor:
         """The scale the last contributing loss's grads were computed with."""
         return self.events[-1].scale_used if self.events else self.scaler.scale_tensor
 
+    @override
     def _update_scale(self, found_inf: torch.Tensor) -> None:
         """Nothing: amp.scale_loss advanced each loss's scaler after its backward."""
 
+    @override
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Apex's rule by default (set_to_none=None): with fp32 masters the model's grads are
         zeroed in place (Apex's patched zero_grad), else dropped (torch's default); the masters'
@@ -299,13 +313,15 @@ class PerLossOptimizer(StashingOptimizer):
             set_to_none = not self.lp_params
         super().zero_grad(set_to_none)
 
+    @override
     def _end_step(self) -> None:
         super()._end_step()
         for hp in self.hp_masters:  # Apex: master grads are cleared after every step
             hp.grad = None
 
+    @override
     def __repr__(self) -> str:
-        return f"PerLossOptimizer({self.optim!r}, num_losses={len(self.scalers)})"
+        return f"{type(self).__name__}({self.optim!r}, num_losses={len(self.scalers)})"
 
 
 def reduce_found_inf_(found_inf: torch.Tensor) -> torch.Tensor:

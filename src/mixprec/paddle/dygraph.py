@@ -74,6 +74,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - torch's own alias
 from torch.overrides import TorchFunctionMode
+from typing_extensions import override
 
 from mixprec.core.autocast import autocast, fp16_guard, fp32, is_fp32_module, resolve_ops
 from mixprec.core.casting import NORM_TYPES, cast_module
@@ -437,14 +438,17 @@ class MasterWeightOptimizer(MixedPrecisionOptimizer):
         reduced over the ranks): the next step uses that flag instead of checking again."""
         self._checked_found_inf = found_inf
 
+    @override
     def unscale_grads(self) -> torch.Tensor:
         if self._checked_found_inf is not None:
             return self._checked_found_inf
         return super().unscale_grads()
 
+    @override
     def _end_step(self) -> None:
         self._checked_found_inf = None
 
+    @override
     def _report_skip(self, scale: float) -> None:
         # Own scale is a constant 1: the loss scale lives in the GradScaler, so no host read here.
         if rank_and_world()[0] == 0:
@@ -458,11 +462,13 @@ class MasterWeightOptimizer(MixedPrecisionOptimizer):
                     hp.copy_(value)  # the pre-cast fp32 value, not its low-precision rounding
                 self._hooks.append(self.accumulate.hook(lp, hp))
 
+    @override
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         start = len(self.lp_params)
         super().add_param_group(param_group)
         self._hook_pairs(start)
 
+    @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._checked_found_inf = None

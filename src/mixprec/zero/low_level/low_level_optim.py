@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from typing_extensions import override
 
 from mixprec.amp_type import ZERO_OPTIMIZER_SCALER, ScalerKeywords
 from mixprec.booster.plugin.low_level_zero import zero_policy
@@ -205,6 +206,7 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
         """False inside no_sync()."""
         return self.buckets.syncs
 
+    @override
     def backward(
         self,
         loss: torch.Tensor,
@@ -256,6 +258,7 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
                 if hp is not None:
                     hp.copy_(p)
 
+    @override
     def state_dict(  # type: ignore[override]
         self,
         pinned_state_dicts: dict[str, dict[str, torch.Tensor]] | None = None,
@@ -316,6 +319,7 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
             size += mb
         yield block, size
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole optimizer state (state_dict()'s, a torch optimizer's over the same
         params, or a plain mixprec one); each rank keeps its own shard. Every rank passes it.
