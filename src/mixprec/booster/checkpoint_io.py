@@ -131,6 +131,12 @@ def find_index(path: str | os.PathLike) -> Path | None:
     return found[0] if found else None
 
 
+def is_dcp_directory(path: str | os.PathLike) -> bool:
+    """A torch.distributed.checkpoint directory (per-rank DTensor shards): a directory that is
+    not a sharded checkpoint. Anything else is a whole state load_state_file reads."""
+    return Path(path).is_dir() and find_index(path) is None
+
+
 def load_sharded(index_file: Path) -> dict[str, Any]:
     """The state a sharded checkpoint holds (torch shards read with weights_only=True)."""
     index = json.loads(index_file.read_text())

@@ -28,7 +28,6 @@ import itertools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mixprec.amp_type import HYBRID_SCALER, ScalerKeywords
-from mixprec.booster.checkpoint_io import find_index, load_state_file
+from mixprec.booster.checkpoint_io import is_dcp_directory, load_state_file
 from mixprec.booster.plugin.low_level_zero import (
     PRECISIONS,
     LowLevelZeroPlugin,
@@ -539,11 +538,11 @@ class HybridParallelPlugin(Plugin):
         import torch.distributed.checkpoint as dcp
 
         piped = _pipelined(model)
-        if Path(path).is_file() or find_index(path):
-            state = load_state_file(path)
-        else:
+        if is_dcp_directory(path):
             state = {k: v.clone() for k, v in pipeline_model_state(piped, optimizer).items()}
             dcp.load(state, checkpoint_id=os.fspath(path))
+        else:
+            state = load_state_file(path)
         load_pipeline_model_state(piped, state, optimizer, strict=strict)
 
     def save_optimizer(

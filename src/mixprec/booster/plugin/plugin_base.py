@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -242,10 +241,10 @@ class Plugin:
         optimizer: MixedPrecisionOptimizer | None,
         strict: bool = True,
     ) -> None:
-        from mixprec.booster.checkpoint_io import find_index, load_state_file
+        from mixprec.booster.checkpoint_io import is_dcp_directory, load_state_file
 
         user_model = unwrap_model(model)
-        if Path(path).is_dir() and find_index(path) is None:  # a DCP directory (from FSDP)
+        if is_dcp_directory(path):  # from FSDP or the pipeline
             state = _dcp_read_model_state(user_model, path, optimizer)
         else:  # a file (torch or safetensors) or a sharded directory
             state = load_state_file(path)

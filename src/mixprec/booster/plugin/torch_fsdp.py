@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from mixprec.booster.checkpoint_io import find_index, load_state_file, swap_in_directory
+from mixprec.booster.checkpoint_io import is_dcp_directory, load_state_file, swap_in_directory
 from mixprec.booster.plugin.plugin_base import (
     Plugin,
     barrier,
@@ -328,7 +328,7 @@ class TorchFSDPPlugin(Plugin):
         strict: bool = True,
     ) -> None:
         user_model = unwrap_model(model)
-        if Path(path).is_file() or find_index(path):  # a full state: each rank reads it all
+        if not is_dcp_directory(path):  # a full state: each rank reads it all
             self.load_model_state(model, load_state_file(path), optimizer, strict=strict)
             return
         state = get_model_state_dict(user_model)
@@ -363,7 +363,7 @@ class TorchFSDPPlugin(Plugin):
         if optimizer.lean is not None or saved_lean:
             _load_lean_state(optimizer, Path(path), saved_lean)
             return
-        if Path(path).is_file() or find_index(path):  # a gathered full state
+        if not is_dcp_directory(path):  # a gathered full state
             self.load_optimizer_state(optimizer, load_state_file(path), model)
             return
         state = self._optimizer_state(optimizer, model)
