@@ -291,29 +291,14 @@ class TorchFSDPPlugin(Plugin):
 
     def optimizer_state(self, optimizer: MixedPrecisionOptimizer, model: nn.Module | None) -> Any:
         _refuse_lean_checkpoint(optimizer)
-        if model is None:
-            raise ValueError("An FSDP optimizer checkpoint needs the model it was boosted with.")
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {
-            "optimizer": get_optimizer_state_dict(
-                unwrap_model(model), optimizer.optim, options=options
-            ),
-            "scaler": optimizer.scaler.state_dict(),
-            "steps": optimizer.steps,
-            "skipped_steps": optimizer.skipped_steps,
-        }
+        return _optimizer_state(optimizer, model, options)
 
     def load_optimizer_state(
         self, optimizer: MixedPrecisionOptimizer, state: dict[str, Any], model: nn.Module | None
     ) -> None:
         _refuse_lean_checkpoint(optimizer)
-        if model is None:
-            raise ValueError("An FSDP optimizer checkpoint needs the model it was boosted with.")
-        options = StateDictOptions(full_state_dict=True)
-        set_optimizer_state_dict(
-            unwrap_model(model), optimizer.optim, state["optimizer"], options=options
-        )
-        _load_counters(optimizer, state)
+        _load_optimizer_state(optimizer, model, state, StateDictOptions(full_state_dict=True))
 
     def save_model(
         self, model: nn.Module, path: str | os.PathLike, optimizer: MixedPrecisionOptimizer | None
@@ -335,18 +320,6 @@ class TorchFSDPPlugin(Plugin):
         dcp.load(state, checkpoint_id=os.fspath(path))
         set_model_state_dict(user_model, state, options=StateDictOptions(strict=strict))
 
-    def _optimizer_state(
-        self, optimizer: MixedPrecisionOptimizer, model: nn.Module | None
-    ) -> dict[str, Any]:
-        if model is None:
-            raise ValueError("An FSDP optimizer checkpoint needs the model it was boosted with.")
-        return {
-            "optimizer": get_optimizer_state_dict(unwrap_model(model), optimizer.optim),
-            "scaler": optimizer.scaler.state_dict(),
-            "steps": optimizer.steps,
-            "skipped_steps": optimizer.skipped_steps,
-        }
-
     def save_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
@@ -354,7 +327,7 @@ class TorchFSDPPlugin(Plugin):
             state = optimizer.state_dict()
             _save_atomic(lambda tmp: torch.save(state, tmp / _lean_file()), path)
             return
-        _dcp_save_atomic(self._optimizer_state(optimizer, model), path)
+        _dcp_save_atomic(_optimizer_state(optimizer, model), path)
 
     def load_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
@@ -366,10 +339,9 @@ class TorchFSDPPlugin(Plugin):
         if not is_dcp_directory(path):  # a gathered full state
             self.load_optimizer_state(optimizer, load_state_file(path), model)
             return
-        state = self._optimizer_state(optimizer, model)
+        state = _optimizer_state(optimizer, model)
         dcp.load(state, checkpoint_id=os.fspath(path))
-        set_optimizer_state_dict(unwrap_model(model), optimizer.optim, state["optimizer"])
-        _load_counters(optimizer, state)
+        _load_optimizer_state(optimizer, model, state)
 
 
 def _shards_low_precision_params(policy: Policy, lean: LeanConfig | None) -> bool:
@@ -443,6 +415,41 @@ def _load_lean_state(optimizer: MixedPrecisionOptimizer, path: Path, saved: list
     ]
     held = [p for g in optimizer.optim.param_groups for p in g["params"]]
     optimizer.load_state_dict(merge_shards(states, held, rank))
+
+
+def _user_model(model: nn.Module | None) -> nn.Module:
+    """The model an FSDP optimizer was boosted with (its state is keyed by the model's FQNs)."""
+    if model is None:
+        raise ValueError("An FSDP optimizer checkpoint needs the model it was boosted with.")
+    return unwrap_model(model)
+
+
+def _optimizer_state(
+    optimizer: MixedPrecisionOptimizer,
+    model: nn.Module | None,
+    options: StateDictOptions | None = None,
+) -> dict[str, Any]:
+    """The optimizer's state as torch's get_optimizer_state_dict gives it under options (None:
+    each rank's DTensor shards), with the scaler's state and the step counters."""
+    return {
+        "optimizer": get_optimizer_state_dict(_user_model(model), optimizer.optim, options=options),
+        "scaler": optimizer.scaler.state_dict(),
+        "steps": optimizer.steps,
+        "skipped_steps": optimizer.skipped_steps,
+    }
+
+
+def _load_optimizer_state(
+    optimizer: MixedPrecisionOptimizer,
+    model: nn.Module | None,
+    state: dict[str, Any],
+    options: StateDictOptions | None = None,
+) -> None:
+    """Load what _optimizer_state wrote (under the same options) into optimizer."""
+    set_optimizer_state_dict(
+        _user_model(model), optimizer.optim, state["optimizer"], options=options
+    )
+    _load_counters(optimizer, state)
 
 
 def _load_counters(optimizer: MixedPrecisionOptimizer, state: dict[str, Any]) -> None:
