@@ -124,15 +124,7 @@ class GradScaler(torch.amp.GradScaler):
         # mixprec's own settings; the growth/backoff factors and interval live in torch's
         # attributes (setters and load_state_dict write there) and `cfg` reads them from there.
         self._base_cfg = ScalerConfig(
-            dynamic=dynamic,
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            consecutive_hysteresis=consecutive_hysteresis,
+            dynamic=dynamic, consecutive_hysteresis=consecutive_hysteresis, **settings
         )
         super().__init__(
             device or default_device(),
