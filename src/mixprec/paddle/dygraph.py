@@ -421,9 +421,14 @@ class MasterWeightOptimizer(MixedPrecisionOptimizer):
         hp_values: dict[int, torch.Tensor] | None = None,
     ) -> None:
         # The masters' grads stay until clear_grad() (torch's contract: a backward before it
-        # adds to them through the hooks), on every device.
+        # adds to them through the hooks), on every device. fused_step=False: the fused pass
+        # steps from the lp grads, which the hooks have already moved into the masters' grads.
         super().__init__(
-            optimizer, loss_scale=UNIT_SCALE, master_weights=True, keep_master_grads=True
+            optimizer,
+            loss_scale=UNIT_SCALE,
+            master_weights=True,
+            keep_master_grads=True,
+            fused_step=False,
         )
         self._hp_values = hp_values or {}
         self._hooks: list[Any] = []
@@ -431,22 +436,12 @@ class MasterWeightOptimizer(MixedPrecisionOptimizer):
         self.accumulate = self.transfer.accumulate_as_backward(reuse_buffers=False)
         self._hook_pairs(0)
         self._hp_values = {}  # release the pre-cast fp32 tensors: the masters hold the values
-        self._checked_found_inf: torch.Tensor | None = None
 
     def use_checked_grads(self, found_inf: torch.Tensor) -> None:
         """An outside GradScaler unscaled and checked the masters' grads this step (found_inf,
-        reduced over the ranks): the next step uses that flag instead of checking again."""
-        self._checked_found_inf = found_inf
-
-    @override
-    def unscale_grads(self) -> torch.Tensor:
-        if self._checked_found_inf is not None:
-            return self._checked_found_inf
-        return super().unscale_grads()
-
-    @override
-    def _end_step(self) -> None:
-        self._checked_found_inf = None
+        reduced over the ranks): the step takes it as this step's overflow flag (the base's
+        StepFlags, cleared by the step and zero_grad) instead of checking again."""
+        self.step_flags.found_inf = found_inf
 
     @override
     def _report_skip(self, scale: float) -> None:
@@ -471,7 +466,6 @@ class MasterWeightOptimizer(MixedPrecisionOptimizer):
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self._checked_found_inf = None
         for hp in self.hp_masters:  # masters accumulate: clear them like any param
             if hp.grad is not None:
                 if set_to_none:
