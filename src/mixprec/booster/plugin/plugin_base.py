@@ -107,6 +107,7 @@ class Plugin:
     ) -> DataLoader:
         """A DataLoader over this rank's part of dataset (DistributedSampler when world > 1)."""
         rank, world = self.data_rank_and_world()
+        order: dict[str, Any]
         if world > 1:
             # Reshuffles on every pass by itself: seed 003's loop never calls set_epoch.
             sampler = EpochShuffledDistributedSampler(
@@ -117,24 +118,16 @@ class Plugin:
                 seed=seed,
                 drop_last=drop_last,
             )
-            return DataLoader(
-                dataset,
-                batch_size=batch_size,
-                sampler=sampler,
-                drop_last=drop_last,
-                pin_memory=pin_memory,
-                num_workers=num_workers,
-                **kwargs,
-            )
-        generator = torch.Generator().manual_seed(seed)  # the same order on every run
+            order = {"sampler": sampler}
+        else:  # the same order on every run
+            order = {"shuffle": shuffle, "generator": torch.Generator().manual_seed(seed)}
         return DataLoader(
             dataset,
             batch_size=batch_size,
-            shuffle=shuffle,
-            generator=generator,
             drop_last=drop_last,
             pin_memory=pin_memory,
             num_workers=num_workers,
+            **order,
             **kwargs,
         )
 
