@@ -134,16 +134,15 @@ def cpu_findings(
         message = "CPU feature flags unknown (no /proc/cpuinfo); bf16/fp16 speed not checked."
         return [*findings, Finding(device="cpu", dtype="", level="info", message=message)]
     flags = frozenset(flags)
-    bf16 = [f for f in (*X86_BF16_FLAGS, *ARM_BF16_FLAGS) if f in flags]
-    if bf16:
-        message = f"Native bf16 math ({', '.join(bf16)}): bf16 autocast is fast on this CPU."
-        findings.append(Finding(device="cpu", dtype="bfloat16", level="ok", message=message))
-    else:
-        message = (
-            f"No native bf16 instructions (none of {', '.join(X86_BF16_FLAGS)}): bf16 is "
-            "converted to fp32 per op and is often no faster than fp32."
-        )
-        findings.append(Finding(device="cpu", dtype="bfloat16", level="warn", message=message))
+    bf16 = _native_math(
+        flags,
+        "bfloat16",
+        (*X86_BF16_FLAGS, *ARM_BF16_FLAGS),
+        fast="Native bf16 math ({}): bf16 autocast is fast on this CPU.",
+        slow=f"No native bf16 instructions (none of {', '.join(X86_BF16_FLAGS)}): bf16 is "
+        "converted to fp32 per op and is often no faster than fp32.",
+    )
+    findings.append(bf16)
     if "amx_tile" in flags:
         message = "AMX tile unit present (amx_tile): oneDNN runs bf16/int8 matmuls on it."
         findings.append(Finding(device="cpu", dtype="bfloat16", level="info", message=message))
@@ -152,17 +151,26 @@ def cpu_findings(
         level: Level = "info" if mkldnn_bf16 else "warn"
         message = f"oneDNN (mkldnn) bf16 kernels {state}."
         findings.append(Finding(device="cpu", dtype="bfloat16", level=level, message=message))
-    fp16 = [f for f in (*X86_FP16_FLAGS, *ARM_FP16_FLAGS) if f in flags]
-    if fp16:
-        message = f"Native fp16 math ({', '.join(fp16)}): fp16 runs at full speed on this CPU."
-        findings.append(Finding(device="cpu", dtype="float16", level="ok", message=message))
-    else:
-        message = (
-            f"fp16 on this CPU is slow: no fp16 kernels (none of {', '.join(X86_FP16_FLAGS)}), "
-            "so fp16 matmuls can be many times slower than fp32. Use bfloat16 on CPU."
-        )
-        findings.append(Finding(device="cpu", dtype="float16", level="warn", message=message))
+    fp16 = _native_math(
+        flags,
+        "float16",
+        (*X86_FP16_FLAGS, *ARM_FP16_FLAGS),
+        fast="Native fp16 math ({}): fp16 runs at full speed on this CPU.",
+        slow=f"fp16 on this CPU is slow: no fp16 kernels (none of {', '.join(X86_FP16_FLAGS)}), "
+        "so fp16 matmuls can be many times slower than fp32. Use bfloat16 on CPU.",
+    )
+    findings.append(fp16)
     return findings
+
+
+def _native_math(
+    flags: frozenset[str], dtype: str, names: tuple[str, ...], *, fast: str, slow: str
+) -> Finding:
+    """'ok' with fast (naming the flags found) when flags hold any of names, else 'warn'."""
+    found = [f for f in names if f in flags]
+    if found:
+        return Finding(device="cpu", dtype=dtype, level="ok", message=fast.format(", ".join(found)))
+    return Finding(device="cpu", dtype=dtype, level="warn", message=slow)
 
 
 def read_cpu_flags(path: str | Path = "/proc/cpuinfo") -> frozenset[str] | None:
