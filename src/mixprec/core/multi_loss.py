@@ -25,9 +25,7 @@ from mixprec.core.scaling import (
     ProcessGroup,
     all_reduce_found_inf_,
     default_group,
-    group_to_hold,
 )
-from mixprec.core.validate import check_max_norm
 
 
 def _first_device(optimizer: torch.optim.Optimizer) -> torch.device:
@@ -51,7 +49,6 @@ class MultiLossOptimizer(PerLossOptimizer):
         max_norm: float = 0.0,
         process_group: ProcessGroup | None = None,
     ) -> None:
-        check_max_norm("max_norm", max_norm)
         device = _first_device(optimizer)
         scalers = [LossScaler(policy.loss_scale, device) for _ in range(policy.num_losses)]
         super().__init__(
@@ -59,9 +56,9 @@ class MultiLossOptimizer(PerLossOptimizer):
             scalers=scalers,
             verbosity=policy.verbosity,
             master_weights=policy.master_weights,
+            max_norm=max_norm,
+            process_group=process_group,
         )
-        self.max_norm = float(max_norm)
-        self.process_group = group_to_hold(process_group)
 
     @override
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **kwargs: Any) -> None:

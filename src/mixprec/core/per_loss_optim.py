@@ -24,6 +24,7 @@ from mixprec.core.backward_watch import GradVersions
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.scaling import (
     LossScaler,
+    ProcessGroup,
     all_reduce_found_inf_,
     default_group,
     rank_and_world,
@@ -231,6 +232,7 @@ class PerLossOptimizer(StashingOptimizer):
     `loss_scale`, `state_dict()` and the core's API read it. Scales are updated by
     `amp.scale_loss` after each (non-delayed) backward, not here; `step()` skips if any loss
     that reached this optimizer since the last step overflowed, and clears the master grads.
+    max_norm and process_group are MixedPrecisionOptimizer's.
     """
 
     def __init__(
@@ -242,12 +244,16 @@ class PerLossOptimizer(StashingOptimizer):
         master_weights: bool | None = None,
         max_consecutive_skips: int | None = 100,
         amp_scale_loss: Callable[..., AbstractContextManager[torch.Tensor]] | None = None,
+        max_norm: float = 0.0,
+        process_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__(
             optimizer,
             loss_scale=scalers[0].cfg,
             master_weights=master_weights,
             max_consecutive_skips=max_consecutive_skips,
+            max_norm=max_norm,
+            process_group=process_group,
         )
         self.amp_scale_loss = amp_scale_loss  # from amp.initialize: this module does not import amp
         self.scaler = scalers[0]  # shared with amp: no private scale that could drift from it
