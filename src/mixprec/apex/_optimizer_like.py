@@ -11,6 +11,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 REQUIRED = ("step", "zero_grad", "param_groups", "state_dict")
 """What amp.initialize needs of an optimizer that is not a torch.optim.Optimizer."""
@@ -45,15 +46,19 @@ class OptimizerLike(torch.optim.Optimizer):
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return getattr(self.wrapped, "defaults", {})
 
+    @override
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         return self.wrapped.step() if closure is None else self.wrapped.step(closure)
 
+    @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wrapped.zero_grad()
 
+    @override
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         return self.wrapped.state_dict()
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not hasattr(self.wrapped, "load_state_dict"):
             raise TypeError(
@@ -62,16 +67,20 @@ class OptimizerLike(torch.optim.Optimizer):
             )
         self.wrapped.load_state_dict(state_dict)
 
+    @override
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not hasattr(self.wrapped, "add_param_group"):
             raise TypeError(f"{type(self.wrapped).__qualname__} has no add_param_group().")
         self.wrapped.add_param_group(param_group)
 
+    @override
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__
 
+    @override
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
+    @override
     def __repr__(self) -> str:
         return f"OptimizerLike({type(self.wrapped).__module__}.{type(self.wrapped).__qualname__})"

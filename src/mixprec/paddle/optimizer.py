@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -80,6 +81,7 @@ class LarsMomentumOptimizer(torch.optim.Optimizer):
         self._warned = False
 
     @torch.no_grad()
+    @override
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
