@@ -125,3 +125,20 @@ def test_the_class_switches_are_one_frozen_traits_value_per_class():
             assert name not in vars(cls), f"{cls.__name__}.{name}: set it in traits"
     assert ZeroOptimizer.traits.whole_step_refusal and PipelineOptimizer.traits.whole_step_refusal
     assert not ZeroOptimizer.traits.carries_grads and not StashingOptimizer.traits.carries_grads
+
+
+def test_step_is_final_the_one_sequence_every_optimizer_runs() -> None:
+    """No optimizer class (mixins included) redefines step(): a face reads what it needs from
+    last_result instead (Colossal's get_grad_norm)."""
+    from mixprec.core.optim import MixedPrecisionOptimizer
+
+    assert getattr(MixedPrecisionOptimizer.step, "__final__", False)
+    found = set()
+    for name in ALL_MODULES:
+        for cls in vars(importlib.import_module(name)).values():
+            if isinstance(cls, type) and issubclass(cls, MixedPrecisionOptimizer):
+                found.add(cls)
+    assert len(found) > 10
+    for cls in found:
+        owners = [k for k in cls.__mro__ if "step" in vars(k)]
+        assert owners[0] is MixedPrecisionOptimizer, f"{cls.__name__}: step() in {owners[0]}"

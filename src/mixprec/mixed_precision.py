@@ -35,13 +35,9 @@ from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.parallel.pipeline.optim import PipelineOptimizer, PipelineZeroOptimizer
 from mixprec.parallel.zero import ZeroOptimizer
 
-# Modules whose optimizers hold the one clip of each parallelism (single process, ZeRO's
-# shards, the pipeline's stages); a face's override of clip_grad_norm is its legacy form.
-_CORE_CLIP_MODULES = (
-    "mixprec.core.optim",
-    "mixprec.parallel.zero",
-    "mixprec.parallel.pipeline.optim",
-)
+# Modules whose clip_grad_norm is the core's (one clip over the optimizer's clip_span, and the
+# per-loss optimizer's record of the clipped grads); a face's override is its legacy form.
+_CORE_CLIP_MODULES = ("mixprec.core.optim", "mixprec.core.per_loss_optim")
 
 
 class OptimizerWrapperAPI:
@@ -56,7 +52,7 @@ class OptimizerWrapperAPI:
 
     _colossal_grad_norm: torch.Tensor | float | None = None
     _colossal_norm_type: float = 2.0
-    _colossal_step_result: Any = None  # the last step()'s result, its norm not yet taken
+    _colossal_taken: Any = None  # the last step result whose norm was taken (or superseded)
 
     @property
     def parameters(self) -> list[torch.Tensor]:
@@ -129,7 +125,7 @@ class OptimizerWrapperAPI:
                 "(error_if_nonfinite=True); step() will skip this step. Pass "
                 "error_if_nonfinite=False to let it skip without raising."
             )
-        self._colossal_step_result = None  # this norm is newer than the last step's
+        self._colossal_taken = self.last_result  # type: ignore[attr-defined] # newer than it
         self._colossal_grad_norm = total
         self._colossal_norm_type = norm_type
         return total
@@ -167,16 +163,13 @@ class OptimizerWrapperAPI:
     def _take_step_norm(self) -> None:
         """The last step's norm, if it clipped by max_norm, is the last norm now. Read here, not
         in step(): a sync-free step's result is on the device until asked for."""
-        result, self._colossal_step_result = self._colossal_step_result, None
-        norm = None if result is None else result.grad_norm
-        if norm is not None:
-            self._colossal_grad_norm = norm
-            self._colossal_norm_type = float(getattr(self, "norm_type", 2.0))
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        result = super().step(*args, **kwargs)  # type: ignore[misc]
-        self._colossal_step_result = result
-        return result
+        result = self.last_result  # type: ignore[attr-defined] # MixedPrecisionOptimizer's
+        if result is None or result is self._colossal_taken:
+            return
+        self._colossal_taken = result
+        if result.grad_norm is not None:
+            self._colossal_grad_norm = result.grad_norm
+            self._colossal_norm_type = float(self.norm_type)  # type: ignore[attr-defined]
 
 
 # Each optimizer class a Colossal face returns, declared here with Colossal's OptimizerWrapper

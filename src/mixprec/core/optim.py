@@ -13,7 +13,7 @@ import logging
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, final
 
 import torch
 from typing_extensions import override
@@ -206,6 +206,9 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
     traits: ClassVar[StepTraits] = StepTraits()
     """How this class's step behaves (StepTraits): a subclass sets its own, derived with
     dataclasses.replace from its base's."""
+    last_result: StepResult | None = None
+    """What the last step() returned (None before any): its values stay on the device until
+    read, so keeping it costs no host sync."""
     clip_span: ClipSpan = ClipSpan()
     """The ranks clip_grad_norm's norm spans (core.clip.ClipSpan): none here, as replicas hold
     equal grads; a parallelism whose ranks hold disjoint parts sets its own."""
@@ -413,6 +416,7 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
         return int(sum(int((g == 0).sum()) for g in self._hp_grads()))
 
     # ----- the step: one fixed sequence, configured by the stages below -----
+    @final
     @override
     @torch.no_grad()
     def step(self, closure: Any = None) -> StepResult:  # type: ignore[override]
@@ -433,6 +437,7 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
         try:
             result = commit(self, self._plan().outcome(self))
             self._after_update(result)
+            self.last_result = result
             return result
         finally:
             self.transfer.unpin_layout()
