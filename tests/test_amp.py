@@ -125,6 +125,29 @@ def test_colossal_optimizer_clip_grad_norm_signature() -> None:
     opt.step()
 
 
+@pytest.mark.parametrize("mode", [AMP_TYPE.TORCH, AMP_TYPE.NAIVE, AMP_TYPE.APEX])
+def test_clip_grad_norm_takes_either_form_and_refuses_a_mix(mode) -> None:
+    """Colossal's (model, max_norm) and the core's (max_norm, norm_type=...) give one norm;
+    (1.0, 2.0) is neither (it clipped at 2.0 before, the 1.0 dropped): refused."""
+    norms = []
+    for form in ("colossal", "core"):
+        torch.manual_seed(0)
+        model = tiny_mlp()
+        model, opt, crit = convert_to_amp(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), CE, mode
+        )
+        x, y = data(1)[0]
+        opt.backward(crit(model(x), y))
+        if form == "colossal":
+            norms.append(opt.clip_grad_norm(model, 0.5))
+        else:
+            norms.append(opt.clip_grad_norm(0.5, norm_type=2.0))
+        with pytest.raises(TypeError, match="model first"):
+            opt.clip_grad_norm(1.0, 2.0)
+    # bitwise; NAIVE's first step overflows at 2**32 (a nan norm in both forms)
+    torch.testing.assert_close(norms[0], norms[1], rtol=0, atol=0, equal_nan=True)
+
+
 def test_criterion_runs_in_fp32_inside_autocast(device: str) -> None:
     model = tiny_mlp()
     model, _, crit = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1), CE, "bf16")

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from typing_extensions import override
 
 from mixprec.amp_type import AMP_TYPE
 from mixprec.core.multi_loss import prepare_loss_optimizer
@@ -18,18 +17,8 @@ from mixprec.mixed_precision import ColossalMultiLossOptimizer, OptimizerWrapper
 
 
 class AMPOptimizer(OptimizerWrapperAPI, MixedPrecisionOptimizer):
-    """The core optimizer wrapper with Colossal-AI's `clip_grad_norm(model, max_norm)` and its
-    OptimizerWrapper methods (clip_grad_by_norm, get_grad_norm, ...)."""
-
-    @override
-    def clip_grad_norm(
-        self, model: nn.Module | float, max_norm: float | None = None
-    ) -> torch.Tensor:
-        if max_norm is None:  # also accept the core's clip_grad_norm(max_norm)
-            if isinstance(model, nn.Module):
-                raise TypeError("clip_grad_norm(model, max_norm): max_norm is missing.")
-            max_norm = model  # validated by the core's clip: "1.0" is refused, not float()ed
-        return super().clip_grad_norm(max_norm)
+    """What convert_to_amp returns for one loss: the core optimizer wrapper with Colossal-AI's
+    OptimizerWrapper methods, clip_grad_norm(model, max_norm) among them."""
 
 
 def convert_to_amp(

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from mixprec.amp_type import ScalerKeywords, naive_amp_policy, torch_amp_policy
 from mixprec.apex.policy import DEFAULTS as APEX_DEFAULTS
@@ -88,6 +89,28 @@ class OptimizerWrapperAPI:
             )
         torch.autograd.backward(tensor, grad, inputs=inputs, retain_graph=retain_graph)
         self.note_scaled_backward()  # type: ignore[attr-defined] # grad carries this scale
+
+    @override
+    def clip_grad_norm(
+        self,
+        model: nn.Module | float,
+        max_norm: float | None = None,
+        norm_type: float | None = None,
+    ) -> torch.Tensor:
+        """Colossal's AMP optimizers' clip_grad_norm(model, max_norm), or the core's
+        clip_grad_norm(max_norm, norm_type=None); returns the total norm before clipping."""
+        if isinstance(model, nn.Module):
+            if max_norm is None:
+                raise TypeError("clip_grad_norm(model, max_norm): max_norm is missing.")
+            return super().clip_grad_norm(max_norm, norm_type)  # type: ignore[misc]
+        if max_norm is not None:
+            raise TypeError(
+                f"clip_grad_norm({model!r}, {max_norm!r}): Colossal's form takes the model "
+                "first, clip_grad_norm(model, max_norm); the core's takes max_norm alone, "
+                "clip_grad_norm(max_norm, norm_type=...) with norm_type by keyword."
+            )
+        # max_norm is validated by the core's clip: "1.0" is refused, not float()ed
+        return super().clip_grad_norm(model, norm_type)  # type: ignore[misc]
 
     def clip_grad_by_norm(
         self,

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 from typing_extensions import override
 
 from mixprec.core.optim import MixedPrecisionOptimizer
@@ -81,17 +80,6 @@ class MultiLossOptimizer(PerLossOptimizer):
         self.events.append(
             UnscaleEvent(loss_id, found_inf, scale_used, scaler.scale_tensor.clone())
         )
-
-    @override
-    def clip_grad_norm(
-        self, model: nn.Module | float, max_norm: float | None = None
-    ) -> torch.Tensor:
-        """clip_grad_norm(max_norm), or Colossal's clip_grad_norm(model, max_norm)."""
-        if max_norm is None:
-            if isinstance(model, nn.Module):
-                raise TypeError("clip_grad_norm(model, max_norm): max_norm is missing.")
-            max_norm = model  # validated by the core's clip: "1.0" is refused, not float()ed
-        return super().clip_grad_norm(max_norm)
 
     @override
     def state_dict(self) -> dict[str, Any]:
