@@ -129,7 +129,7 @@ def test_the_class_switches_are_one_frozen_traits_value_per_class():
 
 def test_step_is_final_the_one_sequence_every_optimizer_runs() -> None:
     """No optimizer class (mixins included) redefines step(): a face reads what it needs from
-    last_result instead (Colossal's get_grad_norm)."""
+    the counters instead (Colossal's get_grad_norm: steps and last_result)."""
     from mixprec.core.optim import MixedPrecisionOptimizer
 
     assert getattr(MixedPrecisionOptimizer.step, "__final__", False)

@@ -53,7 +53,7 @@ class OptimizerWrapperAPI:
 
     _colossal_grad_norm: torch.Tensor | float | None = None
     _colossal_norm_type: float = 2.0
-    _colossal_taken: Any = None  # the last step result whose norm was taken (or superseded)
+    _colossal_norm_steps = 0  # the step count when the last norm was taken (or computed)
 
     @property
     def parameters(self) -> list[torch.Tensor]:
@@ -148,7 +148,7 @@ class OptimizerWrapperAPI:
                 "(error_if_nonfinite=True); step() will skip this step. Pass "
                 "error_if_nonfinite=False to let it skip without raising."
             )
-        self._colossal_taken = self.last_result  # type: ignore[attr-defined] # newer than it
+        self._colossal_norm_steps = self.steps  # type: ignore[attr-defined] # a host count
         self._colossal_grad_norm = total
         self._colossal_norm_type = norm_type
         return total
@@ -186,11 +186,11 @@ class OptimizerWrapperAPI:
     def _take_step_norm(self) -> None:
         """The last step's norm, if it clipped by max_norm, is the last norm now. Read here, not
         in step(): a sync-free step's result is on the device until asked for."""
-        result = self.last_result  # type: ignore[attr-defined] # MixedPrecisionOptimizer's
-        if result is None or result is self._colossal_taken:
-            return
-        self._colossal_taken = result
-        if result.grad_norm is not None:
+        if self.steps == self._colossal_norm_steps:  # type: ignore[attr-defined]
+            return  # no step since the last norm taken or computed
+        self._colossal_norm_steps = self.steps  # type: ignore[attr-defined]
+        result = self.last_result  # type: ignore[attr-defined] # read from the step record
+        if result is not None and result.grad_norm is not None:
             self._colossal_grad_norm = result.grad_norm
             self._colossal_norm_type = float(self.norm_type)  # type: ignore[attr-defined]
 

@@ -206,9 +206,6 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
     traits: ClassVar[StepTraits] = StepTraits()
     """How this class's step behaves (StepTraits): a subclass sets its own, derived with
     dataclasses.replace from its base's."""
-    last_result: StepResult | None = None
-    """What the last step() returned (None before any): its values stay on the device until
-    read, so keeping it costs no host sync."""
     clip_span: ClipSpan = ClipSpan()
     """The ranks clip_grad_norm's norm spans (core.clip.ClipSpan): none here, as replicas hold
     equal grads; a parallelism whose ranks hold disjoint parts sets its own."""
@@ -437,7 +434,6 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
         try:
             result = commit(self, self._plan().outcome(self))
             self._after_update(result)
-            self.last_result = result
             return result
         finally:
             self.transfer.unpin_layout()
