@@ -99,8 +99,11 @@ fp8) and ~1.01x on the bench ViT (2-core AMD EPYC, one thread). The first compil
 (~8 s instead of ~3.5 s there; 147 s instead of 117 s for the fp8 ViT, cold cache). Should it
 fail to build, the step compiles once more without these options before any eager fallback.
 Not joined when the step compiles regions (torch 2.13's C++ wrapper cannot call one:
-"NotImplementedError: codegen invoke_subgraph is not implemented for cpp wrapper"), and its one
-C++ file's build grows faster than the graph: 5 s at 2 residual MLP blocks, 70 s at 8."""
+"NotImplementedError: codegen invoke_subgraph is not implemented for cpp wrapper"), nor when
+the step trains more than CPU_WRAPPER_MAX_TENSORS tensors: the wrapper is one C++ file whose
+build grows much faster than the graph (benchmarks/results/compile_cpu.md)."""
+CPU_WRAPPER_MAX_TENSORS = 32
+"""The most trained tensors a step may have for CPU_INDUCTOR_OPTIONS to join its compile."""
 
 log = logging.getLogger("mixprec")
 
@@ -377,10 +380,11 @@ class CompiledStep:
 
     def _compile_first(self, compile_options: dict[str, Any]) -> None:
         """Compile with the caller's options (fullgraph, static shapes by default) plus, for
-        one graph on CPU, CPU_INDUCTOR_OPTIONS; those alone are kept for a second try."""
+        one graph on CPU of at most CPU_WRAPPER_MAX_TENSORS trained tensors,
+        CPU_INDUCTOR_OPTIONS; those alone are kept for a second try."""
         options = {"fullgraph": True, "dynamic": False, **compile_options}
         self.compile_options = options
-        if not self.regional:
+        if not self.regional and len(self.hp) <= CPU_WRAPPER_MAX_TENSORS:
             self.compile_options = _with_cpu_options(options, self.device_type)
         if self.compile_options is not options:
             self._plain_options = options
@@ -769,12 +773,13 @@ def compile_step(
         called once per param of that kind, so the compile grows less with depth but each
         step runs slower (the regions' results are copied into place, no fusion across
         params: benchmarks/results/compile_cpu*.md); True: update regions whatever the model.
-        With regions the step compiles without CPU_INDUCTOR_OPTIONS. The values are the same
+        With regions, or more than CPU_WRAPPER_MAX_TENSORS trained tensors, the step compiles
+        without CPU_INDUCTOR_OPTIONS. The values are the same
         either way (the same step_math). Should compiling with regions fail, the step
         compiles once more as one graph.
     compile_options: passed to torch.compile (mode="reduce-overhead" for CUDA graphs,
         backend=...); fullgraph=True and dynamic=False unless given. On CPU with inductor and
-        no mode, CPU_INDUCTOR_OPTIONS (the C++ wrapper) join `options`; the step's
+        no mode, CPU_INDUCTOR_OPTIONS (the C++ wrapper) join `options` (see `regions`); the step's
         compile_options attribute shows what torch.compile got.
     """
     return CompiledStep(
