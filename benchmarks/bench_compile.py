@@ -47,9 +47,10 @@ columns, and probes of this model at depths 2, 4 and 8 in fresh processes with c
   the compile (depth 8: 215 s at load 4, against 110-126 s) and slowed the step (17 ms against
   10-11 ms): the nodes are still fused, generated and called one by one. At depth 24 the C++
   wrapper's one file is 2.4 MB, its update functions 4,000-9,000 lines each (split only by
-  inductor's 500-argument limit), and gcc alone runs over 15 minutes on it.
+  inductor's 500-argument limit), and its build took 2049 s of a 2227 s first step.
 - The C++ wrapper: off, depth 8 compiled in 77 s (on: 110 s) and stepped in 13.5 ms (on:
-  9.5 ms); at depth 2, 27 s / 3.2 ms (on: 24 s / 2.7 ms). compile_step keeps it on.
+  9.5 ms); at depth 2, 27 s / 3.2 ms (on: 24 s / 2.7 ms). compile_step now builds it only for
+  a step of at most compiled_step.CPU_WRAPPER_MAX_TENSORS (32) trained tensors.
 
 --dtype fp32 runs the same without autocast. The blocks' forward and backward are inline in
 every compiled loop.
