@@ -36,10 +36,6 @@ from mixprec.core.validate import check_max_norm, check_norm_type
 from mixprec.parallel.pipeline.optim import PipelineOptimizer, PipelineZeroOptimizer
 from mixprec.parallel.zero import ZeroOptimizer
 
-# Modules whose clip_grad_norm is the core's (one clip over the optimizer's clip_span, and the
-# per-loss optimizer's record of the clipped grads); a face's override is its legacy form.
-_CORE_CLIP_MODULES = ("mixprec.core.optim", "mixprec.core.per_loss_optim")
-
 
 class OptimizerWrapperAPI:
     """Colossal-AI's OptimizerWrapper methods over a mixprec optimizer: a base of every
@@ -131,13 +127,8 @@ class OptimizerWrapperAPI:
             )
         check_max_norm("max_norm", max_norm)
         norm_type = check_norm_type("norm_type", norm_type)
-        clip = None
-        for cls in type(self).__mro__:  # the parallelism's clip, not a face's legacy form
-            if cls.__module__ in _CORE_CLIP_MODULES and "clip_grad_norm" in cls.__dict__:
-                clip = cls.__dict__["clip_grad_norm"]
-                break
-        assert clip is not None, f"{type(self).__name__} has no core clip_grad_norm"
-        total = clip(self, float(max_norm), norm_type)
+        # the core's clip (its clip_span's ranks), past this class's two-form clip_grad_norm
+        total = super().clip_grad_norm(float(max_norm), norm_type)  # type: ignore[misc]
         if hasattr(total, "full_tensor"):  # FSDP2's norm is a DTensor: the value every rank sees
             total = total.full_tensor()
         # A non-finite norm means non-finite grads: step() skips this step whatever the clip
