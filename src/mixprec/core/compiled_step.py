@@ -72,13 +72,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.core import compiled_join, qstate
 from mixprec.core import fused_step as fused
-from mixprec.core import qstate
 from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
 from mixprec.core.clip import total_grad_norm
 from mixprec.core.commit import StepResult
 from mixprec.core.compile_regions import use_regions
+from mixprec.core.compiled_join import JoinedGroup, counts_equal, joinable
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.scaling import ProcessGroup, ScaleRule, default_group, rank_and_world
 from mixprec.core.skip_monitor import SkipStats, StepCounter
@@ -337,6 +338,8 @@ class CompiledStep:
         self.lean = optimizer.lean if wrapped else None
         """The optimizer's lean write-back (stochastic rounding, state format), run in the
         graph; None: torch's own."""
+        # one accounting: the optimizer's StepCounter, which counts its eager steps too
+        self.counts = optimizer.counts if wrapped else StepCounter(None)
         self._plan()
         device = self.hp[0].device if self.hp else torch.device("cpu")
         self.device_type = device.type
@@ -353,8 +356,6 @@ class CompiledStep:
         self.check_every = self._step_record.check_every
         """Steps between the host's reads of the skip record (each read is one host sync)."""
         self._unreported = 0  # skips read since the last sync_counters() call
-        # one accounting: the optimizer's StepCounter, which counts its eager steps too
-        self.counts = optimizer.counts if wrapped else StepCounter(None)
         self._count: Count = optimizer.count_recorded_step if wrapped else self._count_plain
         self._regions: dict[tuple, Callable[..., tuple[torch.Tensor, ...]]] = {}
         self._flags_seen: set[tuple] = set()  # the group flags _make_regions has run for
@@ -457,6 +458,75 @@ class CompiledStep:
         # the live params, in optimizer order, looked up once: a step walks no module tree
         params = dict(self.model.named_parameters())
         self._train = [params[name] for name in self.train_names]
+        self._join_groups()
+        self._planned = self._state_key()
+        self._steps_seen = self.counts.steps  # the optimizer's step count the plan saw
+
+    def _state_now(self, i: int) -> list[Any]:
+        """Param i's state tensors as the optimizer holds them now (the plan's keys)."""
+        state = self.inner.state.get(self.hp[i], {})
+        keys = ("step", "exp_avg", "exp_avg_sq") if "exp_avg" in state else ("momentum_buffer",)
+        return [state[k] for k in keys if k in state]
+
+    def _state_key(self) -> tuple:
+        """What the plan holds, as ids and data pointers of every hp and state tensor: a
+        loaded state_dict (new tensors) or a moved one changes it (host only, no sync)."""
+        key = []
+        for i, hp in enumerate(self.hp):
+            key += [id(hp), hp.data_ptr()]
+            for t in self._state_now(i):
+                key += [id(t), t.data_ptr() if type(t) is torch.Tensor else 0]
+        return tuple(key)
+
+    def _join_groups(self) -> None:
+        """Join each group's joinable params (compiled_join): one update per group in the
+        graph. A join that still holds the same tensors is kept (no copy, no recompile); one
+        whose Adam counts differ is not made (one host sync per group, at planning only)."""
+        old = {tuple(j.members): j for j in getattr(self, "joins", [])}
+        self.joins: list[JoinedGroup] = []
+        for g, group in enumerate(self.inner.param_groups):
+            kind = GroupPlan.of(self.inner, group).kind
+            members = [
+                i
+                for i, index in enumerate(self.group_of)
+                if index == g and joinable(self.hp[i], self.lp[i], self.states[i])
+            ]
+            if len(members) < compiled_join.MIN_MEMBERS or self.lean is not None or self.regional:
+                continue
+            hp = [self.hp[i] for i in members]
+            states = [self.states[i] for i in members]
+            kept = old.pop(tuple(members), None)
+            if kept is not None and kept.holds(hp, states):
+                self.joins.append(kept)
+                continue
+            if kind == "adam" and not counts_equal([st[0] for st in states]):
+                continue
+            lp = [self.lp[i] for i in members]
+            self.joins.append(JoinedGroup(g, kind, members, hp, lp, states))
+        joined = {i for j in self.joins for i in j.members}
+        self.solo = [i for i in range(len(self.hp)) if i not in joined]
+        """The params updated one by one (not in a joined group)."""
+
+    def _keep_plan(self) -> None:
+        """Host side, before each step: plan again if the optimizer's tensors changed (a
+        loaded state_dict); after steps this object did not take, release a joined group whose
+        Adam counts are no longer equal (one sync, only then)."""
+        if self._state_key() != self._planned:
+            self._replan()
+            return
+        if self.counts.steps == self._steps_seen or not self.joins:
+            return
+        self._steps_seen = self.counts.steps
+        unequal = [j for j in self.joins if not j.counts_equal()]
+        if unequal:
+            for j in unequal:
+                j.release()
+            self._replan()
+
+    def _replan(self) -> None:
+        """_plan again; the per-param updates are looked up again for the params now solo."""
+        self._plan()
+        self._flags_seen.clear()
 
     def _hparams(self) -> tuple[list[torch.Tensor], tuple[tuple[str, tuple[bool, ...]], ...]]:
         """Each group's values (GroupPlan.values) as an fp64 tensor on the params' device, and
@@ -514,7 +584,10 @@ class CompiledStep:
         if self.average_grads:
             grads = self._all_reduce_grads(grads)
         unscaled = [g.float() * inv_scale for g in grads]
-        amaxes = torch.stack([sm.grad_amax(u) for u in unscaled]) if unscaled else inv_scale
+        joined = [j.gather(grads) for j in self.joins]  # each chunk's flat gradient
+        flat = [g for chunks in joined for g in chunks]
+        checked = [unscaled[i] for i in self.solo] + [g.float() * inv_scale for g in flat]
+        amaxes = torch.stack([sm.grad_amax(u) for u in checked]) if checked else inv_scale
         found_inf = sm.found_inf(amaxes).reshape(1)
         found_inf = self._all_reduce_max(found_inf)
         skip = found_inf > 0
@@ -530,10 +603,14 @@ class CompiledStep:
             counter = self.lean.counter
             keys = sm.rounding_keys(self.lean.seed, counter, self._param_count)
             counter.copy_(counter + keep.reshape(()).to(counter.dtype))
-        for i, grad in enumerate(grads):
+        for i in self.solo:
             g = self.group_of[i]
             key = None if keys is None else keys[self.param_index[i]]
-            self._update(i, grad, head, hparams[g], keep, skip, flags[g], key)
+            self._update(i, grads[i], head, hparams[g], keep, skip, flags[g], key)
+        clipping = self.max_norm > 0
+        for join, grad in zip(self.joins, joined, strict=True):
+            g = join.group
+            join.update(grad, head, hparams[g], keep, skip, flags[g], clipping)
         self._step_rule.advance_(found_inf)
         self._step_record.write(found_inf, scale_used, total)  # a device cursor: no guard, no sync
         return loss.reshape(())
@@ -570,8 +647,8 @@ class CompiledStep:
         update once and every param of that kind calls the same code."""
         if flags in self._flags_seen:
             return
-        for i, g in enumerate(self.group_of):
-            spec = self._spec(i, flags[g])
+        for i in self.solo:
+            spec = self._spec(i, flags[self.group_of[i]])
             if spec in self._regions:
                 continue
             update = _update_of(spec)
@@ -605,6 +682,7 @@ class CompiledStep:
                     "model's inputs and then the target (or target=...)."
                 )
             *inputs, target = inputs
+        self._keep_plan()
         self._take_scale()
         hparams, flags = self._hparams()
         self._make_regions(flags)
@@ -612,6 +690,7 @@ class CompiledStep:
         with torch.no_grad():  # _run enables grad for forward and backward; the writes need none
             loss = self._step(args)
         self.counts.steps += 1
+        self._steps_seen = self.counts.steps
         self._step_record.step_done(self._count_row, has_norm=self._records_norm)
         return loss
 

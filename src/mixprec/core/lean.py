@@ -33,6 +33,7 @@ import torch
 from mixprec.core import fused_step as fused
 from mixprec.core import qstate
 from mixprec.core import step_math as sm
+from mixprec.core.joined import JoinedState, join, layout_of, split_into
 from mixprec.core.policy import ROUNDINGS, OptimizerState, Policy, Rounding, state_formats
 from mixprec.core.scaling import rank_and_world
 from mixprec.core.step_plan import GroupPlan
@@ -249,7 +250,7 @@ class LeanUpdate:
         self.batch_max = BATCH_MAX_ELEMENTS
         """Tensors up to this size are stepped in batches (0: every tensor on its own)."""
         self._batch_layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._joins: dict[tuple, _JoinedState] = {}
+        self._joins: dict[tuple, JoinedState] = {}
 
     # ----- the step -----
     @torch.no_grad()
@@ -309,7 +310,7 @@ class LeanUpdate:
                 self._update(kind, p, state, s, flags, keys, i)
                 continue
             stochastic = keys is not None and local.dtype == torch.bfloat16
-            layout = (id(s), local.dtype, p.grad.dtype, stochastic, *map(_layout, state))
+            layout = (id(s), local.dtype, p.grad.dtype, stochastic, *map(layout_of, state))
             batches.setdefault(layout, []).append((i, p, state, s))
         for batch in batches.values():
             chunk: list = []
@@ -348,7 +349,7 @@ class LeanUpdate:
         joined = self._joined_state(batch, columns)
         copy_back = joined is None
         if copy_back:  # DTensor state: joined and split each step
-            joined = [_join(col) for col in columns]
+            joined = [join(col) for col in columns]
         key = None
         if keys is not None and hp.dtype == torch.bfloat16:
             key = self._batch_keys(batch, keys)
@@ -357,10 +358,10 @@ class LeanUpdate:
         torch._foreach_copy_(params, hp.split([t.numel() for t in params]))
         if copy_back:
             for col, whole in zip(columns, joined, strict=True):
-                _split_into(col, whole)
+                split_into(col, whole)
 
     def _joined_state(self, batch, columns) -> list[torch.Tensor] | None:
-        """The batch's state columns joined (see _join), kept from step to step: the first step
+        """The batch's state columns joined (see joined.join), kept from step to step: the first step
         moves each state tensor into its column's joined buffer (the tensor, the one in the
         optimizer's state, becomes a view of it), so later steps copy no state in or out (on
         the GPT of bench_lean, 0.6-0.8 ms a step). A state tensor replaced since (a loaded
@@ -372,7 +373,7 @@ class LeanUpdate:
         held = self._joins.get(key)
         if held is not None and held.holds(columns):
             return held.whole
-        held = _JoinedState(columns)
+        held = JoinedState(columns)
         params = set(key)  # a param's state lives in one join: older joins over it go
         self._joins = {k: v for k, v in self._joins.items() if params.isdisjoint(k)}
         self._joins[key] = held
@@ -459,73 +460,6 @@ def _same_format(target: torch.Tensor, value: Any) -> bool:
         and value["codes"].shape == target.codes.shape
         and value["scale"].shape == target.scale.shape
     )
-
-
-def _layout(state: torch.Tensor) -> tuple:
-    """What must agree for state tensors to be stepped in one batch: kind, dtype, and for
-    torchao's quantized state its signedness and block size (and so its code map)."""
-    if type(state) is torch.Tensor:
-        return (torch.Tensor, state.dtype)
-    return (type(state), bool(getattr(state, "signed", True)), state.block_size)
-
-
-def _join(column: list[torch.Tensor]) -> torch.Tensor:
-    """One state tensor of all of a batch's state tensors (same _layout), flattened and
-    concatenated: a plain tensor, or torchao's quantized tensor over the joined codes and
-    scales (whole blocks each, so every block and its scale stay as they were)."""
-    first = column[0]
-    if type(first) is torch.Tensor:
-        return torch.cat([t.view(-1) for t in column])
-    codes = torch.cat([t.codes.view(-1) for t in column])
-    scale = torch.cat([t.scale for t in column])
-    kind = type(first).__name__
-    if kind == "OptimState8bit":
-        return type(first)(codes, scale, first.qmap, first.signed, dtype=first.dtype)
-    if kind == "OptimState4bit":
-        numel = sum(t.numel() for t in column)
-        return type(first)(codes, scale, first.qmap, first.signed, (numel,), dtype=first.dtype)
-    return type(first)(codes, scale, dtype=first.dtype)  # OptimStateFp8
-
-
-class _JoinedState:
-    """A batch's state columns joined once (see LeanUpdate._joined_state): each state tensor
-    (for torchao's, its codes and scales) rebound in place to its slice of its column's joined
-    buffer, so the optimizer's state and the kernel's operand share memory."""
-
-    def __init__(self, columns: list[list[torch.Tensor]]) -> None:
-        self.whole = [_join(col) for col in columns]
-        for col, whole in zip(columns, self.whole, strict=True):
-            for parts, joined in zip(_parts(col), _parts([whole]), strict=True):
-                storage, offset = joined[0].untyped_storage(), joined[0].storage_offset()
-                for t in parts:
-                    t.set_(storage, offset, t.shape, t.stride())
-                    offset += t.numel()
-        self.columns = columns  # held: their ids stay theirs while compared
-        self.ids = [id(t) for col in columns for t in col]
-        self.pointers = self._pointers(columns)
-
-    @staticmethod
-    def _pointers(columns: list[list[torch.Tensor]]) -> list[int]:
-        return [t.data_ptr() for col in columns for parts in _parts(col) for t in parts]
-
-    def holds(self, columns: list[list[torch.Tensor]]) -> bool:
-        """columns are still the joined tensors, still in their slices."""
-        ids = [id(t) for col in columns for t in col]
-        return ids == self.ids and self._pointers(columns) == self.pointers
-
-
-def _parts(column: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """A column's plain tensors: itself, or torchao's codes and scales."""
-    if type(column[0]) is torch.Tensor:
-        return [column]
-    return [[t.codes for t in column], [t.scale for t in column]]
-
-
-def _split_into(column: list[torch.Tensor], whole: torch.Tensor) -> None:
-    """Copy a joined state tensor (see _join) back into the batch's own state tensors."""
-    for parts, joined in zip(_parts(column), _parts([whole]), strict=True):
-        flat = [t.view(-1) for t in parts]
-        torch._foreach_copy_(flat, joined[0].view(-1).split([t.numel() for t in flat]))
 
 
 def split_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int, dict], Any]:
