@@ -134,10 +134,12 @@ def test_the_state_is_joined_in_place_and_stays_the_optimizers():
     step = compile_step(model, opt, crit, compile=False)
     assert [id(m) for m in opt.hp_masters] == [id(m) for m in masters]
     (join,) = step.joins
-    # width 8: one chunk of masters (fp16 params), one of the params NAIVE keeps fp32 (norms)
-    chunk = next(c for c in join.chunks if c.masters_joined)
-    own = next(c for c in join.chunks if not c.masters_joined)
-    assert all(lp is None for lp in own.lp) and all(lp is not None for lp in chunk.lp)
+    # width 8: one chunk of masters (of fp16 params), one of the params NAIVE keeps fp32
+    chunk, own = join.chunks
+    assert all(lp is not None for lp in chunk.lp) and all(lp is None for lp in own.lp)
+    assert {p.untyped_storage().data_ptr() for p in own.hp} == {
+        own.joined.whole[0].untyped_storage().data_ptr()
+    }  # the model's own fp32 params (NAIVE's norms), views of one buffer too
     whole = chunk.joined.whole
     storage = {m.untyped_storage().data_ptr() for m in chunk.hp}
     assert storage == {whole[0].untyped_storage().data_ptr()}

@@ -8,12 +8,15 @@ adds one update for all its params; per param, the graph keeps only what is its 
 gradient's slice of the group's flat gradient (one concatenation) and the write of its new
 low-precision value.
 
-A group's params join when each has a low-precision twin the model trains (the master is not
-the model's param, so the forward never reads the joined buffer), an fp32 contiguous master and
-plain fp32 state on the master's device, and the step runs no lean write-back. Adam's step
-counts must all be equal: the group then shares one scalar vector, as the eager step shares one
-among params at the same count (GroupPlan.prepare). The values are the per-param update's,
-element for element: the same step_math on the same scalars.
+A group's params join when each has an fp32 contiguous hp (its master, or the model's own fp32
+param when it has none) and plain fp32 state on the hp's device, and the step runs no lean
+write-back. Adam's step counts must all be equal: the group then shares one scalar vector, as
+the eager step shares one among params at the same count (GroupPlan.prepare). The values are
+the per-param update's, element for element: the same step_math on the same scalars. A group
+is stepped in chunks (CHUNK_ELEMENTS): masters and the model's own params in chunks of their
+own; a large param is a chunk over its own tensors; small ones are joined, the model's own
+params too (they become views of one buffer the graph writes in place, which dynamo and
+aot_autograd treat as one input).
 
 The joined tensors stay the optimizer's own (joined.JoinedState: rebound in place), so
 state_dict(), checkpoints and eager steps see them. CompiledStep checks on the host before each
@@ -75,15 +78,12 @@ class _Chunk:
     values (None: hp is the model's own fp32 param)."""
     sizes: list[int]
     hp: list[torch.Tensor]
+    """The members' masters, or the model's own params for members without one."""
     moments: list[list[torch.Tensor]]
     """Per member, its state tensors but Adam's step (exp_avg, exp_avg_sq | momentum_buffer)."""
     joined: JoinedState | None = None
-    """Two or more members: their state columns (and their masters first, when every member has
-    one) joined. None for one member: its own tensors are the operands."""
-
-    @property
-    def masters_joined(self) -> bool:
-        return self.joined is not None and all(lp is not None for lp in self.lp)
+    """Two or more members: their hp column, then their state columns, joined. None for one
+    member: its own tensors are the operands."""
 
 
 def _chunked(sizes: list[int], limit: int) -> list[list[int]]:
@@ -106,8 +106,8 @@ def _chunked(sizes: list[int], limit: int) -> list[list[int]]:
 
 
 def _runs(sizes: list[int], masters: list[bool]) -> list[list[int]]:
-    """_chunked runs of the members with masters, then of those stepping their own param (a
-    chunk of masters joins them: the forward never reads a master)."""
+    """_chunked runs of the members with masters, then of those stepping the model's own param
+    (a chunk's hp are one kind: its low-precision writes are all there or all absent)."""
     runs = []
     for kind in (True, False):
         positions = [k for k, has in enumerate(masters) if has is kind]
@@ -153,9 +153,8 @@ class JoinedGroup:
                 [moments[k] for k in run],
             )
             if len(run) > 1:
-                masters = [chunk.hp] if all(t is not None for t in chunk.lp) else []
-                columns = [*masters, *(list(col) for col in zip(*chunk.moments, strict=True))]
-                chunk.joined = JoinedState(columns) if columns else None
+                columns = [chunk.hp, *(list(col) for col in zip(*chunk.moments, strict=True))]
+                chunk.joined = JoinedState(columns)
             self.chunks.append(chunk)
         self.key = self._key(hp, states)
         """Ids and data pointers of every tensor joined or held: see holds()."""
@@ -220,14 +219,11 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _operands(chunk: _Chunk) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(hp, state moments) of a chunk as flat tensors: views of one member's own tensors, or
-    the joined columns (hp gathered from the members' own when the masters are not joined)."""
+    """(hp, state moments) of a chunk as flat tensors: the joined columns, or views of its one
+    member's own tensors."""
     if chunk.joined is None:
         return _flat(chunk.hp), [_flat(list(col)) for col in zip(*chunk.moments, strict=True)]
-    whole = chunk.joined.whole
-    if chunk.masters_joined:
-        return whole[0], whole[1:]
-    return _flat(chunk.hp), whole
+    return chunk.joined.whole[0], chunk.joined.whole[1:]
 
 
 def _update_chunk(
@@ -259,10 +255,4 @@ def _update_chunk(
             piece = new[offset : offset + size].view(lp.shape).to(lp.dtype)
             lp.copy_(torch.where(skip, lp, piece))
         offset += size
-    if chunk.masters_joined or len(chunk.hp) == 1:
-        hp.copy_(torch.where(skip, hp, new))  # the joined masters, or a view of the one hp
-        return
-    offset = 0
-    for p, size in zip(chunk.hp, chunk.sizes, strict=True):
-        p.copy_(torch.where(skip, p, new[offset : offset + size].view(p.shape)))
-        offset += size
+    hp.copy_(torch.where(skip, hp, new))  # the joined column, or a view of the one hp
