@@ -21,37 +21,24 @@ also records torch._dynamo.utils.compile_times()'s phase totals (dynamo tracing,
 inductor's scheduling, codegen and C++ builds) and what inductor generated (kernel_counts: IR
 nodes before fusion, C++ loop nests, distinct C++ kernel functions).
 
-Why compile_step's compile grows per block (one graph, torch 2.13, CPU; the record's count
-columns, and probes of this model at depths 2, 4 and 8 in fresh processes with cold caches):
+Where compile_step's compile goes (one graph, torch 2.13, CPU; the record's count columns):
 
-- Work per node, not per distinct kernel. The IR nodes grow ~6x faster per block than
-  torch.compile(model)'s (each block's forward and backward are the same ~30 nodes in both);
-  the rest is ~23 nodes per trained tensor: its grad's amax (the finite check), its Adam step
-  count, its update, and above all its scalar vector s. step_math.scalar_vector stacks 8 fp64
-  values and concatenates them with inv_scale and clip; inductor realizes every slot as its
-  own one-element kernel. The fusion pass (pairwise can_fuse checks: 18,604 at depth 2), the
-  C++ codegen of each fused node and the C++ build all scale with these nodes.
-- s is per tensor for exactness: torch keeps one Adam step count per param, and the bias
-  corrections must be scalar C++ (std::pow, as the eager step's Python floats): computed over
-  a stacked vector, inductor's vectorized pow on doubles is Sleef's (1 ulp), which may round
-  differently. Sharing one s per param group (a probe that ignores the per-param counts: not
-  exact) halved the first step at depth 8 (109.5 s -> 55.2 s).
-- Same-shape updates are not deduplicated. Inductor's CPU backend writes all consecutive
-  non-extern nodes between two extern calls (the matmuls) into one C++ function and reuses a
-  function only when its whole source repeats. The blocks' forward and backward kernels sit
-  between matmuls and repeat (as in torch.compile(model)); every update comes after the last
-  backward matmul, so all of them, and the scalar prologue, are one function whose source grows
-  with the param count (9 functions, 172 loop nests, 250 KB of C++ at depth 2; 480 KB at 4).
-  Splitting it per node (inductor's CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = 0, a probe)
-  makes same-shape updates share functions (48 at depth 2, 53 at depth 4) but did not shorten
-  the compile (depth 8: 215 s at load 4, against 110-126 s) and slowed the step (17 ms against
-  10-11 ms): the nodes are still fused, generated and called one by one. At depth 24 the C++
-  wrapper's one file is 2.4 MB, its update functions 4,000-9,000 lines each (split only by
-  inductor's 500-argument limit), and its build took 2049 s of a 2227 s first step.
-- The C++ wrapper: off, depth 8 compiled in 77 s (on: 110 s) and stepped in 13.5 ms (on:
-  9.5 ms); at depth 2, 27 s / 3.2 ms (on: 24 s / 2.7 ms). compile_step now builds it only for
-  a step of at most compiled_step.CPU_WRAPPER_MAX_TENSORS (32) trained tensors (without it,
-  depth 24: first step 226 s, steady 45.7 ms, against 2227 s and 44.9 ms).
+- The forward and backward are torch.compile(model)'s, about 30 IR nodes per block. The update
+  joins each param group (mixprec.core.compiled_join): one scalar vector per group, one update
+  per chunk of at most 2**18 elements (a block's two 256 x 1024 weights are a chunk each, its
+  small params share one), so a block adds about 15 nodes of update, where one update per
+  trained tensor, each with its own scalar vector, added about 140 (23 per tensor).
+- The rest grows with the kernels: inductor's CPU backend writes the update nodes between two
+  matmuls into one C++ function and shares a function only when its whole source repeats, and
+  the chunks' updates differ in their offsets and operands, so the distinct C++ functions and
+  their builds still grow per block (the record's builds column).
+- Larger chunks gave fewer nodes but a slower step: a chunk's update makes temporaries of its
+  size (its flat gradient, its new values), and temporaries of a few MiB were mapped afresh by
+  the allocator at every step (page faults in the update kernel, seen with perf): at depth 8,
+  chunks of 2**19 or 2**20 elements stepped in 34 ms against 11-14 ms with 2**18.
+- The C++ wrapper (compiled_step.CPU_WRAPPER_MAX_TENSORS): built only for a step of at most 32
+  trained tensors; it is one C++ file for the whole graph, whose build grew much faster than the
+  graph (at 24 blocks, per-tensor updates: 2049 s of a 2227 s first step).
 
 --dtype fp32 runs the same without autocast. The blocks' forward and backward are inline in
 every compiled loop.

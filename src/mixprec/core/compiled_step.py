@@ -42,14 +42,19 @@ the loop body) reaches the forward and the loss and ends there: scaling, backwar
 run in an fp32_region, as an eager loop runs them outside auto_cast. One call is one optimizer
 step: no gradient accumulation.
 
-Repeated structure can compile once (compile_step's regions="auto"): in a model that repeats blocks
-(identical children of an nn.Sequential / nn.ModuleList, mixprec.core.compile_regions), each
-kind of param update (same group flags, shape, dtypes and state format) is a nested compile
-region, traced and compiled once and called once per param; the in-place writes of an update
-stay outside its region. As one unrolled graph, inductor's fusion pass and the C++ wrapper's
-one-file build grew faster than the graph (residual MLP blocks, bf16, AdamW: 36 s at 2 blocks,
-175 s at 8, of which 52 s fusion and 70 s the C++ build). The blocks' forward and backward stay
-inline: compile_regions says why.
+The update's size does not grow with the param count: each param group's params are joined
+(mixprec.core.compiled_join: their state and masters rebound in place into flat buffers, the
+optimizer's own tensors still), so the graph holds one update per chunk of the group with one
+scalar vector, where one per param gave each trained tensor ~23 graph nodes and a compile that
+grew ~9 s per residual block (benchmarks/results/compile_cpu.md). The values are the per-param
+update's, bit for bit. Before each step the host checks that the joined tensors are still the
+optimizer's (a loaded state_dict plans again) and, after steps it did not take, that Adam's
+counts are still equal (one read, only then). A lean write-back (stochastic rounding, low-bit
+state) steps param by param; for it, regions="auto" (a model of repeated blocks: identical
+children of an nn.Sequential / nn.ModuleList, mixprec.core.compile_regions) or True compiles
+each kind of param update (same group flags, shape, dtypes and state format) once as a nested
+compile region called once per param, the in-place writes outside it; a regional step joins
+nothing. The blocks' forward and backward stay inline: compile_regions says why.
 
 Skips are counted and reported by the optimizer's own StepCounter, as its eager steps are
 (optimizer.skipped_steps, consecutive_skips, skip_stats, the skip monitor's warm-up summary and
@@ -843,19 +848,18 @@ def compile_step(
     check_every: steps between the host's reads of the on-device skip record (one sync each):
         skip counts, the skip monitor's reports and ScaleCollapseError arrive then, or when
         step.sync_counters() / step.skip_stats is read.
-    regions: False (default): the whole step unrolled in one graph (the fastest step: inductor
-        fuses every update with its neighbours; its compile grows with the param count).
-        "auto": when the model repeats blocks (two or more children of an nn.Sequential /
-        nn.ModuleList with one class and the same parameter names, shapes and dtypes:
-        mixprec.core.compile_regions.repeated_blocks), each kind of param update (group
+    regions: False (default): one graph, each param group's update joined (see the module
+        docstring: the update does not grow with the param count; a lean write-back steps param
+        by param). "auto": when the model repeats blocks (two or more children of an
+        nn.Sequential / nn.ModuleList with one class and the same parameter names, shapes and
+        dtypes: mixprec.core.compile_regions.repeated_blocks), each kind of param update (group
         flags, shape, dtypes, state format) is a nested compile region, compiled once and
-        called once per param of that kind, so the compile grows less with depth but each
-        step runs slower (the regions' results are copied into place, no fusion across
-        params: benchmarks/results/compile_cpu*.md); True: update regions whatever the model.
-        With regions, or more than CPU_WRAPPER_MAX_TENSORS trained tensors, the step compiles
-        without CPU_INDUCTOR_OPTIONS. The values are the same
-        either way (the same step_math). Should compiling with regions fail, the step
-        compiles once more as one graph.
+        called once per param of that kind, joining nothing (for lean steps, which cannot
+        join; each step runs slower: the regions' results are copied into place, no fusion
+        across params); True: update regions whatever the model. With regions, or more than
+        CPU_WRAPPER_MAX_TENSORS trained tensors, the step compiles without
+        CPU_INDUCTOR_OPTIONS. The values are the same either way (the same step_math). Should
+        compiling with regions fail, the step compiles once more as one graph.
     compile_options: passed to torch.compile (mode="reduce-overhead" for CUDA graphs,
         backend=...); fullgraph=True and dynamic=False unless given. On CPU with inductor and
         no mode, CPU_INDUCTOR_OPTIONS (the C++ wrapper) join `options` (see `regions`); the step's
