@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from typing_extensions import override
 
 from mixprec.amp_type import HYBRID_SCALER, ScalerKeywords
 from mixprec.booster.checkpoint_io import is_dcp_directory, load_state_file
@@ -402,6 +403,7 @@ class HybridParallelPlugin(Plugin):
         if is_distributed():  # every rank sees the same sizes: all raise, none hangs
             check_pp_size(pp_size, dist.get_world_size(), tp_size)
 
+    @override
     def data_rank_and_world(self) -> tuple[int, int]:
         """Shards per data-parallel replica: a replica's stages must all read the same batch."""
         if not is_distributed():
@@ -409,6 +411,7 @@ class HybridParallelPlugin(Plugin):
         return data_shard(self.config.pp_size, self.config.tp_size)
 
     @property
+    @override
     def process_group(self):  # noqa: ANN201 - a torch ProcessGroup or None
         return None if self._zero is None else self._zero.process_group
 
@@ -425,6 +428,7 @@ class HybridParallelPlugin(Plugin):
             )
         return self.precision
 
+    @override
     def configure(
         self,
         model: nn.Module,
@@ -487,15 +491,18 @@ class HybridParallelPlugin(Plugin):
             return_outputs=return_outputs,
         )
 
+    @override
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Gradients are reduced at step() (ZeRO) or averaged there (pipeline): nothing to skip."""
         return contextlib.nullcontext()
 
     # ----- checkpoints: torch.distributed.checkpoint directories, each stage writes its part -----
     @property
+    @override
     def writes_dtensor_shards(self) -> bool:  # type: ignore[override]
         return self._zero is None  # ZeRO's checkpoints are whole files
 
+    @override
     def model_state(self, model: nn.Module, optimizer: Any) -> Any:
         if self._zero is not None:
             return self._zero.model_state(model, optimizer)
@@ -506,6 +513,7 @@ class HybridParallelPlugin(Plugin):
             "unset; any plugin's load_model reads that directory whole)."
         )
 
+    @override
     def optimizer_state(self, optimizer: Any, model: nn.Module | None) -> Any:
         if self._zero is not None:
             return self._zero.optimizer_state(optimizer, model)
@@ -516,6 +524,7 @@ class HybridParallelPlugin(Plugin):
             "unset)."
         )
 
+    @override
     def save_model(
         self, model: nn.Module, path: str | os.PathLike, optimizer: StageOptimizer | None
     ) -> None:
@@ -525,6 +534,7 @@ class HybridParallelPlugin(Plugin):
 
         _dcp_save_atomic(pipeline_model_state(_pipelined(model), optimizer), path)
 
+    @override
     def load_model(
         self,
         model: nn.Module,
@@ -545,6 +555,7 @@ class HybridParallelPlugin(Plugin):
             state = load_state_file(path)
         load_pipeline_model_state(piped, state, optimizer, strict=strict)
 
+    @override
     def save_optimizer(
         self, optimizer: StageOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
@@ -554,6 +565,7 @@ class HybridParallelPlugin(Plugin):
             return self._zero.save_optimizer(optimizer, path, model)
         _dcp_save_atomic(pipeline_optimizer_state(_pipelined(model), optimizer), path)
 
+    @override
     def load_optimizer(
         self, optimizer: StageOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:

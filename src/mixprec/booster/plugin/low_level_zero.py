@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from mixprec.amp_type import LOW_LEVEL_ZERO_SCALER, ScalerKeywords
 from mixprec.booster.plugin.plugin_base import (
@@ -202,9 +203,11 @@ class LowLevelZeroPlugin(Plugin):
         return cls(stage=stage, cpu_offload=cpu_offload, policy=policy)
 
     @property
+    @override
     def process_group(self):  # noqa: ANN201 - a torch ProcessGroup or None
         return default_group()
 
+    @override
     def configure(
         self,
         model: nn.Module,
@@ -240,6 +243,7 @@ class LowLevelZeroPlugin(Plugin):
         self._zero_of_model[boosted] = zero
         return boosted, zero
 
+    @override
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Backward passes inside reduce no bucket. Without overlap_communication gradients are
         reduced at step() anyway, so this changes nothing; with it, the buckets are reduced by
@@ -250,6 +254,7 @@ class LowLevelZeroPlugin(Plugin):
         return zero.no_sync()
 
     # ----- checkpoints -----
+    @override
     def model_state(self, model: nn.Module, optimizer: MixedPrecisionOptimizer | None) -> Any:
         """fp32 weights; each master comes from the rank that owns it."""
         user_model = unwrap_model(model)
@@ -261,10 +266,12 @@ class LowLevelZeroPlugin(Plugin):
                     state[names[id(p)]] = hp.cpu()
         return state
 
+    @override
     def optimizer_state(self, optimizer: MixedPrecisionOptimizer, model: nn.Module | None) -> Any:
         """Gathered on rank 0: an unsharded optimizer checkpoint (any world loads it)."""
         return _zero(optimizer).gathered_state_dict()
 
+    @override
     def load_optimizer_state(
         self, optimizer: MixedPrecisionOptimizer, state: dict[str, Any], model: nn.Module | None
     ) -> None:

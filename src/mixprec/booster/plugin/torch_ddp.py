@@ -7,6 +7,7 @@ import contextlib
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from typing_extensions import override
 
 from mixprec.booster.plugin.plugin_base import Plugin, is_distributed
 from mixprec.core.prepare import PrecisionModule
@@ -46,6 +47,7 @@ class TorchDDPPlugin(Plugin):
         if not broadcast_buffers:  # torch 2.13 deprecates the name but keeps its meaning
             self.ddp_kwargs["broadcast_buffers"] = False
 
+    @override
     def wrap_model(self, model: PrecisionModule, device: torch.device) -> nn.Module:
         if not is_distributed():
             raise RuntimeError(
@@ -58,6 +60,7 @@ class TorchDDPPlugin(Plugin):
             ddp.register_comm_hook(None, fp8_ddp_comm_hook(self.fp8_communication))
         return ddp
 
+    @override
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         if not isinstance(model, DDP):
             raise TypeError(f"no_sync needs the model boost() returned (a DDP), got {type(model)}.")

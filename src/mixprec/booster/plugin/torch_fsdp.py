@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from typing_extensions import override
 
 from mixprec.booster.checkpoint_io import is_dcp_directory, load_state_file, swap_in_directory
 from mixprec.booster.plugin.plugin_base import (
@@ -170,6 +171,7 @@ class TorchFSDPPlugin(Plugin):
         self.mesh: DeviceMesh | None = None
 
     @property
+    @override
     def process_group(self) -> ProcessGroup | None:
         return None if self.mesh is None else self.mesh.get_group()
 
@@ -215,6 +217,7 @@ class TorchFSDPPlugin(Plugin):
                 module.set_custom_reduce_scatter(Fp8ReduceScatter(self.fp8_communication))
             model.set_custom_reduce_scatter(Fp8ReduceScatter(self.fp8_communication))
 
+    @override
     def configure(
         self,
         model: nn.Module,
@@ -268,17 +271,20 @@ class TorchFSDPPlugin(Plugin):
         set_verbosity(mp_optimizer, policy.verbosity)  # Apex verbosity / NAIVE verbose
         return boosted, mp_optimizer
 
+    @override
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return _no_gradient_sync(unwrap_model(model))
 
     # ----- checkpoints: torch.distributed.checkpoint directories -----
     writes_dtensor_shards = True
 
+    @override
     def model_state(self, model: nn.Module, optimizer: MixedPrecisionOptimizer | None) -> Any:
         """The full state gathered to rank 0 (CPU tensors; a collective: every rank calls)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(unwrap_model(model), options=options)
 
+    @override
     def load_model_state(
         self,
         model: nn.Module,
@@ -289,22 +295,26 @@ class TorchFSDPPlugin(Plugin):
         options = StateDictOptions(full_state_dict=True, strict=strict)
         set_model_state_dict(unwrap_model(model), state, options=options)
 
+    @override
     def optimizer_state(self, optimizer: MixedPrecisionOptimizer, model: nn.Module | None) -> Any:
         _refuse_lean_checkpoint(optimizer)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return _optimizer_state(optimizer, model, options)
 
+    @override
     def load_optimizer_state(
         self, optimizer: MixedPrecisionOptimizer, state: dict[str, Any], model: nn.Module | None
     ) -> None:
         _refuse_lean_checkpoint(optimizer)
         _load_optimizer_state(optimizer, model, state, StateDictOptions(full_state_dict=True))
 
+    @override
     def save_model(
         self, model: nn.Module, path: str | os.PathLike, optimizer: MixedPrecisionOptimizer | None
     ) -> None:
         _dcp_save_atomic(get_model_state_dict(unwrap_model(model)), path)
 
+    @override
     def load_model(
         self,
         model: nn.Module,
@@ -320,6 +330,7 @@ class TorchFSDPPlugin(Plugin):
         dcp.load(state, checkpoint_id=os.fspath(path))
         set_model_state_dict(user_model, state, options=StateDictOptions(strict=strict))
 
+    @override
     def save_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
@@ -329,6 +340,7 @@ class TorchFSDPPlugin(Plugin):
             return
         _dcp_save_atomic(_optimizer_state(optimizer, model), path)
 
+    @override
     def load_optimizer(
         self, optimizer: MixedPrecisionOptimizer, path: str | os.PathLike, model: nn.Module | None
     ) -> None:
