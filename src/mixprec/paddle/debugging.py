@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from typing_extensions import override
 
 from mixprec.debugging import OperatorStats
 from mixprec.debugging import collect_operator_stats as _collect
@@ -302,6 +303,7 @@ class _CheckingMode(TorchDispatchMode):
         super().__init__()
         self.config, self.step = config, step
 
+    @override
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         out = func(*args, **(kwargs or {}))
         op = op_to_name(func)

@@ -233,6 +233,7 @@ class _SeparateBiasMode(TorchFunctionMode):
         self.device_type = device_type
         self.shadowed = 0  # > 0 while an inner auto_cast decides instead
 
+    @override
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # autocast is off in fp32 regions (norm and excluded layers): there the add is fp32 too
@@ -311,6 +312,7 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
         # black-listed add. O2 without promote runs the add low, as torch's fused op.
         self._splits_bias = self.enabled and (self.level != "O2" or use_promote or "add" in hp_ops)
 
+    @override
     def __enter__(self) -> auto_cast:
         # Paddle records the dtype of every auto_cast entered, and keeps it after exit: a
         # dynamic GradScaler reads it (bfloat16 switches the scaler off).
@@ -327,6 +329,7 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
         _ACTIVE.bias_modes.append(mode)
         return self
 
+    @override
     def __exit__(self, *exc: object) -> None:
         mode = _ACTIVE.bias_modes.pop()
         if mode is not None:
@@ -338,6 +341,7 @@ class auto_cast(autocast):  # noqa: N801 - Paddle's name
             _ACTIVE.stack.pop()
         super().__exit__(*exc)
 
+    @override
     def __repr__(self) -> str:
         return (
             f"mixprec.paddle.auto_cast(level={self.level!r}, dtype={self.dtype}, "

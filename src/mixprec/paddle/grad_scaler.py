@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from typing_extensions import override
 
 from mixprec.core.grad_scaler import GradScaler as _CoreGradScaler
 from mixprec.core.grad_scaler import default_device
@@ -210,10 +211,12 @@ class GradScaler(_CoreGradScaler):
 
     # ----- the scale rule (Paddle's update_loss_scaling), on the device -----
 
+    @override
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._bad_steps = torch.full((), self._init_bad_steps, dtype=torch.int32, device=dev)
 
+    @override
     def _update_scale_(self, found_inf: torch.Tensor) -> None:
         """Paddle's rule, in place and without a host sync: a bad step zeroes the good count
         and counts; decr_every_n_nan_or_inf bad steps in a row (a clean one resets the count)
@@ -238,10 +241,12 @@ class GradScaler(_CoreGradScaler):
 
     # ----- scale / step -----
 
+    @override
     def scale(self, outputs: Any) -> Any:
         self._disable_for_bf16()
         return super().scale(outputs)
 
+    @override
     def active_scale(self) -> torch.Tensor | None:
         """ScaleRule (compile_step's scale() of each step): switched off under bf16 as there."""
         self._disable_for_bf16()
@@ -262,6 +267,7 @@ class GradScaler(_CoreGradScaler):
             stacklevel=3,
         )
 
+    @override
     def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -272,6 +278,7 @@ class GradScaler(_CoreGradScaler):
         allow_fp16 = allow_fp16 or holds_pure_lp_params(optimizer)
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
 
+    @override
     def _maybe_opt_step(
         self,
         optimizer: torch.optim.Optimizer,
@@ -362,14 +369,17 @@ class GradScaler(_CoreGradScaler):
     def set_decr_every_n_nan_or_inf(self, new_decr_every_n_nan_or_inf: int) -> None:
         self._base_cfg = replace(self._base_cfg, hysteresis=new_decr_every_n_nan_or_inf)
 
+    @override
     def set_growth_factor(self, new_factor: float) -> None:
         super().set_growth_factor(new_factor)
         self._base_cfg = replace(self._base_cfg, growth_factor=new_factor)
 
+    @override
     def set_backoff_factor(self, new_factor: float) -> None:
         super().set_backoff_factor(new_factor)
         self._base_cfg = replace(self._base_cfg, backoff_factor=new_factor)
 
+    @override
     def set_growth_interval(self, new_interval: int) -> None:
         super().set_growth_interval(new_interval)
         self._base_cfg = replace(self._base_cfg, growth_interval=new_interval)
@@ -379,6 +389,7 @@ class GradScaler(_CoreGradScaler):
     def _get_bad_steps(self) -> int:
         return self._init_bad_steps if self._bad_steps is None else int(self._bad_steps.item())
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """Paddle's eight keys, plus torch's (so torch.amp.GradScaler loads it) and mixprec's
         floor and ceiling; {} when disabled. 'scale' is a float, not Paddle's shape-[1] array
@@ -400,6 +411,7 @@ class GradScaler(_CoreGradScaler):
         )
         return state
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load Paddle's layout (its 'scale' array included) or torch's / mixprec's.
 
@@ -436,6 +448,7 @@ class GradScaler(_CoreGradScaler):
         if self._bad_steps is not None:
             self._bad_steps.fill_(bad)
 
+    @override
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         if self._enabled:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from mixprec.core.autocast import resolve_ops
 from mixprec.core.compiled_step import CompiledStep
@@ -289,6 +290,7 @@ class OptimizerWithMixedPrecision(_Minimized):
             return torch.tensor([self.scaler.get_init_loss_scaling()])
         return self.scaler._scale.reshape(1)
 
+    @override
     def step_for(self, program: Program) -> CompiledStep | EagerStep:
         if self.wrapped is None:
             raise RuntimeError(

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from typing_extensions import override
 
 from mixprec.core.compiled_step import CompiledStep, CompileStepError, compile_step
 from mixprec.core.optim import MixedPrecisionOptimizer
@@ -99,6 +100,7 @@ class ProgramModule(nn.Module):
             return env[leaf.index]
         return getattr(self, f"{leaf.kind}_{leaf.index}")
 
+    @override
     def forward(self, *feeds: torch.Tensor) -> torch.Tensor:
         device_type = feeds[0].device.type if feeds else "cpu"
         env = dict(zip(self.feed_ids, feeds, strict=True))

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from typing_extensions import override
 
 from mixprec.core.policy import did_you_mean
 from mixprec.paddle.dygraph import add_bias_apart
@@ -76,11 +77,13 @@ class Variable(torch.Tensor):
         return var
 
     @property
+    @override
     def name(self) -> str:  # type: ignore[override]  # torch.Tensor.name is read-only
         """The variable's name in its program (data()'s name, or a generated one)."""
         return self.var_name
 
     @classmethod
+    @override
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = pytree.tree_leaves((args, kwargs))
@@ -91,6 +94,7 @@ class Variable(torch.Tensor):
         split = add_bias_apart(func, args, kwargs, lambda *a: program.call(torch.reshape, a, {}))
         return program.call(func, args, kwargs) if split is None else split
 
+    @override
     def __repr__(self) -> str:  # type: ignore[override]
         shape = list(self.shape)
         return f"Variable(name={self.name!r}, shape={shape}, dtype={str(self.dtype)[6:]})"
