@@ -2,8 +2,12 @@
 
 MixedPrecisionOptimizer holds one GradTransfer over its inner optimizer. It pairs each
 low-precision param with its fp32 master (the master sits in the inner optimizer's
-param_groups where the lp param was), moves a step's lp grads onto the masters, copies the updated masters back into the params, and keeps the gradients a step leaves in
-.grad for a backward that comes before zero_grad() (the g1 + g2 carry, see Carry).
+param_groups where the lp param was), moves a step's lp grads onto the masters, copies the
+updated masters back into the params, and keeps the gradients a step leaves in .grad for a
+backward that comes before zero_grad() (the g1 + g2 carry, see Carry): it is the carry's one
+owner. A reducer that hands the step grads of its own (ZeRO's owners' shares) says so with
+hand(), as data (Handed: the params, the grads, the divisor of the next reduction, how a grad is
+shaped like its param), and the carry gives those back (give_back); no other class keeps them.
 
 How the grads move is its way: at step, as each backward accumulates (Accumulate) or per
 backward (PerBackward). A reducer slot follows the way (GradReducer: NoReduce by default; the
@@ -93,6 +97,26 @@ class Carry:
     """The same for own params' grads (None: unscaled and clipped in place already)."""
 
 
+@dataclass(frozen=True)
+class Handed:
+    """Grads a reducer handed the step in place of the params' own .grad, for the carry to give
+    back (GradTransfer.hand, give_back). ZeRO's buckets: each owner's share of the group's mean
+    (in its master's fp32 grad, or as its fp32 param's grad), no grad on the params other ranks
+    own, no lp grad left in .grad."""
+
+    params: list[torch.Tensor]
+    """The model params the grads go back to."""
+    grads: list[torch.Tensor]
+    """What the step ran on, one per param (unscaled and clipped in place by then; a DTensor's
+    local shard)."""
+    divisor: int
+    """What the next reduction divides the sum of the ranks' grads by (ZeRO: the world size; the
+    other ranks hold none of these params' grads), so the grad given back is multiplied by it."""
+    shape: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """(param, the values given back) -> the .grad to set (ZeRO: a DTensor laid out as its param
+    around its local shard; a plain param's values as they are)."""
+
+
 class GradReducer(Protocol):
     """The reducer slot after the transfer's way: what a step's gradients go through, once per
     step, before they are unscaled and checked, so that every rank sharing them steps on the
@@ -136,6 +160,7 @@ class GradTransfer:
         self._pinned: Layout | None = None  # see pin_layout()
         self._layout_value = Layout.of([])
         self.carry: Carry | None = None  # the last step's gradients, left in .grad: see Carry
+        self.handed: Handed | None = None  # the grads a reducer handed this step: see hand()
         self.unscaled_version = -1  # a master grad's version once unscaled: see keep()
         self.inv_used: torch.Tensor | None = None  # the inverse scale the last unscale used
         self.way: Accumulate | PerBackward | None = None
@@ -244,7 +269,13 @@ class GradTransfer:
     def to_masters(self, *, free_lp: bool) -> None:
         """This step's grads onto the masters by self.way, through self.reducer (the caller runs
         it once per step: see MixedPrecisionOptimizer.grads_to_masters)."""
+        self.handed = None
         self.reducer.reduce_(self, functools.partial(self._move, free_lp=free_lp))
+
+    def hand(self, handed: Handed) -> None:
+        """A reducer's reduce_ says it handed the step handed.grads in place of the params'
+        .grad: the carry gives those back after the update (give_back), not the .grad left."""
+        self.handed = handed
 
     def _move(self, *, free_lp: bool) -> None:
         """The way at step: each lp grad, as backward left it, into its master's fp32 grad
@@ -325,6 +356,7 @@ class GradTransfer:
         each step, or freed: zeroing them is wasted work); the carry, the reducer's share and
         Accumulate's sums are dropped with them."""
         self.reducer.zero_grad(set_to_none)
+        self.handed = None
         if isinstance(self.way, Accumulate):
             self.way.reset()
         for p in (*self.lp_params, *self.layout().own):
@@ -343,7 +375,12 @@ class GradTransfer:
         Carry). fused: the lp and own grads were read, not unscaled: factor (None: 1) unscales
         and clips them. Unfused, the lp grads are kept as backward left them, unless the
         masters' grads were written after the unscale (a clip): then the lp grads take the
-        masters' values (times the next scale: fp16 keeps its range), one pass."""
+        masters' values (times the next scale: fp16 keeps its range), one pass. Where a
+        reducer handed the step its own grads (hand()), those are what is kept: give_back()
+        puts them into .grad once the update has read them."""
+        if self.handed is not None:
+            self.carry = None
+            return
         unit = scaler.is_unit
         if fused:
             lp_factor, own_factor = factor, factor
@@ -372,6 +409,18 @@ class GradTransfer:
         )
         if unit:  # no scaled backward need come first (plain loss.backward()): apply it now
             self.rescale_carried(scaler)
+
+    def give_back(self, scaler: LossScaler) -> None:
+        """After the update (the step has read its grads): the grads a reducer handed the step
+        (see Handed) become their params' .grad, times the next loss scale (the next backward's
+        grads come scaled by it) and times handed.divisor (the next reduction divides the sum by
+        it), in the param's dtype; once. The next reduction then gives mean(g1) + mean(g2)."""
+        handed, self.handed = self.handed, None
+        if handed is None or not handed.grads:
+            return
+        factor = scaler.scale_tensor * handed.divisor  # device tensors: no sync
+        for p, grad in zip(handed.params, handed.grads, strict=True):
+            p.grad = handed.shape(p, (grad * factor).to(p.dtype))
 
     def _carried_own(self) -> tuple[torch.Tensor, ...]:
         """The params whose own grads a step leaves (see carry_masters)."""

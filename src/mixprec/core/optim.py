@@ -169,9 +169,10 @@ class StepTraits:
     """How a user of this class runs the scaled backward (named when grads did not come
     through it)."""
     carries_grads: bool = True
-    """False where the subclass keeps torch's contract (a step leaves its grads in .grad) its
-    own way (ZeRO, across ranks) or follows its peer's rule instead (Apex clears the master
-    grads after every step; Lightning's wrappers zero param_groups only)."""
+    """Whether a step keeps torch's contract (it leaves its grads in .grad: GradTransfer's
+    carry, ZeRO's owners' shares included); False where the subclass follows its peer's rule
+    instead (Apex clears the master grads after every step; Lightning's wrappers zero
+    param_groups only)."""
     steps_on_device: bool = True
     """False where a subclass's step reads its outcome on the host, so the sync-free step must
     not run it: ZeRO and the pipeline (their reductions, owners and stage bookkeeping follow
@@ -423,7 +424,8 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
         _plan picks the commit strategy (core.commit); grads_to_masters runs GradTransfer's way
         and its reducer (GradReducer, set by the parallel layer); _unscale_and_check, clip_grad_norm (max_norm > 0), decide on
         _scale_used() then _update_scale; core.commit.commit updates unless skipped and counts;
-        then _after_update (ZeRO's all-gather); _end_step always. A fused step runs unscale,
+        then the grads a reducer handed the step given back (the carry), _after_update (ZeRO's
+        all-gather); _end_step always. A fused step runs unscale,
         check, clip and update in one pass per tensor (FusedCommit).
         """
         if closure is not None:
@@ -433,6 +435,7 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
         self.transfer.pin_layout()  # a step changes no param group: its layout is read once
         try:
             result = commit(self, self._plan().outcome(self))
+            self._give_back_grads()
             self._after_update(result)
             return result
         finally:
@@ -489,6 +492,13 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
         (GradTransfer.keep: fused, factor as there), unless this optimizer does not carry them."""
         if self.traits.carries_grads:
             self.transfer.keep(self.scaler, fused=fused, factor=factor)
+
+    def _give_back_grads(self) -> None:
+        """After the commit: the grads a reducer handed the step (ZeRO's owners' shares) become
+        .grad again for a backward before zero_grad() (GradTransfer.give_back), unless this
+        optimizer does not carry them."""
+        if self.traits.carries_grads:
+            self.transfer.give_back(self.scaler)
 
     def _finish_step(self) -> None:
         """Free the master grads (unless kept) and clear this step's flags."""

@@ -45,7 +45,7 @@ from mixprec.core.validate import check_norm_type
 from mixprec.parallel import zero_checkpoint
 from mixprec.parallel.comm import to_fp8_comm_dtype
 from mixprec.parallel.zero_buckets import GradBuckets
-from mixprec.parallel.zero_layout import ShardLayout, shaped_like
+from mixprec.parallel.zero_layout import ShardLayout
 
 log = logging.getLogger("mixprec")
 STAGES = (1, 2)
@@ -202,7 +202,6 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     traits = dataclasses.replace(
         MixedPrecisionOptimizer.traits,
         whole_step_refusal="ZeRO reduces gradients and gathers the owners' params inside step()",
-        carries_grads=False,  # kept by _carry_grads, on the model's params, across ranks
         steps_on_device=False,  # decides on the host
     )
 
@@ -290,25 +289,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     # ----- the step: this rank's shard, then the updated lp params to every rank -----
     @override
     def _after_update(self, result: StepResult) -> None:
-        self._carry_grads()
         if not result.skipped and self.world > 1:
             self.layout.all_gather_params()
-
-    def _carry_grads(self) -> None:
-        """torch's contract (DDP's, Colossal's): a step leaves its gradients in .grad, so a
-        backward without zero_grad() adds to them and the next step runs on g1 + g2. Each owner
-        keeps the gradient it stepped with (unscaled, clipped, the group's mean) in its param's
-        .grad, times the next loss scale (the next backward's grads come scaled by it) and times
-        the world size (the next reduction divides the sum of every rank's grads by it; the
-        other ranks hold none of this param): that reduction then gives mean(g1) + mean(g2).
-        zero_grad(), the optimizer's or the model's, drops it as in torch."""
-        stepped = self.buckets.take_stepped()
-        if not stepped:
-            return
-        factor = self.scaler.scale_tensor * self.world  # device tensors: no sync
-        for i, grad in stepped.items():  # local shards: DTensor grads rebuilt around them
-            p = self.all_params[i]
-            p.grad = shaped_like(p, (grad * factor).to(p.dtype))
 
     # ----- checkpoints: one shard per rank (resumes on the same world size), or gathered -----
     def shard_layout(self) -> dict[str, Any]:

@@ -16,16 +16,14 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mixprec.core.grad_transfer import GradTransfer, Handed
 from mixprec.parallel.comm import PendingFp8ReduceScatter
 from mixprec.parallel.zero_layout import ShardLayout, local, shaped_like
-
-if TYPE_CHECKING:
-    from mixprec.core.grad_transfer import GradTransfer
 
 
 class LaunchedBucket:
@@ -97,8 +95,6 @@ class GradBuckets:
         self._ready: dict[int, set[int]] = {}  # bucket -> params whose grad this backward gave
         self.syncs = True
         """False inside no_sync(): backward passes launch no reduction."""
-        self.stepped: dict[int, torch.Tensor] = {}
-        """What reduce_ handed each owned param (see take_stepped)."""
 
     def plan(self) -> list[tuple[torch.dtype, list[int]]]:
         """(communication dtype, param indices) of each bucket, in reduction order."""
@@ -154,13 +150,16 @@ class GradBuckets:
         param's mean copied into its master's fp32 grad (exact), or, for a param without a
         master, set as its grad in its dtype; no rank keeps a gradient of a param another rank
         owns. move() is not run: the group's mean, not this rank's lp grad, is what the masters
-        take. What each owner steps with is kept for take_stepped()."""
+        take. What each owner steps with is handed to the transfer's carry (GradTransfer.hand):
+        after the step it goes back into the param's .grad times the world size (the next
+        reduction divides the sum by it; the other ranks hold none of it), shaped_like its
+        param, so the next step runs on mean(g1) + mean(g2) as torch's contract has it."""
         reduced = self.reduce()
         lp_to_hp = {
             id(lp): hp for lp, hp in zip(transfer.lp_params, transfer.hp_masters, strict=True)
         }
         masters, means = [], []
-        self.stepped = {}
+        stepped: dict[int, torch.Tensor] = {}
         for i, p in enumerate(self.layout.all_params):
             if not self.layout.owns(i):
                 p.grad = None  # no rank keeps a gradient of a param another rank owns
@@ -171,7 +170,7 @@ class GradBuckets:
                     mean = mean.to(p.dtype)
                 p.grad = None if mean is None else shaped_like(p, mean)
                 if mean is not None:
-                    self.stepped[i] = mean  # p.grad's local shard (the same storage)
+                    stepped[i] = mean  # p.grad's local shard (the same storage)
                 continue
             p.grad = None
             if mean is None:
@@ -181,15 +180,18 @@ class GradBuckets:
                 hp.grad = torch.empty_like(hp)
             masters.append(local(hp.grad))
             means.append(mean)
-            self.stepped[i] = masters[-1]
+            stepped[i] = masters[-1]
         if masters:
             torch._foreach_copy_(masters, means)  # lp -> fp32 is exact
-
-    def take_stepped(self) -> dict[int, torch.Tensor]:
-        """index -> the gradient (local shard) this rank stepped with, for each param it owns
-        that had one in the last reduce_ (ZeroOptimizer's carry), once."""
-        stepped, self.stepped = self.stepped, {}
-        return stepped
+        params = self.layout.all_params
+        transfer.hand(
+            Handed(
+                params=[params[i] for i in stepped],
+                grads=list(stepped.values()),
+                divisor=self.layout.world,
+                shape=shaped_like,
+            )
+        )
 
     def zero_grad(self, set_to_none: bool) -> None:
         """The reductions in flight are completed and dropped (discard_pending), and the grads
