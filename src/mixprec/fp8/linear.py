@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from mixprec.fp8.casts import cast_to_fp8
 from mixprec.fp8.config import LP_FORWARD_DTYPE, TELEMETRY_ATTR, Float8Config
@@ -37,6 +38,7 @@ class _Float8LinearFn(torch.autograd.Function):
     """
 
     @staticmethod
+    @override
     def forward(  # type: ignore[override]
         hp_input: torch.Tensor,
         hp_weight: torch.Tensor,
@@ -71,6 +73,7 @@ class _Float8LinearFn(torch.autograd.Function):
         return out, lp_input, lp_weight, input_inv, weight_inv
 
     @staticmethod
+    @override
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
         hp_input, hp_weight, _, _, grad_history, _, config, emulate, record = inputs
         _, lp_input, lp_weight, input_inv, weight_inv = output
@@ -84,6 +87,7 @@ class _Float8LinearFn(torch.autograd.Function):
         ctx.config, ctx.emulate, ctx.record = config, emulate, record
 
     @staticmethod
+    @override
     def backward(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
         with torch.autocast(grad_out.device.type, enabled=False):  # as in forward
             lp_input, lp_weight, input_inv, weight_inv = ctx.saved_tensors
@@ -115,6 +119,7 @@ class _RecipeLinearFn(torch.autograd.Function):
     """
 
     @staticmethod
+    @override
     def forward(  # type: ignore[override]
         hp_input: torch.Tensor,
         hp_weight: torch.Tensor,
@@ -125,12 +130,14 @@ class _RecipeLinearFn(torch.autograd.Function):
             return recipe_gemm("forward", hp_input, hp_weight, config, out_dtype)
 
     @staticmethod
+    @override
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
         hp_input, hp_weight, _, config = inputs
         ctx.save_for_backward(hp_input, hp_weight)
         ctx.config = config
 
     @staticmethod
+    @override
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         with torch.autocast(grad_out.device.type, enabled=False):
             hp_input, hp_weight = ctx.saved_tensors
@@ -233,6 +240,7 @@ class Float8Linear(nn.Linear):
         """The weight as the GEMM takes it, (out_features, in_features): nn.Linear's layout."""
         return self.weight
 
+    @override
     def forward(self, hp_input: torch.Tensor) -> torch.Tensor:
         device_type = hp_input.device.type
         out_dtype = _autocast_dtype_or(device_type, hp_input.dtype)
@@ -266,6 +274,7 @@ class Float8Linear(nn.Linear):
             out = out + self.bias.to(out_dtype)
         return out
 
+    @override
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """nn.Module._apply, except that the amax histories keep float32 (only devices move)."""
         hp_histories = {name: getattr(self, name) for name in HISTORY_NAMES}
@@ -278,6 +287,7 @@ class Float8Linear(nn.Linear):
                 self._buffers[name] = hp_history.to(device=moved.device)
         return module
 
+    @override
     def _load_from_state_dict(
         self,
         state_dict: dict[str, Any],
@@ -296,6 +306,7 @@ class Float8Linear(nn.Linear):
                 missing_keys.remove(prefix + name)
                 getattr(self, name).zero_()
 
+    @override
     def extra_repr(self) -> str:
         c = self.config
         if c.recipe != "tensorwise":
@@ -338,5 +349,6 @@ class Float8Conv1D(Float8Linear):
         new.train(conv1d.training)
         return new
 
+    @override
     def hp_weight_out_in(self) -> torch.Tensor:
         return self.weight.t()  # a view: (in, out) storage seen as (out, in), no copy
