@@ -419,14 +419,15 @@ class FusedCommit:
         if opt.lean is not None:  # the lean write-back is its own pass
             return None
         cpu_auto = opt.fused_step is None
-        if cpu_auto:
-            layout = opt.transfer.layout()
-            if layout.numel < fused.AUTO_MIN_ELEMENTS or layout.probe.device.type != "cpu":
-                return None  # too small to fuse whatever has grads: gather nothing (~8 us a step)
+        layout = opt.transfer.layout()  # pinned by the step: read once here
+        if cpu_auto and (
+            layout.numel < fused.AUTO_MIN_ELEMENTS or layout.probe.device.type != "cpu"
+        ):
+            return None  # too small to fuse whatever has grads: gather nothing (~8 us a step)
         if opt.log_num_zeros_in_grad or fused.unsupported_reason(opt.optim):
             return None
         grads = opt.transfer.step_grads()
-        params = [*opt.transfer.layout().held, *opt.lp_params]
+        params = [*layout.held, *opt.lp_params]
         if any(not t.is_contiguous() or t.layout != torch.strided for t in grads + params):
             return None
         if opt.max_norm > 0 and any(hasattr(p, "to_local") for p in params):

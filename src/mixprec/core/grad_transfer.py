@@ -23,6 +23,7 @@ the inner optimizer steps itself, where they live) is read once per param_groups
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 LOW_DTYPES = tuple(dict.fromkeys(LOW_DTYPE_NAMES.values()))
 """float16, bfloat16: the dtypes that get an fp32 master."""
+_PARAMS = operator.itemgetter("params")
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ class GradTransfer:
         self.lp_params: list[torch.Tensor] = []
         self.hp_masters: list[torch.Tensor] = []
         self._layout_key: tuple[Any, ...] | None = None  # see layout()
-        self._layout_lists: list[list[torch.Tensor]] = []  # held: their ids stay theirs
+        self._layout_lists: tuple[list[torch.Tensor], ...] = ()  # held: their ids stay theirs
         self._pinned: Layout | None = None  # see pin_layout()
         self._layout_value = Layout.of([])
         self.carry: Carry | None = None  # the last step's gradients, left in .grad: see Carry
@@ -204,16 +206,17 @@ class GradTransfer:
         lengths, and the masters') and looked at again when a group is added, replaced or
         resized: the walk over every param is not paid per step. Within pin_layout() (a step,
         which changes no group) the layout is looked at once, not at each of the step's ~12
-        reads (~3 us each: 1 % of a tiny model's step)."""
+        reads (~3 us each: 1 % of a tiny model's step): the transfer's own reads take the pinned
+        layout without calling this."""
         if self._pinned is not None:
             return self._pinned
-        groups = self.optim.param_groups
-        key = (tuple((id(g["params"]), len(g["params"])) for g in groups), len(self.hp_masters))
+        lists = tuple(map(_PARAMS, self.optim.param_groups))  # C calls only: no Python frame
+        key = (tuple(map(id, lists)), tuple(map(len, lists)), len(self.hp_masters))
         if self._layout_key != key:
             master_ids = frozenset(id(m) for m in self.hp_masters)
-            self._layout_value = Layout.of([p for g in groups for p in g["params"]], master_ids)
+            self._layout_value = Layout.of([p for ps in lists for p in ps], master_ids)
             self._layout_key = key
-            self._layout_lists = [g["params"] for g in groups]
+            self._layout_lists = lists
         return self._layout_value
 
     def pin_layout(self) -> None:
@@ -226,13 +229,13 @@ class GradTransfer:
 
     def device(self) -> torch.device:
         """Where the held params live: the first one's device (cached with the layout)."""
-        probe = self.layout().probe
+        probe = (self._pinned or self.layout()).probe
         return probe.device if probe is not None else torch.device("cpu")
 
     def local(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """local_shards(tensors) of held params (or their masters, lp params, grads, which shard
         alike), skipping the walk when no held param is sharded (the cached layout says so)."""
-        return local_shards(tensors) if self.layout().sharded else tensors
+        return local_shards(tensors) if (self._pinned or self.layout()).sharded else tensors
 
     # ----- the gradients -----
     def held_grads(self) -> list[torch.Tensor]:
@@ -241,13 +244,14 @@ class GradTransfer:
         Sharded (DTensor) grads are checked through their local shard: the same storage, and
         the overflow flag is reduced over the group afterwards, so the check stays exact.
         """
-        grads = [p.grad for p in self.layout().held if p.grad is not None]
+        grads = [p.grad for p in (self._pinned or self.layout()).held if p.grad is not None]
         return self.local(grads)
 
     def step_grads(self) -> list[torch.Tensor]:
         """This step's grads as backward left them: lp grads, and own params' own."""
         grads = [lp.grad for lp in self.lp_params if lp.grad is not None]
-        return grads + [p.grad for p in self.layout().own if p.grad is not None]
+        own = (self._pinned or self.layout()).own
+        return grads + [p.grad for p in own if p.grad is not None]
 
     def accumulate_as_backward(
         self, *, reuse_buffers: bool, on_add: Callable[[], None] | None = None
@@ -307,7 +311,7 @@ class GradTransfer:
         inv_scale = self.inv_used = scaler.inv_scale()
         grads = self.held_grads()
         if grads:
-            layout = self.layout()
+            layout = self._pinned or self.layout()
             one_bucket = layout.uniform and layout.probe.device == found_inf.device
             unscale_and_check_(grads, inv_scale, found_inf, one_bucket=one_bucket)
         return found_inf, bool(grads)
@@ -424,7 +428,7 @@ class GradTransfer:
 
     def _carried_own(self) -> tuple[torch.Tensor, ...]:
         """The params whose own grads a step leaves (see carry_masters)."""
-        layout = self.layout()
+        layout = self._pinned or self.layout()
         return layout.held if self.carry_masters else layout.own
 
     def rescale_carried(self, scaler: LossScaler) -> None:
