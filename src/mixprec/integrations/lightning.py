@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
+from typing_extensions import override
 
 from mixprec.core.autocast import default_device_type
 from mixprec.core.casting import cast_floating, cast_module
@@ -77,6 +78,7 @@ class MixprecPrecision(Precision):
         self._module: weakref.ref[nn.Module] | None = None  # the module convert_module saw
 
     # ----- the module and its inputs / outputs -----
+    @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Cast (and fp8-convert) in place: a LightningModule must stay itself for the Trainer."""
         check_module_has_parameters("module", module)
@@ -90,6 +92,7 @@ class MixprecPrecision(Precision):
             cast_module(module, self.policy.param_dtype, keep_norm_fp32=self.policy.keep_norm_fp32)
         return module
 
+    @override
     def forward_context(self) -> Any:
         return autocast_context(self.policy, self._device_type())
 
@@ -101,22 +104,26 @@ class MixprecPrecision(Precision):
         param = next(module.parameters(), None) if module is not None else None
         return default_device_type() if param is None else param.device.type
 
+    @override
     def convert_input(self, data: Any) -> Any:
         if self.policy.casts_params:  # low-precision params take low-precision inputs
             return cast_floating(data, self.policy.param_dtype)
         return data
 
+    @override
     def convert_output(self, data: Any) -> Any:
         if self.policy.cast_outputs_to is not None:
             return cast_floating(data, self.policy.cast_outputs_to)
         return data
 
     # ----- backward: scale the loss -----
+    @override
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
         if _in_trainer(module):  # the Trainer's hooks (on_before_backward); Fabric has none
             return super().pre_backward(tensor, module)
         return tensor
 
+    @override
     def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
         if _in_trainer(module):
             return super().post_backward(tensor, module)
@@ -129,6 +136,7 @@ class MixprecPrecision(Precision):
                 self.scaler.load_state_dict(self._pending["scaler"])
         return self.scaler
 
+    @override
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         # the Trainer passes (tensor, model, optimizer, *args), Fabric (tensor, model, *args);
         # the optimizer is wrapped at the step: loading a resumed run's masters writes the
@@ -170,6 +178,7 @@ class MixprecPrecision(Precision):
         mp.note_scaled_backward()
         return mp
 
+    @override
     def optimizer_step(
         self,
         optimizer: Any,
@@ -188,27 +197,33 @@ class MixprecPrecision(Precision):
         self._wrap(optimizer).step()
         return closure_result
 
+    @override
     def main_params(self, optimizer: Any) -> Generator[torch.Tensor, None, None]:
         """The fp32 masters (and fp32 params) the optimizer steps: clip these."""
         for group in self._wrap(optimizer).param_groups:
             yield from group["params"]
 
+    @override
     def unscale_gradients(self, optimizer: Any) -> None:
         self._wrap(optimizer).unscale_grads()  # grads reach the masters, unscaled and checked
 
+    @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         self._wrap(optimizer).clip_grad_norm(clip_val)  # the core's clip validates it
 
+    @override
     def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
         self.unscale_gradients(optimizer)
         torch.nn.utils.clip_grad_value_(list(self.main_params(optimizer)), clip_val)
 
     # ----- checkpoints: masters, scaler and counters travel in Lightning's checkpoint -----
+    @override
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is not None:
             return self.optimizer.state_dict()
         return self._pending or {}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
