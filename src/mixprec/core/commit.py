@@ -370,7 +370,7 @@ class SyncFreeCommit:
         True forces it (tests), False keeps the host read.
         """
         forced = opt._sync_free
-        if forced is False:
+        if forced is False or (forced is None and opt.transfer.device().type != "cuda"):
             return None
         plain = (
             opt.lean is None
@@ -378,7 +378,7 @@ class SyncFreeCommit:
             and not opt.log_num_zeros_in_grad
             and opt.verbosity < 2  # the scale-change log reads the scale each step
         )
-        if forced is None and not (plain and opt.transfer.device().type == "cuda"):
+        if forced is None and not plain:
             return None
         step, reason = sync_free.inner_step(opt.optim, opt.scaler.scale_tensor.device)
         if forced is None or (plain and step is not None):

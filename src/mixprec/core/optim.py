@@ -435,7 +435,8 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
         self.transfer.pin_layout()  # a step changes no param group: its layout is read once
         try:
             result = commit(self, self._plan().outcome(self))
-            self._give_back_grads()
+            if self.transfer.handed is not None and self.traits.carries_grads:
+                self.transfer.give_back(self.scaler)  # a reducer's grads (ZeRO's) into .grad
             self._after_update(result)
             return result
         finally:
@@ -493,18 +494,12 @@ class MixedPrecisionOptimizer(StepAccounts, WrapsOptimizer):
         if self.traits.carries_grads:
             self.transfer.keep(self.scaler, fused=fused, factor=factor)
 
-    def _give_back_grads(self) -> None:
-        """After the commit: the grads a reducer handed the step (ZeRO's owners' shares) become
-        .grad again for a backward before zero_grad() (GradTransfer.give_back), unless this
-        optimizer does not carry them."""
-        if self.traits.carries_grads:
-            self.transfer.give_back(self.scaler)
-
     def _finish_step(self) -> None:
         """Free the master grads (unless kept) and clear this step's flags."""
         keep = self.keep_master_grads
-        on_cpu = self.transfer.device().type == "cpu"
-        if self.hp_masters and not (on_cpu if keep is None else keep):
+        if keep is None and self.hp_masters:
+            keep = self.transfer.device().type == "cpu"
+        if self.hp_masters and not keep:
             self.transfer.free_master_grads()
         self._clear_step_flags()
 
