@@ -9,7 +9,10 @@ communication_dtype says otherwise, as Colossal-AI), all-reduced (stage 1) or re
 (stage 2; over gloo an all-reduce, see ZeroOptimizer); each rank keeps the chunk of the params
 it owns and no gradient of the others. The owner unscales, checks and steps its shard, the
 overflow flag is MAX-reduced over the group (MixedPrecisionOptimizer does this), and the
-updated lp params are all-gathered.
+updated lp params are all-gathered. As torch's contract has it, a step leaves its gradients in
+.grad (a backward without zero_grad() adds to them): each owner's share of the mean, times the
+next loss scale and the world size, no grad on the params other ranks own; the buckets hand that
+share to the core's one carry (core.grad_transfer.Handed), which puts it back after the update.
 
 By default gradients are reduced once per step, not during backward: gradient accumulation
 needs no no_sync, and a micro-batch's backward costs no communication. The price: no overlap
