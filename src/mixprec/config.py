@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from typing_extensions import override
 
 from mixprec.amp_type import AMP_TYPE
 from mixprec.core.policy import Policy, clip_norm_for, did_you_mean, to_policy
@@ -78,16 +79,19 @@ class Config(dict):
         super().__init__()
         self.update(*args, **kwargs)
 
+    @override
     def __setitem__(self, key: str, value: Any) -> None:
         if not isinstance(key, str):
             raise TypeError(f"Config keys must be str, got {key!r} ({type(key).__name__}).")
         super().__setitem__(key, _to_config_value(value))
 
+    @override
     def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         # dict.update bypasses __setitem__; route through it so nested dicts convert
         for key, value in dict(*args, **kwargs).items():
             self[key] = value
 
+    @override
     def setdefault(self, key: str, default: Any = None) -> Any:
         if key not in self:
             self[key] = default
@@ -115,6 +119,7 @@ class Config(dict):
     def __dir__(self) -> Iterable[str]:
         return [*super().__dir__(), *self.keys()]
 
+    @override
     def __repr__(self) -> str:
         return f"Config({dict.__repr__(self)})"
 
@@ -122,6 +127,7 @@ class Config(dict):
         """A plain, deep copy as builtin dicts (for JSON dumps and checkpoint metadata)."""
         return _to_plain_value(self)
 
+    @override
     def copy(self) -> Config:
         return Config(self)
 

@@ -381,6 +381,7 @@ class FP8MixedPrecision(MixedPrecision):
         self.module_filter_fn = module_filter_fn
         self.config = self.policy.fp8_config
 
+    @override
     def convert_module(self, model: nn.Module, policy: Policy | None = None) -> PrecisionModule:
         return prepare_model(model, policy or self.policy, fp8_filter=self.module_filter_fn)
 

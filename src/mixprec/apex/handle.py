@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from typing_extensions import override
 
 from mixprec.apex import functions
 from mixprec.apex.amp.frontend import _handle_optimizer, scale_loss
@@ -98,6 +99,7 @@ class _ApexGuardMode(TorchFunctionMode):
         super().__init__()
         self.handle = handle
 
+    @override
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         handle = self.handle
@@ -198,6 +200,7 @@ class InitHandle(AmpHandle):
             self._on_deactivate = functions.restore_functions
         self._active = True
 
+    @override
     def _deactivate(self) -> None:
         """Casts off (Apex's unpatching): leave the regions init entered, restore functions."""
         was_active = self._active
@@ -219,6 +222,7 @@ class InitHandle(AmpHandle):
         """The cast cache (None with enable_caching=False); len() counts cached params."""
         return self._cache
 
+    @override
     def _clear_cache(self) -> None:
         if self._cache is not None:
             self._cache.clear()
@@ -278,6 +282,7 @@ class InitHandle(AmpHandle):
             _skip_next_step(optimizer, scaler.scale)
         self._clear_cache()
 
+    @override
     def __repr__(self) -> str:
         return (
             f"InitHandle(active={self._active}, dtype={self._dtype}, "

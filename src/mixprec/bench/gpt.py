@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from typing_extensions import override
 
 VOCAB = 256
 """Byte-level: one token per byte value."""
@@ -41,6 +42,7 @@ class Block(nn.Module):
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
@@ -59,6 +61,7 @@ class GPT(nn.Module):
         self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(depth)])
         self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, VOCAB, bias=False)
 
+    @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))

@@ -13,6 +13,7 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import override
 
 from mixprec.core.policy import did_you_mean
 
@@ -38,6 +39,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
         qkv = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
@@ -57,6 +59,7 @@ class Block(nn.Module):
             nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim)
         )
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
@@ -88,6 +91,7 @@ class ViT(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x).flatten(2).transpose(1, 2)  # (B, patches, dim)
         cls = self.cls_token.expand(x.shape[0], -1, -1)
@@ -111,6 +115,7 @@ class BasicBlock(nn.Module):
                 nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)
             )
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
         return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
@@ -136,6 +141,7 @@ class ResNet(nn.Module):
         self.layers = nn.Sequential(*layers)
         self.fc = nn.Linear(c_in, num_classes)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layers(self.stem(x))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))

@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from typing_extensions import override
 
 from mixprec.core.policy import did_you_mean
 from mixprec.debugging._markdown import markdown_table
@@ -115,6 +116,7 @@ class _CountingMode(TorchDispatchMode):
         super().__init__()
         self.stats = stats
 
+    @override
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

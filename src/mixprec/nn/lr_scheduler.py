@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
+from typing_extensions import override
 
 
 def _check_steps(total_steps: int, warmup_steps: int = 0) -> None:
@@ -65,6 +66,7 @@ class LinearWarmupLR(LRScheduler):
         decay = (self.total_steps - step) / max(1, self.total_steps - self.warmup_steps)
         return max(0.0, decay)  # a negative LR would climb the loss
 
+    @override
     def get_lr(self) -> list[float]:  # type: ignore[override]
         factor = self.lr_factor(self.last_epoch)
         return [base_lr * factor for base_lr in self.base_lrs]
