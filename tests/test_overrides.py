@@ -1,77 +1,155 @@
-"""The subclass contract is explicit: every method a class in core/ or parallel/ overrides, and
-every method any optimizer class anywhere in mixprec overrides (MixedPrecisionOptimizer's
-subclasses in every face, and the other torch.optim.Optimizer subclasses), is marked @override
+"""The subclass contract is explicit: every method, property, classmethod and staticmethod a
+class defined anywhere in mixprec overrides (a base's other than object's) is marked @override
 (typing_extensions'), so a renamed base method cannot leave a silent orphan. The classes are
 found by walking the whole package: a new module or class is held to it unlisted."""
 
 from __future__ import annotations
 
+import enum
 import importlib
 import inspect
 import pkgutil
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import pytest
 import torch
+from torch.autograd.function import FunctionMeta
 from typing_extensions import override
 
 import mixprec
 
-LAYERS = ("mixprec.core", "mixprec.parallel")
-DUNDERS = ("__getstate__", "__setstate__", "__repr__")  # the dunders a class here overrides
 ALL_MODULES = [info.name for info in pkgutil.walk_packages(mixprec.__path__, "mixprec.")]
 
+# The constructor-like dunders are exempt: each class has its own signature for them and no base
+# can rename them (pyright's reportImplicitOverride and ty's missing-override-decorator exempt the
+# same four). Every other dunder overriding a base's is held to the rule (__repr__, __getstate__,
+# __torch_function__, __enter__, ...); object's are the language's, never a base's to rename.
+CONSTRUCTORS = ("__init__", "__new__", "__init_subclass__", "__post_init__")
 
-def modules() -> list[str]:
-    return [name for name in ALL_MODULES if name.startswith(LAYERS)]
+
+def is_namedtuple(cls: type) -> bool:
+    return issubclass(cls, tuple) and hasattr(cls, "_fields")
 
 
-def optimizer_subclasses() -> list[type]:
-    """Every torch.optim.Optimizer subclass (MixedPrecisionOptimizer and its subclasses
-    included) defined in a mixprec module (the walk imports each module, so a class defined
-    anywhere in the package is found)."""
-    found = []
-    for name in ALL_MODULES:
-        module = importlib.import_module(name)
-        for value in vars(module).values():
-            if (
-                inspect.isclass(value)
-                and value.__module__ == name
-                and issubclass(value, torch.optim.Optimizer)
-            ):
-                found.append(value)
-    return found
+# Names the class-building machinery writes into the dict of each class it builds: no class body
+# here writes them, so there is nothing to mark. A value the class's own module defines under one
+# of these names is still held to the rule (see written_by_machinery).
+MACHINERY: tuple[tuple[Callable[[type], bool], frozenset[str]], ...] = (
+    # EnumType: its member-building hooks, on every Enum; and Enum's __repr__, __str__ and
+    # __format__, which it copies over a mixed-in type's (str's, on the str enum AMP_TYPE)
+    (
+        lambda cls: isinstance(cls, enum.EnumMeta),
+        frozenset(
+            {
+                "_generate_next_value_",
+                "_new_member_",
+                "_member_type_",
+                "_value_repr_",
+                "__repr__",
+                "__str__",
+                "__format__",
+            }
+        ),
+    ),
+    # autograd's FunctionMeta: the backward node class it generates for each Function
+    (lambda cls: isinstance(cls, FunctionMeta), frozenset({"_backward_cls"})),
+    # collections.namedtuple (typing.NamedTuple builds through it): its __repr__ and
+    # __getnewargs__ over tuple's (QuantizedOperand)
+    (is_namedtuple, frozenset({"__repr__", "__getnewargs__"})),
+)
+
+# Unmarked dunder overrides in core/ and parallel/, which other work was editing when the rule
+# widened from three dunders to all but the constructors: marking them empties this list (a
+# stale entry fails test_pending_entries_are_still_unmarked, so the list can only shrink).
+PENDING = frozenset(
+    {
+        "mixprec.core.autocast._OpListMode.__torch_function__",
+        "mixprec.core.autocast._RegionContext.__call__",
+        "mixprec.core.autocast.fp32_region.__call__",
+        "mixprec.parallel.data.EpochShuffledDistributedSampler.__iter__",
+    }
+)
+
+
+# The layers and each face's package: a class in each must show marked overrides.
+PACKAGES = (
+    "mixprec.core",
+    "mixprec.parallel",
+    "mixprec.apex",
+    "mixprec.paddle",
+    "mixprec.booster",
+    "mixprec.zero",
+    "mixprec.fp8",
+    "mixprec.integrations",
+)
+
+
+def defined_classes(module_name: str) -> list[type]:
+    """The classes module_name defines (not the ones it imports)."""
+    module = importlib.import_module(module_name)
+    return [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == module_name]
+
+
+def unwrap(value: Any) -> Any:
+    """The function a class attribute's @override marks: a property's getter, a classmethod's
+    or staticmethod's function (typing_extensions' order: @override innermost, next to def)."""
+    if isinstance(value, property):
+        return value.fget
+    if isinstance(value, (classmethod, staticmethod)):
+        return value.__func__
+    return value
+
+
+def written_by_machinery(cls: type, name: str, function: Any) -> bool:
+    """name is one MACHINERY writes into cls, and its value is not code of cls's own module."""
+    code = getattr(function, "__code__", None)
+    if code is not None and code.co_filename == inspect.getfile(cls):
+        return False
+    return any(applies(cls) and name in names for applies, names in MACHINERY)
+
+
+def overrides(cls: type) -> Iterator[tuple[str, bool]]:
+    """(name, marked) for each method (or property) cls defines over a base's."""
+    for name, value in vars(cls).items():
+        if name in CONSTRUCTORS:
+            continue
+        function = unwrap(value)
+        if not callable(function) or written_by_machinery(cls, name, function):
+            continue
+        if not any(name in vars(base) for base in cls.__mro__[1:] if base is not object):
+            continue
+        yield name, bool(getattr(function, "__override__", False))
 
 
 def unmarked_overrides(cls: type) -> list[str]:
     """The methods (and properties) cls defines over a base's without @override."""
-    found = []
-    for name, value in vars(cls).items():
-        if name.startswith("__") and name not in DUNDERS:
-            continue
-        function = value.fget if isinstance(value, property) else value
-        if not callable(function):
-            continue
-        if not any(name in vars(base) for base in cls.__mro__[1:] if base is not object):
-            continue
-        if not getattr(function, "__override__", False):
-            found.append(f"{cls.__qualname__}.{name}")
-    return found
+    return [f"{cls.__qualname__}.{name}" for name, marked in overrides(cls) if not marked]
 
 
-@pytest.mark.parametrize("module_name", modules())
+@pytest.mark.parametrize("module_name", ALL_MODULES)
 def test_every_override_is_marked(module_name: str) -> None:
-    module = importlib.import_module(module_name)
-    classes = [c for c in vars(module).values() if inspect.isclass(c)]
-    found = [u for c in classes if c.__module__ == module_name for u in unmarked_overrides(c)]
-    assert found == []
+    found = [
+        f"{module_name}.{u}" for c in defined_classes(module_name) for u in unmarked_overrides(c)
+    ]
+    assert sorted(set(found) - PENDING) == []
 
 
-def test_every_optimizer_subclass_marks_its_overrides() -> None:
-    """Each face's optimizer classes too (Apex's FP16_Optimizer and LARC adapter, Paddle's
-    master-weight and LARS optimizers, Colossal's LowLevelZeroOptimizer and convert_to_amp's)."""
-    classes = optimizer_subclasses()
-    names = {f"{c.__module__}.{c.__qualname__}" for c in classes}
-    # the walk reaches every face (a walk that found none would pass vacuously)
+def test_pending_entries_are_still_unmarked() -> None:
+    found = {
+        f"{name}.{u}"
+        for name in ALL_MODULES
+        for c in defined_classes(name)
+        for u in unmarked_overrides(c)
+    }
+    assert sorted(PENDING - found) == []
+
+
+def test_the_walk_reaches_every_face() -> None:
+    """A walk that found no class, or no override, in a face would pass vacuously."""
+    classes = {
+        f"{c.__module__}.{c.__qualname__}": c for n in ALL_MODULES for c in defined_classes(n)
+    }
     for expected in (
         "mixprec.amp.AMPOptimizer",
         "mixprec.apex._optimizer_like.OptimizerLike",
@@ -82,9 +160,66 @@ def test_every_optimizer_subclass_marks_its_overrides() -> None:
         "mixprec.paddle.optimizer.LarsMomentumOptimizer",
         "mixprec.parallel.zero.ZeroOptimizer",
         "mixprec.zero.low_level.low_level_optim.LowLevelZeroOptimizer",
+        "mixprec.booster.plugin.hybrid_parallel.HybridParallelPlugin",
+        "mixprec.fp8.linear.Float8Linear",
+        "mixprec.integrations.lightning.MixprecPrecision",
+        "mixprec.paddle.grad_scaler.GradScaler",
     ):
-        assert expected in names, expected
-    assert [u for c in classes for u in unmarked_overrides(c)] == []
+        assert expected in classes, expected
+    for package in PACKAGES:
+        marked = [
+            name
+            for name, c in classes.items()
+            if name.startswith(f"{package}.") and any(m for _, m in overrides(c))
+        ]
+        assert marked, package
+    optimizers = [c for c in classes.values() if issubclass(c, torch.optim.Optimizer)]
+    assert len(optimizers) > 10
+
+
+def test_the_exemptions_are_machinery_only() -> None:
+    """The machinery's names are exempt where the machinery wrote them, not where a class body
+    did; a classmethod, staticmethod and property are checked through the function they wrap."""
+
+    class Mode(str, enum.Enum):
+        A = "a"
+
+    class Written(str, enum.Enum):
+        A = "a"
+
+        def __repr__(self) -> str:
+            return "A"
+
+    class Pair(NamedTuple):
+        a: int
+        b: int
+
+    class Base:
+        @classmethod
+        def make(cls) -> None: ...
+
+        @staticmethod
+        def helper() -> None: ...
+
+        @property
+        def size(self) -> int:
+            return 0
+
+    class Child(Base):
+        @classmethod
+        def make(cls) -> None: ...
+
+        @staticmethod
+        @override
+        def helper() -> None: ...
+
+        @property
+        def size(self) -> int:
+            return 1
+
+    assert unmarked_overrides(Mode) == unmarked_overrides(Pair) == []
+    assert [u.rsplit(".", 2)[-2:] for u in unmarked_overrides(Written)] == [["Written", "__repr__"]]
+    assert [u.rsplit(".", 1)[-1] for u in unmarked_overrides(Child)] == ["make", "size"]
 
 
 def test_the_check_sees_an_unmarked_override() -> None:
