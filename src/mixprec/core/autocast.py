@@ -279,6 +279,7 @@ class _OpListMode(TorchFunctionMode):
         self.device_type = region.device_type
         self.shadowed = 0  # > 0 while an inner mixprec region decides instead
 
+    @override
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         dtype = None if self.shadowed else self.op_dtypes.get(_op_name(func))
@@ -389,6 +390,7 @@ class _RegionContext(contextlib.ContextDecorator):
     def __exit__(self, *exc: object) -> None:
         _pop_scope(id(self))
 
+    @override
     def __call__(self, target: T) -> T:
         return _decorate(target, self, cast_to_fp32=False)
 
@@ -500,6 +502,7 @@ class fp32_region(_RegionContext):  # noqa: N801 - used like a function: `with f
     def _region(self) -> _Region:
         return replace(_outer_region(self.device_type), enabled=False)
 
+    @override
     def __call__(self, target: T) -> T:
         return _decorate(target, self, cast_to_fp32=True)
 
