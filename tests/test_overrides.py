@@ -59,16 +59,6 @@ MACHINERY: tuple[tuple[Callable[[type], bool], frozenset[str]], ...] = (
     (is_namedtuple, frozenset({"__repr__", "__getnewargs__"})),
 )
 
-# Unmarked dunder overrides in core/ and parallel/, which other work was editing when the rule
-# widened from three dunders to all but the constructors: marking them empties this list (a
-# stale entry fails test_pending_entries_are_still_unmarked, so the list can only shrink).
-PENDING = frozenset(
-    {
-        "mixprec.parallel.data.EpochShuffledDistributedSampler.__iter__",
-    }
-)
-
-
 # The layers and each face's package: a class in each must show marked overrides.
 PACKAGES = (
     "mixprec.core",
@@ -129,17 +119,7 @@ def test_every_override_is_marked(module_name: str) -> None:
     found = [
         f"{module_name}.{u}" for c in defined_classes(module_name) for u in unmarked_overrides(c)
     ]
-    assert sorted(set(found) - PENDING) == []
-
-
-def test_pending_entries_are_still_unmarked() -> None:
-    found = {
-        f"{name}.{u}"
-        for name in ALL_MODULES
-        for c in defined_classes(name)
-        for u in unmarked_overrides(c)
-    }
-    assert sorted(PENDING - found) == []
+    assert sorted(found) == []
 
 
 def test_the_walk_reaches_every_face() -> None:

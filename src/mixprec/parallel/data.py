@@ -13,6 +13,7 @@ from torch.utils.data import (
     RandomSampler,
     SequentialSampler,
 )
+from typing_extensions import override
 
 log = logging.getLogger("mixprec")
 
@@ -25,6 +26,7 @@ class EpochShuffledDistributedSampler(DistributedSampler):
     explicit set_epoch(e) before a pass still selects epoch e's permutation.
     """
 
+    @override
     def __iter__(self):
         indices = super().__iter__()
         self.set_epoch(self.epoch + 1)

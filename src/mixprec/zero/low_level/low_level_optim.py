@@ -223,8 +223,8 @@ class LowLevelZeroOptimizer(OptimizerWrapperAPI, ZeroOptimizer):
         dtype (still carrying the loss scale, as Colossal's); None when no rank holds one.
 
         A collective over the group (every rank must call it), summed in fp32 whatever the
-        communication format the step uses; grads a previous step left (see
-        ZeroOptimizer._carry_grads) are part of the sum, as they will be at the next step."""
+        communication format the step uses; grads a previous step left (the core's
+        carry: GradTransfer.give_back) are part of the sum, as they will be at the next step."""
         if not any(working_param is p for p in self.all_params):
             raise ValueError(
                 "get_param_grad: this parameter is not one this optimizer steps (pass a param "
