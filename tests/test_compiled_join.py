@@ -13,6 +13,7 @@ import collections
 
 import pytest
 import torch
+from test_compile_once import WIDTH, Block  # the benchmark block, small
 from tolerances import EXACT
 from torch import nn
 
@@ -21,19 +22,6 @@ from mixprec.core import compiled_join
 from mixprec.core.compile_regions import regions_supported
 from mixprec.core.compiled_join import _chunked
 from mixprec.core.compiled_step import compile_step
-
-WIDTH = 8
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.fc1 = nn.Linear(WIDTH, 4 * WIDTH)
-        self.fc2 = nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
 
 
 class Stack(nn.Module):

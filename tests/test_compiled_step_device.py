@@ -48,6 +48,7 @@ def test_compiled_step_update_creates_tensors_on_the_params_device(name: str) ->
     )
     opt = OPTIMIZERS[name](model.parameters())
     step = compile_step(model, opt, nn.MSELoss(), compile=False, max_norm=1.0)
+    assert step.joins and not step.solo  # the joined update (core.compiled_join) is the one run
     # meta has no autocast; the step's fp32 region (autocast off) is entered on the CPU's
     step.device_type = "cpu"
     x, y = torch.randn(3, 4, device="meta"), torch.randn(3, 2, device="meta")
