@@ -205,19 +205,25 @@ def test_a_loaded_state_dict_is_what_the_next_step_steps(mode, monkeypatch):
         assert_bitwise(got, expected)
 
 
-def test_eager_steps_that_leave_counts_unequal_release_the_group(per_param):
+@pytest.mark.parametrize("mode", [mixprec.AMP_TYPE.NAIVE, None], ids=["naive", "plain_fp32"])
+def test_eager_steps_that_leave_counts_unequal_release_the_group(mode, per_param):
     """An eager step skips a param that got no gradient (torch's Adam counts it no step): the
     counts differ, so the group is released (one read, only after steps the compiled step did
-    not take) and the params step one by one, as the per-param reference does."""
+    not take: the wrapper's count, or a plain optimizer's own step() calls) and the params step
+    one by one, as the per-param reference does."""
 
     def run():
-        model, opt, crit = build(2, mixprec.AMP_TYPE.NAIVE)
+        model, opt, crit = build(2, mode)
         stack = next(m for m in model.modules() if isinstance(m, Stack))
         step = compile_step(model, opt, crit, compile=False)
         step(*batch(0))
         opt.zero_grad()
         stack.depth = 1  # the second block gets no gradient
-        opt.backward(crit(model(batch(1)[0]), batch(1)[1]))
+        loss = crit(model(batch(1)[0]), batch(1)[1])
+        if mode is None:
+            loss.backward()
+        else:
+            opt.backward(loss)
         opt.step()
         stack.depth = 2
         step(*batch(2))

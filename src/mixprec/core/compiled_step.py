@@ -71,11 +71,13 @@ import contextlib
 import logging
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mixprec.core import compiled_join, qstate
 from mixprec.core import fused_step as fused
@@ -122,6 +124,25 @@ def _torch_deprecations_ignored():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch(\.|$)")
         yield
+
+
+_INNER_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""step() calls of the torch optimizers compiled steps run, counted by one global post hook (a
+hook of the optimizer's own would make fused_step refuse it): a plain optimizer's eager steps
+show here, not in any StepCounter."""
+_COUNTING: list[Any] = []  # the global hook's handle, once registered
+
+
+def _count_inner_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Count optimizer's step() calls in _INNER_STEPS from now on."""
+    if not _COUNTING:
+
+        def count(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if opt in _INNER_STEPS:
+                _INNER_STEPS[opt] += 1
+
+        _COUNTING.append(register_optimizer_step_post_hook(count))
+    _INNER_STEPS.setdefault(optimizer, 0)
 
 
 class CompileStepError(ValueError):
@@ -345,6 +366,7 @@ class CompiledStep:
         graph; None: torch's own."""
         # one accounting: the optimizer's StepCounter, which counts its eager steps too
         self.counts = optimizer.counts if wrapped else StepCounter(None)
+        _count_inner_steps(inner)
         self._plan()
         device = self.hp[0].device if self.hp else torch.device("cpu")
         self.device_type = device.type
@@ -465,7 +487,12 @@ class CompiledStep:
         self._train = [params[name] for name in self.train_names]
         self._join_groups()
         self._planned = self._state_key()
-        self._steps_seen = self.counts.steps  # the optimizer's step count the plan saw
+        self._steps_seen = self._steps_taken()  # the steps the plan saw
+
+    def _steps_taken(self) -> int:
+        """Steps taken by any path: the optimizer's count (its eager steps and this object's)
+        plus the inner optimizer's own step() calls."""
+        return self.counts.steps + _INNER_STEPS.get(self.inner, 0)
 
     def _state_now(self, i: int) -> list[Any]:
         """Param i's state tensors as the optimizer holds them now (the plan's keys)."""
@@ -519,9 +546,9 @@ class CompiledStep:
         if self._state_key() != self._planned:
             self._replan()
             return
-        if self.counts.steps == self._steps_seen or not self.joins:
+        if self._steps_taken() == self._steps_seen or not self.joins:
             return
-        self._steps_seen = self.counts.steps
+        self._steps_seen = self._steps_taken()
         unequal = [j for j in self.joins if not j.counts_equal()]
         if unequal:
             for j in unequal:
@@ -695,7 +722,7 @@ class CompiledStep:
         with torch.no_grad():  # _run enables grad for forward and backward; the writes need none
             loss = self._step(args)
         self.counts.steps += 1
-        self._steps_seen = self.counts.steps
+        self._steps_seen = self._steps_taken()
         self._step_record.step_done(self._count_row, has_norm=self._records_norm)
         return loss
 
