@@ -13,7 +13,7 @@ import collections
 
 import pytest
 import torch
-from test_compile_once import WIDTH, Block  # the benchmark block, small
+from test_compile_once import WIDTH, Block, batch  # the benchmark block, small
 from tolerances import EXACT
 from torch import nn
 
@@ -48,14 +48,6 @@ def build(n: int, mode: str | None, opt_cls=torch.optim.AdamW, **opt_kwargs):
         config = {"initial_scale": 2.0**10} if mode == mixprec.AMP_TYPE.NAIVE else None
         model, opt, crit = mixprec.convert_to_amp(model, opt, crit, mode, config)
     return model, opt, crit
-
-
-def batch(i: int, bad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(i)
-    x, y = torch.randn(4, WIDTH, generator=gen), torch.randn(4, WIDTH, generator=gen)
-    if bad:
-        y[0, 0] = float("inf")
-    return x, y
 
 
 def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:

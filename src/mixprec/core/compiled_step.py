@@ -367,6 +367,8 @@ class CompiledStep:
         # one accounting: the optimizer's StepCounter, which counts its eager steps too
         self.counts = optimizer.counts if wrapped else StepCounter(None)
         _count_inner_steps(inner)
+        self.joins: list[JoinedGroup] = []
+        """Each param group's joined params (compiled_join), updated as one per chunk."""
         self._plan()
         device = self.hp[0].device if self.hp else torch.device("cpu")
         self.device_type = device.type
@@ -514,8 +516,8 @@ class CompiledStep:
         """Join each group's joinable params (compiled_join): one update per group in the
         graph. A join that still holds the same tensors is kept (no copy, no recompile); one
         whose Adam counts differ is not made (one host sync per group, at planning only)."""
-        old = {tuple(j.members): j for j in getattr(self, "joins", [])}
-        self.joins: list[JoinedGroup] = []
+        old = {tuple(j.members): j for j in self.joins}
+        self.joins = []
         for g, group in enumerate(self.inner.param_groups):
             kind = GroupPlan.of(self.inner, group).kind
             members = [
