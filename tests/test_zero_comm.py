@@ -282,6 +282,7 @@ def test_fp8_communication_skips_agree_across_ranks() -> None:
 
 def _converge_worker(rank: int, world: int) -> None:
     """A teacher-student regression trains as well with fp8 gradients as with fp32 ones."""
+    torch.manual_seed(1)  # one teacher on every rank, every run (a spawned rank's seed is random)
     teacher = nn.Sequential(nn.Linear(WIDTH, 32), nn.Tanh(), nn.Linear(32, 4))
     g = torch.Generator().manual_seed(3 + rank)
     xs = torch.randn(40, 16, WIDTH, generator=g)
@@ -310,7 +311,7 @@ def _converge_worker(rank: int, world: int) -> None:
         dist.all_reduce(total)
         finals[name] = (losses[0].item(), total.item() / world)
     first, ref = finals["ZeRO fp32 comm"]
-    assert ref < 0.5 * first, finals  # learned: 40 steps cut the loss ~4x (measured)
+    assert ref < 0.5 * first, finals  # learned: 40 steps cut the loss ~50x (measured)
     for name in ("ZeRO fp8 comm", "DDP fp8 comm"):
         # fp8 gradients (~2**-3 relative noise, unbiased-ish) cost Adam little on 40 steps.
         assert finals[name][1] < 1.25 * ref, finals
