@@ -617,17 +617,17 @@ class CompiledStep:
         loss = loss.detach()
         if self.average_grads:
             grads = self._all_reduce_grads(grads)
-        unscaled = [g.float() * inv_scale for g in grads]
         joined = [j.gather(grads) for j in self.joins]  # each chunk's flat gradient
         flat = [g for chunks in joined for g in chunks]
-        checked = [unscaled[i] for i in self.solo] + [g.float() * inv_scale for g in flat]
-        amaxes = torch.stack([sm.grad_amax(u) for u in checked]) if checked else inv_scale
-        found_inf = sm.found_inf(amaxes).reshape(1)
+        checked = [grads[i] for i in self.solo] + flat  # each grad once: its own, or its chunk's
+        amaxes = [sm.grad_amax(g.float() * inv_scale) for g in checked]
+        found_inf = sm.found_inf(torch.stack(amaxes) if amaxes else inv_scale).reshape(1)
         found_inf = self._all_reduce_max(found_inf)
         skip = found_inf > 0
         clip, total = torch.ones_like(inv_scale), None
-        if self.max_norm > 0 and unscaled:
-            total = total_grad_norm(unscaled)  # core/clip's norm: traced, no graph break
+        if self.max_norm > 0 and grads:
+            # core/clip's norm over each grad (traced, no graph break); only a clip reads them
+            total = total_grad_norm([g.float() * inv_scale for g in grads])
             clip = sm.clip_coefficient(self.max_norm, total).reshape(1)
         head = [inv_scale, clip]
         keep = (~skip).float()
