@@ -21,7 +21,7 @@ from torch._dynamo.backends.registry import lookup_backend
 import mixprec
 from mixprec.core import compile_regions
 from mixprec.core.compile_regions import regions_supported, repeated_blocks, use_regions
-from mixprec.core.compiled_step import compile_step
+from mixprec.core.compiled_step import CPU_FUSION_OPTIONS, compile_step
 
 WIDTH = 8
 needs_regions = pytest.mark.skipif(
@@ -135,7 +135,8 @@ def test_without_regions_the_step_is_one_graph_with_the_cpu_options():
     opt = torch.optim.AdamW(model.parameters())
     inductor = compile_step(model, opt, nn.MSELoss(), regions="auto")
     if regions_supported():  # 'auto' with repeated blocks: regions, without the C++ wrapper
-        assert inductor.regional and "options" not in inductor.compile_options
+        assert inductor.regional  # the fusion option, not the wrapper
+        assert inductor.compile_options["options"] == CPU_FUSION_OPTIONS
     else:  # one graph (torch 2.11), with the CPU options
         assert not inductor.regional and "options" in inductor.compile_options
     assert not compile_step(model, opt, nn.MSELoss(), compile=False).regional  # the default

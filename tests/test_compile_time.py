@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from mixprec.core.compiled_step import (
+    CPU_FUSION_OPTIONS,
     CPU_INDUCTOR_OPTIONS,
     CPU_WRAPPER_MAX_TENSORS,
     compile_step,
@@ -26,12 +27,12 @@ def _step_with(tensors: int):
 
 def test_the_cpp_wrapper_joins_a_small_step():
     step = _step_with(CPU_WRAPPER_MAX_TENSORS)
-    assert step.compile_options["options"] == CPU_INDUCTOR_OPTIONS
+    assert step.compile_options["options"] == {**CPU_FUSION_OPTIONS, **CPU_INDUCTOR_OPTIONS}
 
 
 def test_a_step_of_many_tensors_compiles_without_the_cpp_wrapper():
     step = _step_with(CPU_WRAPPER_MAX_TENSORS + 1)
-    assert "options" not in step.compile_options
+    assert step.compile_options["options"] == CPU_FUSION_OPTIONS  # no wrapper
     assert step.compile_options["fullgraph"] is True
 
 
@@ -41,4 +42,4 @@ def test_the_callers_options_still_reach_a_large_step():
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = compile_step(model, opt, nn.MSELoss(), options={"cpp_wrapper": True})
-    assert step.compile_options["options"] == {"cpp_wrapper": True}  # asked for: honoured
+    assert step.compile_options["options"] == {**CPU_FUSION_OPTIONS, "cpp_wrapper": True}

@@ -10,6 +10,7 @@ inductor run checks the generated kernels.
 from __future__ import annotations
 
 import collections
+import re
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from tolerances import EXACT
 from torch import nn
 
 import mixprec
-from mixprec.core import compiled_join
+from mixprec.core import compiled_join, compiled_step
 from mixprec.core.compile_regions import regions_supported
 from mixprec.core.compiled_join import _chunked
 from mixprec.core.compiled_step import compile_step
@@ -108,18 +109,25 @@ def test_joined_step_equals_the_per_param_step_bitwise(mode, opt, per_param):
 
 def test_the_state_is_joined_in_place_and_stays_the_optimizers():
     """The masters and moments keep their identity (state_dict, param_groups) and become views
-    of one buffer per column; Adam's counts share one buffer too."""
+    of one buffer per column and chunk; Adam's counts share one buffer for the group."""
     model, opt, crit = build(2, mixprec.AMP_TYPE.NAIVE)
     masters = list(opt.hp_masters)
     step = compile_step(model, opt, crit, compile=False)
     assert [id(m) for m in opt.hp_masters] == [id(m) for m in masters]
     (join,) = step.joins
-    # width 8: one chunk of masters (of fp16 params), one of the params NAIVE keeps fp32
-    chunk, own = join.chunks
-    assert all(lp is not None for lp in chunk.lp) and all(lp is None for lp in own.lp)
-    assert {p.untyped_storage().data_ptr() for p in own.hp} == {
-        own.joined.whole[0].untyped_storage().data_ptr()
-    }  # the model's own fp32 params (NAIVE's norms), views of one buffer too
+    # width 8, per block: one chunk of masters (of fp16 params), one of the params NAIVE keeps
+    # fp32 (its norms)
+    assert len(join.chunks) == 4
+    chunks = [c for c in join.chunks if c.lp[0] is not None]
+    own = [c for c in join.chunks if c.lp[0] is None]
+    assert len(chunks) == len(own) == 2
+    assert all(lp is not None for c in chunks for lp in c.lp)
+    assert all(lp is None for c in own for lp in c.lp)
+    for o in own:  # the model's own fp32 params, views of one buffer too
+        assert {p.untyped_storage().data_ptr() for p in o.hp} == {
+            o.joined.whole[0].untyped_storage().data_ptr()
+        }
+    chunk = chunks[0]
     whole = chunk.joined.whole
     storage = {m.untyped_storage().data_ptr() for m in chunk.hp}
     assert storage == {whole[0].untyped_storage().data_ptr()}
@@ -132,9 +140,34 @@ def test_the_state_is_joined_in_place_and_stays_the_optimizers():
     torch.testing.assert_close(whole[0][: first.numel()], first.reshape(-1), **EXACT)
 
 
+def test_a_chunk_holds_one_blocks_params_and_blocks_chunk_alike():
+    """Chunks end at block boundaries (compile_regions.repeated_blocks), so each block's chunk
+    has the same layout; params outside the blocks pack apart from them; a large param is
+    still a chunk of its own."""
+    assert _chunked([5, 5, 5, 5], ["a", "a", "b", "b"], 100) == [[0, 1], [2, 3]]
+    assert _chunked([5, 100, 3, 5], ["a", "a", "a", "b"], 10) == [[0, 2], [1], [3]]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Block(), Block(), nn.LayerNorm(WIDTH))
+    opt = torch.optim.AdamW(model.parameters())
+    step = compile_step(model, opt, nn.MSELoss(), compile=False)
+    (join,) = step.joins
+    names = dict(enumerate(step.train_names))
+    layouts = [[names[i] for i in chunk.members] for chunk in join.chunks]
+    outside = [["0.weight", "0.bias"], ["3.weight", "3.bias"]]  # a run ends at each block
+    block = ["norm.weight", "norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert layouts == [
+        outside[0],
+        [f"1.{name}" for name in block],
+        [f"2.{name}" for name in block],
+        outside[1],
+    ]
+    first, second = join.chunks[1:3]
+    assert first.sizes == second.sizes
+
+
 def test_large_params_are_chunks_of_their_own(monkeypatch):
-    assert _chunked([5, 100, 3, 2, 100, 4], 10) == [[0, 2, 3], [1], [4], [5]]
-    assert _chunked([4, 4, 4], 10) == [[0, 1], [2]]
+    assert _chunked([5, 100, 3, 2, 100, 4], [None] * 6, 10) == [[0, 2, 3], [1], [4], [5]]
+    assert _chunked([4, 4, 4], [None] * 3, 10) == [[0, 1], [2]]
     monkeypatch.setattr(compiled_join, "CHUNK_ELEMENTS", 64)  # fc1/fc2 weights: 256 elements
     model, opt, crit = build(2, "bf16")
     step = compile_step(model, opt, crit, compile=False)
@@ -280,17 +313,47 @@ def _update_ops(ops: collections.Counter) -> dict[str, int]:
     return {k: v for k, v in ops.items() if k.startswith(("aten.lerp", "aten.pow", "aten.sqrt"))}
 
 
-def test_n_blocks_make_one_update_in_the_graph(per_param):
+def test_each_block_is_one_update_in_the_graph(per_param):
     """A compile counter, not a timing: the graph of a stack of 2 or 6 blocks holds one Adam
-    update (one lerp of the first moment) for the whole group, one set of its scalars, and the
-    same update ops at either depth; per param, one lerp each."""
+    update per block (one lerp of the first moment, one sqrt of the second: each block's params
+    are one chunk, whose kernels identical blocks share) and one set of the group's scalars
+    (the bias corrections' powers) at either depth; per param, one lerp each."""
     two, six = _graph_ops(2), _graph_ops(6)
-    assert two["aten.lerp.Scalar"] + two["aten.lerp.Tensor"] == 1
-    assert _update_ops(two) == _update_ops(six)
+    for ops, blocks in ((two, 2), (six, 6)):
+        assert ops["aten.lerp.Scalar"] + ops["aten.lerp.Tensor"] == blocks
+        assert ops["aten.sqrt.default"] == blocks
+    powers = {k: v for k, v in _update_ops(two).items() if k.startswith("aten.pow")}
+    assert powers == {k: v for k, v in _update_ops(six).items() if k.startswith("aten.pow")}
     per_param()
     torch._dynamo.reset()
     ops = _graph_ops(2)
     assert ops["aten.lerp.Scalar"] + ops["aten.lerp.Tensor"] == 12  # 6 params per block
+
+
+def _kernels(n: int) -> int:
+    """How many distinct C++ kernels inductor builds for a bf16 stack of n blocks (its Python
+    wrapper defines each distinct kernel source once, however often the step calls it)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model, opt, crit = build(n, "bf16")
+    step = compile_step(model, opt, crit, options={"cpp_wrapper": False})
+    _, code = run_and_get_code(step, *batch(0))
+    assert step.compiled
+    return len({k for c in code for k in re.findall(r"^(cpp_fused_\w+) = async_compile", c, re.M)})
+
+
+@pytest.mark.slow
+def test_more_identical_blocks_build_no_more_kernels(monkeypatch):
+    """A compile counter, not a timing (issue 44): 12 blocks build at most 2 C++ kernels more
+    than 8 (identical blocks share their forward, backward and update kernels, inductor's
+    realization pattern settling after the first few), where one chunk across the blocks gave
+    each block kernels of its own (the joined offsets written into them)."""
+    eight, twelve = _kernels(8), _kernels(12)
+    assert twelve - eight <= 2, (eight, twelve)
+    monkeypatch.setattr(compiled_step, "repeated_blocks", lambda model: [])  # one chunk
+    across = _kernels(8), _kernels(12)
+    assert across[1] - across[0] >= 8, across
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from mixprec.apex import amp as apex_amp
 from mixprec.bench.models import ModelSpec, build_model, make_batch, make_criterion
 from mixprec.core import compiled_step
 from mixprec.core.compiled_step import (
+    CPU_FUSION_OPTIONS,
     CPU_INDUCTOR_OPTIONS,
     CompileStepError,
     _with_cpu_options,
@@ -312,7 +313,7 @@ def test_inductor_step_equals_the_eager_step():
         reference = state_of(model, opt)
         model, opt, crit, _, _ = FACES[name](torch.optim.SGD, SGD)
         step = compile_step(model, opt, crit)
-        assert step.compile_options["options"] == CPU_INDUCTOR_OPTIONS  # the C++ wrapper
+        assert step.compile_options["options"]["cpp_wrapper"] is True  # the C++ wrapper
         for i in range(3):
             step(*batch(i))
         assert step.compiled
@@ -329,16 +330,18 @@ def test_inductor_step_equals_the_eager_step():
 
 def test_cpu_options_join_only_an_inductor_compile_without_mode():
     plain = {"fullgraph": True}
-    assert _with_cpu_options(plain, "cpu") == {**plain, "options": CPU_INDUCTOR_OPTIONS}
-    mine = {"options": {"cpp_wrapper": False, "max_autotune": True}}
-    assert _with_cpu_options(mine, "cpu")["options"] == mine["options"]  # the caller's win
+    both = {**CPU_FUSION_OPTIONS, **CPU_INDUCTOR_OPTIONS}
+    assert _with_cpu_options(plain, "cpu", True) == {**plain, "options": both}
+    assert _with_cpu_options(plain, "cpu", False) == {**plain, "options": CPU_FUSION_OPTIONS}
+    mine = {"options": {"cpp_wrapper": False, "max_fusion_buffer_group_pairwise_attempts": 64}}
+    assert _with_cpu_options(mine, "cpu", True)["options"] == mine["options"]  # the caller's win
     for options, device in [
         (plain, "cuda"),
         ({"backend": "eager"}, "cpu"),
         ({"backend": "aot_eager"}, "cpu"),
         ({"mode": "max-autotune-no-cudagraphs"}, "cpu"),  # torch.compile: mode or options
     ]:
-        assert _with_cpu_options(options, device) is options
+        assert _with_cpu_options(options, device, True) is options
 
 
 @pytest.mark.slow
@@ -349,7 +352,7 @@ def test_a_cpu_options_build_failure_compiles_again_without_them(monkeypatch, ca
     monkeypatch.setattr(compiled_step, "CPU_INDUCTOR_OPTIONS", broken)
     torch._dynamo.reset()
     step = compile_step(model, opt, crit)
-    assert step.compile_options["options"] == broken
+    assert step.compile_options["options"] == {**CPU_FUSION_OPTIONS, **broken}
     with warnings.catch_warnings(), caplog.at_level("INFO", logger="mixprec"):
         warnings.simplefilter("error", RuntimeWarning)
         step(*batch(0))

@@ -27,6 +27,7 @@ sync) and releases a group whose counts differ back to per-param updates.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,35 +89,33 @@ class _Chunk:
     member: its own tensors are the operands."""
 
 
-def _chunked(sizes: list[int], limit: int) -> list[list[int]]:
+def _chunked(sizes: list[int], blocks: list[Hashable], limit: int) -> list[list[int]]:
     """Positions 0..len(sizes)-1 in runs: a member of `limit` elements or more alone, the others
     packed in order into runs of at most `limit` elements (a layer's small params join across
-    its large ones)."""
+    its large ones), a run ending where the block changes (see JoinedGroup)."""
     runs: list[list[int]] = []
     open_run: list[int] | None = None
-    total = 0
+    total, block = 0, None
     for position, size in enumerate(sizes):
         if size >= limit:
             runs.append([position])
             continue
-        if open_run is None or total + size > limit:
-            open_run, total = [], 0
+        if open_run is None or total + size > limit or blocks[position] != block:
+            open_run, total, block = [], 0, blocks[position]
             runs.append(open_run)
         open_run.append(position)
         total += size
     return runs
 
 
-def _runs(sizes: list[int], masters: list[bool]) -> list[list[int]]:
+def _runs(sizes: list[int], masters: list[bool], blocks: list[Hashable]) -> list[list[int]]:
     """_chunked runs of the members with masters, then of those stepping the model's own param
     (a chunk's hp are one kind: its low-precision writes are all there or all absent)."""
     runs = []
     for kind in (True, False):
-        positions = [k for k, has in enumerate(masters) if has is kind]
-        runs += [
-            [positions[k] for k in run]
-            for run in _chunked([sizes[k] for k in positions], CHUNK_ELEMENTS)
-        ]
+        at = [k for k, has in enumerate(masters) if has is kind]
+        chunked = _chunked([sizes[k] for k in at], [blocks[k] for k in at], CHUNK_ELEMENTS)
+        runs += [[at[k] for k in run] for run in chunked]
     return runs
 
 
@@ -128,7 +127,14 @@ class JoinedGroup:
     """Params of one param group (indices into CompiledStep's per-param lists) stepped with one
     scalar vector: their state (and masters) joined into flat buffers per chunk of about
     CHUNK_ELEMENTS (a param that large is a chunk on its own, over its own tensors), Adam's step
-    counts into one buffer for the group."""
+    counts into one buffer for the group.
+
+    blocks: each member's block (compile_regions.repeated_blocks: one of a model's identical
+    blocks; None outside them): a chunk holds one block's params at most. Inductor writes a
+    joined tensor's offset into every kernel that reads it (a joined own param in the forward
+    and the backward, a gradient written into its chunk's concatenation), so a chunk spanning
+    blocks gave every block kernels of its own, where identical blocks share them when each
+    block's chunk has the same layout (benchmarks/bench_compile.py)."""
 
     def __init__(
         self,
@@ -138,6 +144,7 @@ class JoinedGroup:
         hp: list[torch.Tensor],
         lp: list[torch.Tensor | None],
         states: list[list[torch.Tensor]],
+        blocks: list[Hashable] | None = None,
     ) -> None:
         self.group, self.kind, self.members = group, kind, members
         adam = kind == "adam"
@@ -146,7 +153,8 @@ class JoinedGroup:
         moments = [st[1:] if adam else st for st in states]
         sizes = [t.numel() for t in hp]
         self.chunks: list[_Chunk] = []
-        for run in _runs(sizes, [t is not None for t in lp]):
+        blocks = blocks if blocks is not None else [None] * len(members)
+        for run in _runs(sizes, [t is not None for t in lp], blocks):
             chunk = _Chunk(
                 [members[k] for k in run],
                 [lp[k] for k in run],

@@ -68,6 +68,7 @@ collapse is therefore raised up to check_every - 1 steps after the step that rea
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import types
 import warnings
@@ -85,7 +86,7 @@ from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
 from mixprec.core.clip import total_grad_norm
 from mixprec.core.commit import StepResult
-from mixprec.core.compile_regions import use_regions
+from mixprec.core.compile_regions import repeated_blocks, use_regions
 from mixprec.core.compiled_join import JoinedGroup, counts_equal, joinable
 from mixprec.core.optim import MixedPrecisionOptimizer
 from mixprec.core.scaling import ProcessGroup, ScaleRule, default_group, rank_and_world
@@ -110,6 +111,14 @@ Not joined when the step compiles regions (torch 2.13's C++ wrapper cannot call 
 "NotImplementedError: codegen invoke_subgraph is not implemented for cpp wrapper"), nor when
 the step trains more than CPU_WRAPPER_MAX_TENSORS tensors: the wrapper is one C++ file whose
 build grows much faster than the graph (benchmarks/results/compile_cpu.md)."""
+CPU_FUSION_OPTIONS = {"max_fusion_buffer_group_pairwise_attempts": 4}
+"""Inductor options every compile_step adds on CPU (the caller's own `options` win): the
+scheduler tries each node against at most 4 others of a buffer group for fusion (torch's
+default: 64). Every update node reads the step's scalars and skip flag, so they form one large
+buffer group whose pairwise fusion checks grew with the model: at 24 residual MLP blocks the
+scheduler was the first step's largest phase after the C++ builds, and with 4 attempts it took
+a third of that time, the steady step no slower (benchmarks/results/compile_cpu.md: its
+scheduler column). Not measured on GPU, so not added there."""
 CPU_WRAPPER_MAX_TENSORS = 32
 """The most trained tensors a step may have for CPU_INDUCTOR_OPTIONS to join its compile."""
 
@@ -409,13 +418,12 @@ class CompiledStep:
         return model
 
     def _compile_first(self, compile_options: dict[str, Any]) -> None:
-        """Compile with the caller's options (fullgraph, static shapes by default) plus, for
-        one graph on CPU of at most CPU_WRAPPER_MAX_TENSORS trained tensors,
-        CPU_INDUCTOR_OPTIONS; those alone are kept for a second try."""
+        """Compile with the caller's options (fullgraph, static shapes by default) plus, on
+        CPU, CPU_FUSION_OPTIONS and, for one graph of at most CPU_WRAPPER_MAX_TENSORS trained
+        tensors, CPU_INDUCTOR_OPTIONS; the caller's alone are kept for a second try."""
         options = {"fullgraph": True, "dynamic": False, **compile_options}
-        self.compile_options = options
-        if not self.regional and len(self.hp) <= CPU_WRAPPER_MAX_TENSORS:
-            self.compile_options = _with_cpu_options(options, self.device_type)
+        wrapper = not self.regional and len(self.hp) <= CPU_WRAPPER_MAX_TENSORS
+        self.compile_options = _with_cpu_options(options, self.device_type, wrapper)
         if self.compile_options is not options:
             self._plain_options = options
         self._compiled = self._compile()
@@ -518,6 +526,12 @@ class CompiledStep:
         whose Adam counts differ is not made (one host sync per group, at planning only)."""
         old = {tuple(j.members): j for j in self.joins}
         self.joins = []
+        block_of = {  # each param of a repeated block -> its block (a chunk stays in one)
+            id(p): id(block)
+            for blocks in repeated_blocks(self.model)
+            for block in blocks
+            for p in block.parameters()
+        }
         for g, group in enumerate(self.inner.param_groups):
             kind = GroupPlan.of(self.inner, group).kind
             members = [
@@ -536,7 +550,8 @@ class CompiledStep:
             if kind == "adam" and not counts_equal([st[0] for st in states]):
                 continue
             lp = [self.lp[i] for i in members]
-            self.joins.append(JoinedGroup(g, kind, members, hp, lp, states))
+            blocks = [block_of.get(id(self._train[i])) for i in members]
+            self.joins.append(JoinedGroup(g, kind, members, hp, lp, states, blocks))
         joined = {i for j in self.joins for i in j.members}
         self.solo = [i for i in range(len(self.hp)) if i not in joined]
         """The params updated one by one (not in a joined group)."""
@@ -621,7 +636,11 @@ class CompiledStep:
         flat = [g for chunks in joined for g in chunks]
         checked = [grads[i] for i in self.solo] + flat  # each grad once: its own, or its chunk's
         amaxes = [sm.grad_amax(g.float() * inv_scale) for g in checked]
-        found_inf = sm.found_inf(torch.stack(amaxes) if amaxes else inv_scale).reshape(1)
+        # their max (inf or nan when any is), not torch.stack: inductor writes each stacked
+        # amax into its slot from the kernel that reduces it, an offset of its own in every
+        # block's kernel, so identical blocks stopped sharing their kernels
+        amax = functools.reduce(torch.maximum, amaxes) if amaxes else inv_scale
+        found_inf = sm.found_inf(amax).reshape(1)
         found_inf = self._all_reduce_max(found_inf)
         skip = found_inf > 0
         clip, total = torch.ones_like(inv_scale), None
@@ -776,7 +795,7 @@ class CompiledStep:
         if self._plain_options is not None:
             log.info(
                 "mixprec.compile_step: compiling with %s failed (%s: %s); compiling without them.",
-                CPU_INDUCTOR_OPTIONS,
+                self.compile_options.get("options"),
                 type(exc).__name__,
                 why,
             )
@@ -836,16 +855,18 @@ class CompiledStep:
         return skipped
 
 
-def _with_cpu_options(options: dict[str, Any], device_type: str) -> dict[str, Any]:
-    """options plus CPU_INDUCTOR_OPTIONS under `options`, for inductor on CPU without a `mode`
-    (torch.compile takes mode or options, not both); the same dict otherwise."""
+def _with_cpu_options(options: dict[str, Any], device_type: str, wrapper: bool) -> dict[str, Any]:
+    """options plus CPU_FUSION_OPTIONS (and, with wrapper, CPU_INDUCTOR_OPTIONS) under
+    `options`, for inductor on CPU without a `mode` (torch.compile takes mode or options, not
+    both); the same dict otherwise."""
     if (
         device_type != "cpu"
         or options.get("backend", "inductor") != "inductor"
         or "mode" in options
     ):
         return options
-    return {**options, "options": {**CPU_INDUCTOR_OPTIONS, **options.get("options", {})}}
+    cpu = {**CPU_FUSION_OPTIONS, **(CPU_INDUCTOR_OPTIONS if wrapper else {})}
+    return {**options, "options": {**cpu, **options.get("options", {})}}
 
 
 def compile_step(
@@ -891,8 +912,9 @@ def compile_step(
         compiling with regions fail, the step compiles once more as one graph.
     compile_options: passed to torch.compile (mode="reduce-overhead" for CUDA graphs,
         backend=...); fullgraph=True and dynamic=False unless given. On CPU with inductor and
-        no mode, CPU_INDUCTOR_OPTIONS (the C++ wrapper) join `options` (see `regions`); the step's
-        compile_options attribute shows what torch.compile got.
+        no mode, CPU_FUSION_OPTIONS and CPU_INDUCTOR_OPTIONS (the C++ wrapper: see `regions`)
+        join `options`, yours winning; the step's compile_options attribute shows what
+        torch.compile got.
     """
     return CompiledStep(
         model,
