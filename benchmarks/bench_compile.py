@@ -28,10 +28,32 @@ Where compile_step's compile goes (one graph, torch 2.13, CPU; the record's coun
   per chunk of at most 2**18 elements (a block's two 256 x 1024 weights are a chunk each, its
   small params share one), so a block adds about 15 nodes of update, where one update per
   trained tensor, each with its own scalar vector, added about 140 (23 per tensor).
-- The rest grows with the kernels: inductor's CPU backend writes the update nodes between two
-  matmuls into one C++ function and shares a function only when its whole source repeats, and
-  the chunks' updates differ in their offsets and operands, so the distinct C++ functions and
-  their builds still grow per block (the record's builds column).
+- Identical blocks share kernels only when nothing in them names a place: inductor writes a
+  joined tensor's offset into every kernel that reads or writes it. A chunk spanning blocks put
+  each block's small params (read by its forward and backward kernels) and each gradient's slot
+  in the chunk's concatenation (written by the backward kernel that makes it) at offsets of
+  their own, and the found-inf check's torch.stack gave each amax a slot: every block built
+  kernels of its own (38 distinct at 8 blocks, 86 at 24). A chunk now holds one block's params
+  at most (compiled_join.JoinedGroup) and the check takes the amaxes' max: about 32 at 8 and 24
+  blocks, inductor's realization pattern settling after the first few blocks.
+- Inductor's fusion pass tries pairs of nodes that read one buffer; every update node reads the
+  step's scalars and skip flag, so the update was one buffer group whose pairwise checks grew
+  with the model (scheduler: 28 s of a 92 s first step at 24 blocks). compile_step limits them
+  to 4 partners a node on CPU (compiled_step.CPU_FUSION_OPTIONS): 9 s there, the steady step no
+  slower. 1 partner was no faster.
+- What still costs more than torch.compile(model) at 8 blocks (one profile, s): creating the
+  scheduler's nodes +3 (the graph has about 390 IR nodes to torch.compile's 236: the update,
+  the check and the scalars), code generation +2, lowering +2, dynamo tracing the update +1.4,
+  waiting for C++ builds +1.7.
+- Tried and dropped (probes at 8 and 24 blocks, cold cache): the model's own params left out of
+  the joined buffers (a chunk steps their concatenation and writes each from its slice): their
+  forward kernels shared, but the concatenations and writes cost more scheduling than they
+  saved (+2.6 s at 8 blocks); each chunk's update as a compiled program of its own, compiled
+  once per layout and called per chunk after the graph: 30 s at 8 blocks, the steady step
+  16 ms against 12; the forward as a program of its own (torch.compile's forward and backward
+  graphs, the backward run eagerly) and the rest as another: 31 s, the steady step 25 ms
+  against 12 (the one graph's speed comes from forward, backward and update compiled
+  together); inductor's realize_cpu_acc_reads_threshold at 2 or 4: fewer kernels, none shared.
 - Larger chunks gave fewer nodes but a slower step: a chunk's update makes temporaries of its
   size (its flat gradient, its new values), and temporaries of a few MiB were mapped afresh by
   the allocator at every step (page faults in the update kernel, seen with perf): at depth 8,

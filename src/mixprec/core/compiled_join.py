@@ -16,7 +16,8 @@ the per-param update's, element for element: the same step_math on the same scal
 is stepped in chunks (CHUNK_ELEMENTS): masters and the model's own params in chunks of their
 own; a large param is a chunk over its own tensors; small ones are joined, the model's own
 params too (they become views of one buffer the graph writes in place, which dynamo and
-aot_autograd treat as one input).
+aot_autograd treat as one input), a chunk holding one repeated block's params at most
+(JoinedGroup: so identical blocks share their kernels).
 
 The joined tensors stay the optimizer's own (joined.JoinedState: rebound in place), so
 state_dict(), checkpoints and eager steps see them. CompiledStep checks on the host before each

@@ -47,9 +47,11 @@ The update's size does not grow with the param count: each param group's params 
 optimizer's own tensors still), so the graph holds one update per chunk of the group with one
 scalar vector, where one per param gave each trained tensor ~23 graph nodes and a compile that
 grew ~9 s per residual block (benchmarks/results/compile_cpu.md). The values are the per-param
-update's, bit for bit. Before each step the host checks that the joined tensors are still the
-optimizer's (a loaded state_dict plans again) and, after steps it did not take, that Adam's
-counts are still equal (one read, only then). A lean write-back (stochastic rounding, low-bit
+update's, bit for bit. A chunk holds one repeated block's params at most, so identical blocks
+share their kernels (compiled_join.JoinedGroup), and on CPU inductor's fusion pass tries fewer
+partners per node (CPU_FUSION_OPTIONS). Before each step the host checks that the joined
+tensors are still the optimizer's (a loaded state_dict plans again) and, after steps it did not
+take, that Adam's counts are still equal (one read, only then). A lean write-back (stochastic rounding, low-bit
 state) steps param by param; for it, regions="auto" (a model of repeated blocks: identical
 children of an nn.Sequential / nn.ModuleList, mixprec.core.compile_regions) or True compiles
 each kind of param update (same group flags, shape, dtypes and state format) once as a nested
