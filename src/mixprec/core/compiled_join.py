@@ -218,8 +218,9 @@ class JoinedGroup:
             steps.copy_(counted)
         else:
             s = sm.scalar_vector(group_scalars(kind, values), head)
+        scalars = s.unbind()  # read once for all chunks (indexing s selected anew per chunk)
         for chunk, grad in zip(self.chunks, grads, strict=True):
-            _update_chunk(chunk, grad, s, skip, flags, clipping)
+            _update_chunk(chunk, grad, scalars, skip, flags, clipping)
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -240,12 +241,12 @@ def _operands(chunk: _Chunk) -> tuple[torch.Tensor, list[torch.Tensor]]:
 def _update_chunk(
     chunk: _Chunk,
     grad: torch.Tensor,
-    s: torch.Tensor,
+    s: tuple[torch.Tensor, ...],
     skip: torch.Tensor,
     flags: tuple[str, tuple[bool, ...]],
     clipping: bool,
 ) -> None:
-    """One chunk's update with the group's scalar vector s (see JoinedGroup.update)."""
+    """One chunk's update with the group's scalars s, unbound (see JoinedGroup.update)."""
     kind, (maximize, decay, *extra) = flags
     hp, moments = _operands(chunk)
     g = sm.unscaled(grad, s, clipping, maximize)

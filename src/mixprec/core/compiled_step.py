@@ -637,11 +637,13 @@ class CompiledStep:
         joined = [j.gather(grads) for j in self.joins]  # each chunk's flat gradient
         flat = [g for chunks in joined for g in chunks]
         checked = [grads[i] for i in self.solo] + flat  # each grad once: its own, or its chunk's
-        amaxes = [sm.grad_amax(g.float() * inv_scale) for g in checked]
-        # their max (inf or nan when any is), not torch.stack: inductor writes each stacked
-        # amax into its slot from the kernel that reduces it, an offset of its own in every
-        # block's kernel, so identical blocks stopped sharing their kernels
-        amax = functools.reduce(torch.maximum, amaxes) if amaxes else inv_scale
+        # The largest unscaled |g|: the scaled grads' max times inv_scale, the same value as the
+        # max of each product (rounding is monotonic: inf or nan when any product is), one
+        # multiply where each element took one. Their max, not torch.stack: inductor writes each
+        # stacked amax into its slot from the kernel that reduces it, an offset of its own in
+        # every block's kernel, so identical blocks stopped sharing their kernels.
+        amaxes = [sm.grad_amax(g) for g in checked]
+        amax = functools.reduce(torch.maximum, amaxes) * inv_scale if amaxes else inv_scale
         found_inf = sm.found_inf(amax).reshape(1)
         found_inf = self._all_reduce_max(found_inf)
         skip = found_inf > 0
