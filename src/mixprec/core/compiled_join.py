@@ -224,10 +224,10 @@ class JoinedGroup:
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """tensors as one flat tensor: a view of a single one, else their concatenation."""
-    if len(tensors) == 1:
-        return tensors[0].reshape(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
+    """tensors as one flat tensor: a view of a single one, else their concatenation (a 1-D
+    tensor as it is: each traced view is a node the compile pays for)."""
+    flat = [t if t.dim() == 1 else t.reshape(-1) for t in tensors]
+    return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
 def _operands(chunk: _Chunk) -> tuple[torch.Tensor, list[torch.Tensor]]:
