@@ -33,9 +33,10 @@ Where compile_step's compile goes (one graph, torch 2.13, CPU; the record's coun
   each block's small params (read by its forward and backward kernels) and each gradient's slot
   in the chunk's concatenation (written by the backward kernel that makes it) at offsets of
   their own, and the found-inf check's torch.stack gave each amax a slot: every block built
-  kernels of its own (38 distinct at 8 blocks, 86 at 24). A chunk now holds one block's params
-  at most (compiled_join.JoinedGroup) and the check takes the amaxes' max: about 32 at 8 and 24
-  blocks, inductor's realization pattern settling after the first few blocks.
+  kernels of its own (the record's C++ functions: 28 at 8 blocks, 76 at 24). A chunk now
+  holds one block's params at most (compiled_join.JoinedGroup) and the check takes the
+  amaxes' max: 22 at 8 blocks and 23 at 24, inductor's realization pattern settling after the
+  first few blocks.
 - Inductor's fusion pass tries pairs of nodes that read one buffer; every update node reads the
   step's scalars and skip flag, so the update was one buffer group whose pairwise checks grew
   with the model (scheduler: 28 s of a 92 s first step at 24 blocks). compile_step limits them
