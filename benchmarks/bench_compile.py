@@ -383,10 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from mixprec.bench.command import fresh_out_dir
+    from mixprec.bench.report import write_record
     from mixprec.bench.runner import cpu_model
 
     out = args.out or fresh_out_dir("bench_compile")
-    out.mkdir(parents=True, exist_ok=True)
     where = f"{cpu_model()}, {os.cpu_count()} cores, 1 torch thread, torch {torch.__version__}"
     rows: list[dict] = []
     total = len(args.depths) * len(args.loops)
@@ -402,16 +402,12 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     text = render(args, rows, where)
-    (out / f"{args.name}.md").write_text(text)
     meta = {"machine": where, "args": {k: str(v) for k, v in vars(args).items()}}
     data = {"meta": meta, "rows": rows, "goals": goals(rows)}
-    (out / f"{args.name}.json").write_text(json.dumps(data, indent=1))
-    try:
-        chart(rows, out / f"{args.name}.png", f"compile_step vs torch.compile ({where})")
-    except ImportError:
-        print("(no PNG: matplotlib is not installed)")
+    title = f"compile_step vs torch.compile ({where})"
+    paths = write_record(out, args.name, text, data, lambda png: chart(rows, png, title))
     print(text)
-    print(f"written to {out}/{args.name}.{{md,json,png}}")
+    print("written:", ", ".join(str(p) for p in paths.values()))
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
 import statistics
@@ -203,24 +202,22 @@ def _main(args: argparse.Namespace) -> int:
     import torch
 
     from mixprec.bench.command import fresh_out_dir
+    from mixprec.bench.report import write_record
     from mixprec.bench.runner import cpu_model
 
     out = args.out or fresh_out_dir("bench_compile_gpt")
-    out.mkdir(parents=True, exist_ok=True)
     where = f"{cpu_model()}, {os.cpu_count()} cores, 1 torch thread, torch {torch.__version__}"
     load_before = os.getloadavg()[0]
     result = run(args)
     result["load_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     text = render(args, result, where)
-    (out / f"{args.name}.md").write_text(text)
     meta = {"machine": where, "args": {k: str(v) for k, v in vars(args).items()}}
-    (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, **result}, indent=1))
-    try:
-        chart(result, out / f"{args.name}.png", f"stdlib GPT, bf16 ({where})")
-    except ImportError:
-        print("(no PNG: matplotlib is not installed)")
+    title = f"stdlib GPT, bf16 ({where})"
+    paths = write_record(
+        out, args.name, text, {"meta": meta, **result}, lambda png: chart(result, png, title)
+    )
     print(text)
-    print(f"written to {out}/{args.name}.{{md,json,png}}")
+    print("written:", ", ".join(str(p) for p in paths.values()))
     return 0
 
 
