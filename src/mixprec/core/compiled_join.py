@@ -145,7 +145,7 @@ class JoinedGroup:
         hp: list[torch.Tensor],
         lp: list[torch.Tensor | None],
         states: list[list[torch.Tensor]],
-        blocks: list[Hashable] | None = None,
+        blocks: list[Hashable],
     ) -> None:
         self.group, self.kind, self.members = group, kind, members
         adam = kind == "adam"
@@ -154,7 +154,6 @@ class JoinedGroup:
         moments = [st[1:] if adam else st for st in states]
         sizes = [t.numel() for t in hp]
         self.chunks: list[_Chunk] = []
-        blocks = blocks if blocks is not None else [None] * len(members)
         for run in _runs(sizes, [t is not None for t in lp], blocks):
             chunk = _Chunk(
                 [members[k] for k in run],

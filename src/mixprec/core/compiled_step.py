@@ -51,12 +51,12 @@ update's, bit for bit. A chunk holds one repeated block's params at most, so ide
 share their kernels (compiled_join.JoinedGroup), and on CPU inductor's fusion pass tries fewer
 partners per node (CPU_FUSION_OPTIONS). Before each step the host checks that the joined
 tensors are still the optimizer's (a loaded state_dict plans again) and, after steps it did not
-take, that Adam's counts are still equal (one read, only then). A lean write-back (stochastic rounding, low-bit
-state) steps param by param; for it, regions="auto" (a model of repeated blocks: identical
-children of an nn.Sequential / nn.ModuleList, mixprec.core.compile_regions) or True compiles
-each kind of param update (same group flags, shape, dtypes and state format) once as a nested
-compile region called once per param, the in-place writes outside it; a regional step joins
-nothing. The blocks' forward and backward stay inline: compile_regions says why.
+take, that Adam's counts are still equal (one read, only then). A lean write-back (stochastic
+rounding, low-bit state) steps param by param; for it, regions="auto" (a model of repeated
+blocks: identical children of an nn.Sequential / nn.ModuleList, mixprec.core.compile_regions)
+or True compiles each kind of param update (same group flags, shape, dtypes and state format)
+once as a nested compile region called once per param, the in-place writes outside it; a
+regional step joins nothing. The blocks' forward and backward stay inline: compile_regions says why.
 
 Skips are counted and reported by the optimizer's own StepCounter, as its eager steps are
 (optimizer.skipped_steps, consecutive_skips, skip_stats, the skip monitor's warm-up summary and
