@@ -3,21 +3,15 @@ to end (both loops train, the record is written, the compiled step compiled)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_compile_gpt.py"
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_compile_gpt", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_compile_gpt")
 
 
 def test_ratios_are_raw_over_compiled_per_block(bench):

@@ -6,20 +6,13 @@ same ratio and target code the results files come from, so a wrong ratio or verd
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_static.py"
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_static", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_static")
 
 
 class _Bar:

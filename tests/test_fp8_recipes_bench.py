@@ -5,25 +5,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 
 from mixprec.bench.gpt import GPT, gpt_batch, gpt_loss, stdlib_text
 from mixprec.fp8 import RECIPES
 
-BENCH = Path(__file__).parent.parent / "benchmarks" / "bench_fp8.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_fp8", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_fp8")
 
 
 def test_recipe_axis_writes_one_row_per_recipe(bench, tmp_path: Path) -> None:

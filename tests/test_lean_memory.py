@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 
 from mixprec.bench.gpt import GPT
 
@@ -17,9 +17,7 @@ TINY = {"width": 32, "depth": 1, "heads": 1, "context": 8, "batch": 1}
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_lean", ROOT / "benchmarks/bench_lean.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_lean")
     module.SIZES["tiny"] = TINY
     return module
 

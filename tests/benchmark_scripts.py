@@ -1,0 +1,18 @@
+"""benchmarks/<name>.py loaded as a module, for the tests of a benchmark script (the scripts are
+not a package: each runs as `python benchmarks/<name>.py`)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py, executed as a fresh module named name."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
