@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 
 import mixprec
 from mixprec import convert_to_amp
@@ -534,7 +535,8 @@ def test_write_record_is_the_one_writer_of_the_benchmark_scripts(tmp_path) -> No
     drawn = []
     paths = bench_report.write_record(tmp_path, "zero_cpu", "", record, drawn.append)
     assert drawn == [tmp_path / "zero_cpu.png"] and paths["png"] == drawn[0]
-    for script in ("bench_zero", "bench_fp8_comm", "bench_fp8", "bench_sync_free", "bench_lean"):
+    scripts = ("bench_zero", "bench_fp8_comm", "bench_fp8", "bench_sync_free", "bench_lean")
+    for script in (*scripts, "bench_compile", "bench_compile_gpt"):
         text = (Path(__file__).parent.parent / "benchmarks" / f"{script}.py").read_text()
         assert "write_record(" in text and "write_text" not in text.split("def main")[1], script
 
@@ -542,12 +544,7 @@ def test_write_record_is_the_one_writer_of_the_benchmark_scripts(tmp_path) -> No
 def test_bench_sync_free_runs_and_writes_its_record(tmp_path) -> None:
     """benchmarks/bench_sync_free.py at a tiny size: one row per optimizer with its per-round
     spread, the bytes the masked update copies counted from the state (params + moments)."""
-    import importlib.util
-
-    path = Path(__file__).parent.parent / "benchmarks" / "bench_sync_free.py"
-    spec = importlib.util.spec_from_file_location("bench_sync_free", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_sync_free")
     out = tmp_path / "sf"
     assert module.main(["--width", "8", "--rounds", "2", "--steps", "1", "--out", str(out)]) == 0
     record = json.loads((out / "sync_free_cpu.json").read_text())
