@@ -42,6 +42,13 @@ Where compile_step's compile goes (one graph, torch 2.13, CPU; the record's coun
   with the model (scheduler: 28 s of a 92 s first step at 24 blocks). compile_step limits them
   to 4 partners a node on CPU (compiled_step.CPU_FUSION_OPTIONS): 9 s there, the steady step no
   slower. 1 partner was no faster.
+- Before its first CPU kernel inductor picks the vector ISA: a g++ build and a load of a probe
+  library per candidate ISA, about 9 s with a cold cache (1.3 s warm), on the compiling
+  thread after tracing, in both loops. compile_step runs it (and the kernels' precompiled
+  header) on a thread from when it is built (mixprec.core.inductor_warmup): the probes build
+  while dynamo traces. Their builds count in its c++ builds column. --isa-cached (default: depth
+  8) runs both loops once more with the probe libraries already in the cold cache, so the
+  compile's own cost shows beside the cold start.
 - What still costs more than torch.compile(model) at 8 blocks (one profile, s): creating the
   scheduler's nodes +3 (the graph has about 390 IR nodes to torch.compile's 236: the update,
   the check and the scalars), code generation +2, lowering +2, dynamo tracing the update +1.4,
@@ -76,6 +83,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -212,8 +220,19 @@ def phase_totals() -> dict[str, float]:
 
 
 # ----- the driver -----
-def run_one(args: argparse.Namespace, depth: int, loop: str) -> dict:
+def isa_probes(folder: str) -> None:
+    """Build inductor's vector ISA probe libraries into the cache `folder` (see --isa-cached)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": folder}
+    probe = "from torch._inductor import cpu_vec_isa; cpu_vec_isa.pick_vec_isa()"
+    subprocess.run([sys.executable, "-c", probe], env=env, check=True)
+
+
+def run_one(args: argparse.Namespace, depth: int, loop: str, isa: str | None = None) -> dict:
+    """One (depth, loop) in a fresh process and a cold inductor cache; isa: a cache folder
+    holding only the ISA probe libraries, copied in first (None: none)."""
     with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
+        if isa is not None:
+            shutil.copytree(isa, cache, dirs_exist_ok=True)
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
         argv = [sys.executable, __file__, "--worker", loop, "--depth", str(depth)]
         argv += ["--width", str(args.width), "--batch", str(args.batch)]
@@ -225,12 +244,13 @@ def run_one(args: argparse.Namespace, depth: int, loop: str) -> dict:
         raise RuntimeError(f"{loop} at depth {depth} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["load_1min"] = [round(load_before, 2), round(load_after, 2)]
+    result["isa_cached"] = isa is not None
     return result
 
 
 def growth(rows: list[dict], loop: str) -> float | None:
     """Least-squares seconds of first step per added block."""
-    points = [(r["depth"], r["first_step_s"]) for r in rows if r["loop"] == loop]
+    points = [(r["depth"], r["first_step_s"]) for r in _cold(rows) if r["loop"] == loop]
     if len(points) < 2:
         return None
     mx = statistics.fmean(d for d, _ in points)
@@ -239,15 +259,27 @@ def growth(rows: list[dict], loop: str) -> float | None:
     return sum((d - mx) * (t - my) for d, t in points) / den if den else None
 
 
+def _cold(rows: list[dict]) -> list[dict]:
+    """The runs with nothing cached (the goals' runs)."""
+    return [r for r in rows if not r.get("isa_cached")]
+
+
+def first_ratio(rows: list[dict], depth: int, isa_cached: bool) -> float | None:
+    """compile_step's first step over torch.compile's at depth, ISA probes cached or not."""
+    by = {(r["loop"], bool(r.get("isa_cached"))): r for r in rows if r["depth"] == depth}
+    a, b = by.get(("compile_step", isa_cached)), by.get(("torch.compile", isa_cached))
+    return None if a is None or b is None else a["first_step_s"] / b["first_step_s"]
+
+
 def goals(rows: list[dict]) -> list[tuple[str, float | None, float, bool | None]]:
-    by = {(r["depth"], r["loop"]): r for r in rows}
+    by = {(r["depth"], r["loop"]): r for r in _cold(rows)}
     depths = sorted({r["depth"] for r in rows})
 
     def ratio(depth, key, num, den):
         a, b = by.get((depth, num)), by.get((depth, den))
         return None if a is None or b is None else a[key] / b[key]
 
-    first8 = ratio(8, "first_step_s", "compile_step", "torch.compile")
+    first8 = first_ratio(rows, 8, isa_cached=False)
     steady8 = ratio(8, "steady_ms", "torch.compile", "compile_step")
     steady_all = [ratio(d, "steady_ms", "torch.compile", "compile_step") for d in depths]
     steady_min = min((s for s in steady_all if s is not None), default=None)
@@ -261,6 +293,10 @@ def goals(rows: list[dict]) -> list[tuple[str, float | None, float, bool | None]
     return out
 
 
+def _row_order(r: dict) -> tuple:
+    return (r["depth"], bool(r.get("isa_cached")), LOOPS.index(r["loop"]))
+
+
 def render(args, rows: list[dict], where: str) -> str:
     lines = [
         f"# compile_step vs torch.compile(model): first step and steady step ({args.dtype})",
@@ -270,14 +306,18 @@ def render(args, rows: list[dict], where: str) -> str:
         "fresh process with a cold inductor cache, one torch thread. First step: wall seconds "
         f"(the compile); steady: median of {args.steps} steps after {args.warmup}, process CPU "
         "ms. Load: the 1-minute load average before / after each run (other jobs share the "
-        "machine).",
+        "machine). ISA probes: inductor's vector-ISA probe libraries (a g++ build and a load "
+        "per candidate ISA, made once per inductor cache before the first CPU kernel) built by "
+        "the run, as in a cold cache, or cached (--isa-cached: copied into the cold cache "
+        "first; the probes' loads still run).",
         "",
-        "| depth | loop | first step (s) | steady (ms) | load before/after | regions | "
+        "| depth | loop | ISA probes | first step (s) | steady (ms) | load before/after | "
+        "regions | "
         "dynamo / aot+inductor / scheduler / codegen / c++ builds (s) | "
         "IR nodes / C++ loop nests / C++ functions |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: (r["depth"], LOOPS.index(r["loop"]))):
+    for r in sorted(rows, key=_row_order):
         phases = r.get("phases_s")
         phase_text = (
             ""
@@ -295,7 +335,8 @@ def render(args, rows: list[dict], where: str) -> str:
             else f"{counts['ir_nodes']} / {counts['loop_nests']} / {counts['functions']}"
         )
         lines.append(
-            f"| {r['depth']} | {r['loop']} | {r['first_step_s']:.1f} | {r['steady_ms']:.2f} | "
+            f"| {r['depth']} | {r['loop']} | {'cached' if r.get('isa_cached') else 'built'} | "
+            f"{r['first_step_s']:.1f} | {r['steady_ms']:.2f} | "
             f"{r['load_1min'][0]:.1f} / {r['load_1min'][1]:.1f} | {regions} | {phase_text} | "
             f"{count_text} |"
         )
@@ -309,6 +350,14 @@ def render(args, rows: list[dict], where: str) -> str:
     for name, value, target, met in goals(rows):
         shown = "n/a" if value is None else f"{value:.2f}"
         lines.append(f"| {name} | {shown} | {target} | {'n/a' if met is None else met} |")
+    for depth in sorted({r["depth"] for r in rows if r.get("isa_cached")}):
+        cached = first_ratio(rows, depth, isa_cached=True)
+        if cached is not None:
+            lines.append(
+                f"\nFirst step with the ISA probes cached, depth {depth}: compile_step / "
+                f"torch.compile {cached:.2f} (compile_step probes on a thread while it traces: "
+                "mixprec.core.inductor_warmup)."
+            )
     for loop in ("torch.compile", "compile_step"):
         g = growth(rows, loop)
         if g is not None:
@@ -324,11 +373,15 @@ def chart(rows: list[dict], path: Path, title: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for loop in LOOPS:
-        mine = sorted((r for r in rows if r["loop"] == loop), key=lambda r: r["depth"])
+        mine = sorted((r for r in _cold(rows) if r["loop"] == loop), key=lambda r: r["depth"])
         depths = [r["depth"] for r in mine]
         if loop != "eager":
             left.plot(depths, [r["first_step_s"] for r in mine], marker="o", label=loop)
         right.plot(depths, [r["steady_ms"] for r in mine], marker="o", label=loop)
+    for r in rows:
+        if r.get("isa_cached") and r["loop"] != "eager":
+            left.scatter([r["depth"]], [r["first_step_s"]], marker="x", color="black")
+            left.annotate(f"{r['loop']}, ISA cached", (r["depth"], r["first_step_s"]), fontsize=7)
     left.set_xlabel("blocks")
     left.set_ylabel("first step (s, cold cache)")
     right.set_xlabel("blocks")
@@ -353,6 +406,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--loops", default=",".join(DEFAULT_LOOPS), help=f"of {LOOPS}")
+    parser.add_argument(
+        "--isa-cached",
+        default="8",
+        help="depths also run (torch.compile and compile_step) with the ISA probe libraries "
+        "cached; '' for none",
+    )
     parser.add_argument("--out", type=Path, help="folder (default: a fresh runs/ folder)")
     parser.add_argument("--name", default="compile_cpu", help="file stem of the results")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -372,6 +431,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--depths {args.depths!r}: comma-separated ints, e.g. 2,8,24")
     if any(d < 1 for d in args.depths):
         parser.error(f"--depths {args.depths}: each must be >= 1")
+    try:
+        args.isa_cached = [int(d) for d in args.isa_cached.split(",") if d.strip()]
+    except ValueError:
+        parser.error(f"--isa-cached {args.isa_cached!r}: comma-separated ints, e.g. 8")
     return args
 
 
@@ -389,12 +452,24 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or fresh_out_dir("bench_compile")
     where = f"{cpu_model()}, {os.cpu_count()} cores, 1 torch thread, torch {torch.__version__}"
     rows: list[dict] = []
-    total = len(args.depths) * len(args.loops)
+    compiled = [loop for loop in args.loops if loop in ("torch.compile", "compile_step")]
+    runs = []
     for i, depth in enumerate(args.depths):
         order = list(args.loops[i % len(args.loops) :] + args.loops[: i % len(args.loops)])
-        for loop in order:
-            print(f"[{len(rows) + 1}/{total}] depth {depth}, {loop} ...", end=" ", flush=True)
-            row = run_one(args, depth, loop)
+        runs += [(depth, loop, False) for loop in order]
+        if depth in args.isa_cached:
+            runs += [(depth, loop, True) for loop in (compiled if i % 2 else compiled[::-1])]
+    with tempfile.TemporaryDirectory(prefix="inductor-isa-") as isa:
+        if any(cached for *_, cached in runs):
+            isa_probes(isa)
+        for depth, loop, cached in runs:
+            note = ", ISA cached" if cached else ""
+            print(
+                f"[{len(rows) + 1}/{len(runs)}] depth {depth}, {loop}{note} ...",
+                end=" ",
+                flush=True,
+            )
+            row = run_one(args, depth, loop, isa if cached else None)
             rows.append(row)
             print(
                 f"first {row['first_step_s']:.1f} s, steady {row['steady_ms']:.2f} ms, "

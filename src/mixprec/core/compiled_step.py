@@ -49,7 +49,9 @@ scalar vector, where one per param gave each trained tensor ~23 graph nodes and 
 grew ~9 s per residual block (benchmarks/results/compile_cpu.md). The values are the per-param
 update's, bit for bit. A chunk holds one repeated block's params at most, so identical blocks
 share their kernels (compiled_join.JoinedGroup), and on CPU inductor's fusion pass tries fewer
-partners per node (CPU_FUSION_OPTIONS). Before each step the host checks that the joined
+partners per node (CPU_FUSION_OPTIONS) and inductor's once-per-process C++ set-up (the vector
+ISA probes, the kernels' precompiled header) runs on a thread from when the step is built,
+while the first call traces (inductor_warmup). Before each step the host checks that the joined
 tensors are still the optimizer's (a loaded state_dict plans again) and, after steps it did not
 take, that Adam's counts are still equal (one read, only then). A lean write-back (stochastic
 rounding, low-bit state) steps param by param; for it, regions="auto" (a model of repeated
@@ -82,7 +84,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mixprec.core import compiled_join, qstate
+from mixprec.core import compiled_join, inductor_warmup, qstate
 from mixprec.core import fused_step as fused
 from mixprec.core import step_math as sm
 from mixprec.core.autocast import fp32_region, scopes_set_aside
@@ -422,8 +424,10 @@ class CompiledStep:
     def _compile_first(self, compile_options: dict[str, Any]) -> None:
         """Compile with the caller's options (fullgraph, static shapes by default) plus, on
         CPU, CPU_FUSION_OPTIONS and, for one graph of at most CPU_WRAPPER_MAX_TENSORS trained
-        tensors, CPU_INDUCTOR_OPTIONS; the caller's alone are kept for a second try."""
+        tensors, CPU_INDUCTOR_OPTIONS; the caller's alone are kept for a second try. Inductor's
+        C++ set-up starts now on a thread (inductor_warmup)."""
         options = {"fullgraph": True, "dynamic": False, **compile_options}
+        inductor_warmup.start(self.device_type, options)  # runs while the first call traces
         wrapper = not self.regional and len(self.hp) <= CPU_WRAPPER_MAX_TENSORS
         self.compile_options = _with_cpu_options(options, self.device_type, wrapper)
         if self.compile_options is not options:
@@ -918,7 +922,8 @@ def compile_step(
         backend=...); fullgraph=True and dynamic=False unless given. On CPU with inductor and
         no mode, CPU_FUSION_OPTIONS and CPU_INDUCTOR_OPTIONS (the C++ wrapper: see `regions`)
         join `options`, yours winning; the step's compile_options attribute shows what
-        torch.compile got.
+        torch.compile got. With inductor on CPU, building the step starts inductor's C++
+        set-up on a thread (mixprec.core.inductor_warmup).
     """
     return CompiledStep(
         model,
