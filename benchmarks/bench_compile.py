@@ -264,24 +264,19 @@ def _cold(rows: list[dict]) -> list[dict]:
     return [r for r in rows if not r.get("isa_cached")]
 
 
-def first_ratio(rows: list[dict], depth: int, isa_cached: bool) -> float | None:
-    """compile_step's first step over torch.compile's at depth, ISA probes cached or not."""
-    by = {(r["loop"], bool(r.get("isa_cached"))): r for r in rows if r["depth"] == depth}
-    a, b = by.get(("compile_step", isa_cached)), by.get(("torch.compile", isa_cached))
-    return None if a is None or b is None else a["first_step_s"] / b["first_step_s"]
+def ratio(rows: list[dict], depth: int, key: str, num: str, den: str) -> float | None:
+    """Loop num's `key` over loop den's at depth, among rows (None: either run missing)."""
+    by = {r["loop"]: r for r in rows if r["depth"] == depth}
+    a, b = by.get(num), by.get(den)
+    return None if a is None or b is None else a[key] / b[key]
 
 
 def goals(rows: list[dict]) -> list[tuple[str, float | None, float, bool | None]]:
-    by = {(r["depth"], r["loop"]): r for r in _cold(rows)}
+    cold = _cold(rows)
     depths = sorted({r["depth"] for r in rows})
-
-    def ratio(depth, key, num, den):
-        a, b = by.get((depth, num)), by.get((depth, den))
-        return None if a is None or b is None else a[key] / b[key]
-
-    first8 = first_ratio(rows, 8, isa_cached=False)
-    steady8 = ratio(8, "steady_ms", "torch.compile", "compile_step")
-    steady_all = [ratio(d, "steady_ms", "torch.compile", "compile_step") for d in depths]
+    first8 = ratio(cold, 8, "first_step_s", "compile_step", "torch.compile")
+    steady8 = ratio(cold, 8, "steady_ms", "torch.compile", "compile_step")
+    steady_all = [ratio(cold, d, "steady_ms", "torch.compile", "compile_step") for d in depths]
     steady_min = min((s for s in steady_all if s is not None), default=None)
     values = [first8, growth(rows, "compile_step"), steady8, steady_min]
     out = []
@@ -350,8 +345,9 @@ def render(args, rows: list[dict], where: str) -> str:
     for name, value, target, met in goals(rows):
         shown = "n/a" if value is None else f"{value:.2f}"
         lines.append(f"| {name} | {shown} | {target} | {'n/a' if met is None else met} |")
-    for depth in sorted({r["depth"] for r in rows if r.get("isa_cached")}):
-        cached = first_ratio(rows, depth, isa_cached=True)
+    cached_rows = [r for r in rows if r.get("isa_cached")]
+    for depth in sorted({r["depth"] for r in cached_rows}):
+        cached = ratio(cached_rows, depth, "first_step_s", "compile_step", "torch.compile")
         if cached is not None:
             lines.append(
                 f"\nFirst step with the ISA probes cached, depth {depth}: compile_step / "
