@@ -49,6 +49,9 @@ Where compile_step's compile goes (one graph, torch 2.13, CPU; the record's coun
   while dynamo traces. Their builds count in its c++ builds column. --isa-cached (default: depth
   8) runs both loops once more with the probe libraries already in the cold cache, so the
   compile's own cost shows beside the cold start.
+- Inductor submits the kernels' C++ builds when the graph's module loads, after code generation
+  (a core idle meanwhile on 2 cores); compile_step's first call submits each as inductor
+  defines it (inductor_warmup.early_builds): about 2-3 s less at 8 blocks, the same builds.
 - What still costs more than torch.compile(model) at 8 blocks (one profile, s): creating the
   scheduler's nodes +3 (the graph has about 390 IR nodes to torch.compile's 236: the update,
   the check and the scalars), code generation +2, lowering +2, dynamo tracing the update +1.4,

@@ -98,3 +98,85 @@ def test_a_failing_setup_is_logged_and_left_to_inductor(monkeypatch, caplog):
     with caplog.at_level(logging.DEBUG, logger="mixprec"):
         inductor_warmup._warm()  # does not raise
     assert "no pick_vec_isa in this torch" in caplog.text
+
+
+# ----- each CPU kernel's build submitted as inductor defines it (inductor_warmup.early_builds) -----
+_BODY = (
+    "async_compile.cpp_pybinding(['float*'], r'''\n"
+    "#include <torch/csrc/inductor/cpp_prefix.h>\n"
+    'extern "C" void kernel(float* out_ptr0)\n'
+    "{\n"
+    "    out_ptr0[0] = 7.0f;\n"
+    "}\n"
+    "''')"
+)
+
+
+def test_early_builds_patch_inductors_wrapper_only_inside_and_once():
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    own = PythonWrapperCodegen.__dict__["define_kernel"]
+    with inductor_warmup.early_builds():
+        patched = PythonWrapperCodegen.__dict__["define_kernel"]
+        assert patched is not own and patched.mixprec_early
+        with inductor_warmup.early_builds():  # nested (or another thread's): no second layer
+            assert PythonWrapperCodegen.__dict__["define_kernel"] is patched
+        assert PythonWrapperCodegen.__dict__["define_kernel"] is patched
+    assert PythonWrapperCodegen.__dict__["define_kernel"] is own
+
+
+def test_an_early_build_is_the_one_loading_the_module_finds():
+    """build_now makes the module's own call on the same arguments: the module's call then
+    finds the build under its key (no second build) and the kernel runs."""
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    body = _BODY.replace("7.0f", f"{threading.get_ident() % 1000}.0f")  # a source of this run
+    before = len(CppPythonBindingsCodeCache.cache)
+    assert inductor_warmup.build_now(body)
+    assert len(CppPythonBindingsCodeCache.cache) == before + 1
+    kernel = eval(body, {"async_compile": AsyncCompile()})  # what loading the module runs
+    assert len(CppPythonBindingsCodeCache.cache) == before + 1  # found, not built again
+    out = torch.zeros(1)
+    kernel.result()(out)
+    assert out.item() == threading.get_ident() % 1000
+    assert not inductor_warmup.build_now("async_compile.triton('k', '''...''')")
+
+
+def test_a_failed_early_build_leaves_the_definition_and_logs(monkeypatch, caplog):
+    def broken(body):
+        raise SyntaxError("not inductor's call")
+
+    monkeypatch.setattr(inductor_warmup, "build_now", broken)
+    define = inductor_warmup._building(lambda self, name, body, **kw: ("defined", name, kw))
+    with caplog.at_level(logging.DEBUG, logger="mixprec"):
+        assert define(None, "cpp_fused_0", _BODY, gpu=False) == (
+            "defined",
+            "cpp_fused_0",
+            {"gpu": False},
+        )
+    assert "cpp_fused_0's build did not start early" in caplog.text
+
+
+def test_the_first_call_builds_its_kernels_as_they_are_defined(monkeypatch):
+    """A step compiled with inductor's Python wrapper: its first call submits every kernel's
+    build from the definition, and loading the module adds no build of its own; later calls
+    patch nothing."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    built = []
+    real = inductor_warmup.build_now
+    monkeypatch.setattr(inductor_warmup, "build_now", lambda body: built.append(real(body)))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    options = {"cpp_wrapper": False, "fx_graph_cache": False}
+    step = compile_step(model, opt, nn.MSELoss(), options=options)
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    before = len(CppPythonBindingsCodeCache.cache)
+    step(x, y)
+    assert step.compiled and built and all(built)
+    assert len(CppPythonBindingsCodeCache.cache) - before <= len(built)  # the module built none
+    count = len(built)
+    step(x, y)
+    assert len(built) == count

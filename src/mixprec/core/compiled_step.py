@@ -49,9 +49,10 @@ scalar vector, where one per param gave each trained tensor ~23 graph nodes and 
 grew ~9 s per residual block (benchmarks/results/compile_cpu.md). The values are the per-param
 update's, bit for bit. A chunk holds one repeated block's params at most, so identical blocks
 share their kernels (compiled_join.JoinedGroup), and on CPU inductor's fusion pass tries fewer
-partners per node (CPU_FUSION_OPTIONS) and inductor's once-per-process C++ set-up (the vector
+partners per node (CPU_FUSION_OPTIONS), inductor's once-per-process C++ set-up (the vector
 ISA probes, the kernels' precompiled header) runs on a thread from when the step is built,
-while the first call traces (inductor_warmup). Before each step the host checks that the joined
+while the first call traces, and each kernel's build starts as inductor defines it rather than
+after all code generation (inductor_warmup). Before each step the host checks that the joined
 tensors are still the optimizer's (a loaded state_dict plans again) and, after steps it did not
 take, that Adam's counts are still equal (one read, only then). A lean write-back (stochastic
 rounding, low-bit state) steps param by param; for it, regions="auto" (a model of repeated
@@ -402,6 +403,7 @@ class CompiledStep:
         self._regions: dict[tuple, Callable[..., tuple[torch.Tensor, ...]]] = {}
         self._flags_seen: set[tuple] = set()  # the group flags _make_regions has run for
         self._compiled = None
+        self._early_builds = False  # set by _compile: the next call compiles
         self._plain_options: dict[str, Any] | None = None  # a second try, without CPU options
         self._quiet_torch_deprecations = False  # set once one of them stopped a compile
         self.compile_options: dict[str, Any] | None = None
@@ -442,6 +444,8 @@ class CompiledStep:
         run = CompiledStep._run
         code = run.__code__.replace(co_name=f"_run_{id(self):x}")
         fresh = types.FunctionType(code, run.__globals__, code.co_name, run.__defaults__)
+        # its first call compiles: inductor's CPU builds start as it defines each kernel
+        self._early_builds = inductor_warmup.applies(self.device_type, self.compile_options)
         return torch.compile(types.MethodType(fresh, self), **self.compile_options)
 
     @property
@@ -758,7 +762,8 @@ class CompiledStep:
     def _step(self, args: tuple[Any, ...]) -> torch.Tensor:
         """The compiled step. If compiling fails: once more with torch's own deprecations ignored
         (when one of them, made an error, was the cause) or without the CPU options, then the
-        same step eagerly (a compile error comes before the graph runs: nothing is written)."""
+        same step eagerly (a compile error comes before the graph runs: nothing is written).
+        The first call of each compiled function compiles with inductor_warmup.early_builds."""
         while self._compiled is not None:
             quiet = self._quiet_torch_deprecations
             try:
@@ -766,8 +771,11 @@ class CompiledStep:
                     _TRACE_AUTOGRAD_GRAD,
                     scopes_set_aside(),
                     _torch_deprecations_ignored() if quiet else _NO_SCOPE,
+                    inductor_warmup.early_builds() if self._early_builds else _NO_SCOPE,
                 ):
-                    return self._compiled(*args)
+                    loss = self._compiled(*args)
+                self._early_builds = False
+                return loss
             except Exception as exc:  # a missing compiler or an untraceable model
                 self._compile_failed(exc)
         return self._run(*args)
@@ -923,7 +931,8 @@ def compile_step(
         no mode, CPU_FUSION_OPTIONS and CPU_INDUCTOR_OPTIONS (the C++ wrapper: see `regions`)
         join `options`, yours winning; the step's compile_options attribute shows what
         torch.compile got. With inductor on CPU, building the step starts inductor's C++
-        set-up on a thread (mixprec.core.inductor_warmup).
+        set-up on a thread, and the first call starts each kernel's build as inductor defines
+        it (mixprec.core.inductor_warmup).
     """
     return CompiledStep(
         model,
