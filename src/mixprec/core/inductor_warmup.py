@@ -20,8 +20,8 @@ generation, submits the kernels' g++ builds to its compile threads: code generat
 core busy while the builds wait. During the compile of compile_step's first call, early_builds()
 makes each kernel's definition submit its build there and then, with the same call on the same
 arguments; loading the module finds each build under its key (CppPythonBindingsCodeCache's
-cache) and waits for it instead of starting it (8 residual MLP blocks: 25.4 and 26.0 s against
-29.8 and 28.3 s, the same 23 builds).
+cache) and waits for it instead of starting it: the same builds, run beside code generation
+(benchmarks/results/compile_cpu.md, the runs with the ISA probes cached).
 
 Nothing here changes what is built or run. A torch without these functions, or a failure,
 leaves inductor to do the work in its own order (logged at debug level).
